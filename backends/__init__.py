@@ -1,0 +1,1 @@
+"""Backends: registry, worker, runner, models, sampler and each backend's attention ops."""

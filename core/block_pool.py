@@ -1,0 +1,204 @@
+"""Fixed pool of KV blocks: O(1) allocate/free, ref counts, and a content-hashed prefix cache.
+
+A free block is in exactly one of two places:
+- `_free_ids`: never cached (no hash) — handed out first;
+- the LRU list: full blocks whose content hash is still registered, kept so an equal prefix can
+  revive them; evicted oldest-first only when `_free_ids` is empty. The list is intrusive
+  (prev/next on the block), so revival from the middle is O(1).
+Block 0 is the null block: never allocated, so a zero in a block table means "no block".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+
+def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
+    """Chained content hash: equal prefixes give equal hashes, block by block. Built from
+    ints and tuples only, whose hashes Python does not randomise."""
+    return hash((-1 if parent_hash is None else parent_hash, tuple(token_ids)))
+
+
+class KVBlock:
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev", "next")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: int | None = None
+        self.prev: KVBlock | None = None
+        self.next: KVBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"KVBlock({self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
+
+
+class _LRUList:
+    """Doubly linked list through KVBlock.prev/next with sentinel ends."""
+
+    def __init__(self):
+        self.head = KVBlock(-1)
+        self.tail = KVBlock(-1)
+        self.head.next = self.tail
+        self.tail.prev = self.head
+        self.size = 0
+
+    def append(self, block: KVBlock) -> None:
+        last = self.tail.prev
+        last.next = block
+        block.prev = last
+        block.next = self.tail
+        self.tail.prev = block
+        self.size += 1
+
+    def remove(self, block: KVBlock) -> None:
+        block.prev.next = block.next
+        block.next.prev = block.prev
+        block.prev = block.next = None
+        self.size -= 1
+
+    def pop_oldest(self) -> KVBlock:
+        block = self.head.next
+        self.remove(block)
+        return block
+
+    def __iter__(self):
+        block = self.head.next
+        while block is not self.tail:
+            yield block
+            block = block.next
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True):
+        if num_blocks < 2:
+            raise ValueError("num_blocks must be >= 2: block 0 is reserved")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # Popped from the end: low ids first, which keeps early allocations compact.
+        self._free_ids: list[int] = list(range(num_blocks - 1, 0, -1))
+        self._lru = _LRUList()
+        self._cached: dict[int, KVBlock] = {}
+        self.prefix_queries = 0  # tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of those, tokens found
+        self.peak_used = 0
+
+    # --- counts ---------------------------------------------------------------------------
+    @property
+    def num_usable(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be allocated now, evicting cached ones if need be."""
+        return len(self._free_ids) + self._lru.size
+
+    @property
+    def num_used(self) -> int:
+        return self.num_usable - self.num_free
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks held by requests (cached-but-free blocks do not count)."""
+        return self.num_used / self.num_usable
+
+    @property
+    def num_cached_free(self) -> int:
+        return self._lru.size
+
+    # --- allocation -----------------------------------------------------------------------
+    def allocate(self, n: int) -> list[KVBlock]:
+        if n > self.num_free:
+            raise RuntimeError(f"asked for {n} blocks, {self.num_free} free")
+        out = []
+        for _ in range(n):
+            if self._free_ids:
+                block = self.blocks[self._free_ids.pop()]
+            else:
+                block = self._lru.pop_oldest()
+                self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        used = self.num_used
+        if used > self.peak_used:
+            self.peak_used = used
+        return out
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take one more reference on each block (prefix hit or fork), reviving cached ones."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self._lru.remove(block)
+            block.ref_cnt += 1
+        used = self.num_used
+        if used > self.peak_used:
+            self.peak_used = used
+
+    def free(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference on each block. Pass a request's blocks last-first: its tail
+        blocks then sit older in the LRU and are evicted before its prefix."""
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.block_hash is None:
+                    self._free_ids.append(block.block_id)
+                else:
+                    self._lru.append(block)
+            elif block.ref_cnt < 0:
+                raise RuntimeError(f"block {block.block_id} freed more often than allocated")
+
+    # --- prefix cache ---------------------------------------------------------------------
+    def lookup(self, block_hash: int) -> KVBlock | None:
+        return self._cached.get(block_hash)
+
+    def cache_full_block(self, block: KVBlock, block_hash: int) -> None:
+        """Register a block whose slots are all written. If an equal block is already
+        registered, this one stays uncached (it is freed to the plain list later)."""
+        if block.block_hash is None and block_hash not in self._cached:
+            block.block_hash = block_hash
+            self._cached[block_hash] = block
+
+    def record_lookup(self, queried_tokens: int, hit_tokens: int) -> None:
+        self.prefix_queries += queried_tokens
+        self.prefix_hits += hit_tokens
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached-but-free block (e.g. after the KV storage was lost)."""
+        while self._lru.size:
+            block = self._lru.pop_oldest()
+            self._evict(block)
+            self._free_ids.append(block.block_id)
+        for block in self._cached.values():
+            block.block_hash = None
+        self._cached.clear()
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            del self._cached[block.block_hash]
+            block.block_hash = None
+
+    # --- checks ---------------------------------------------------------------------------
+    def check_invariants(self, ref_counts: dict[int, int]) -> None:
+        """`ref_counts`: block id -> how many block tables hold it. Raises AssertionError."""
+        free_ids = self._free_ids
+        assert len(set(free_ids)) == len(free_ids), "a block is twice in the free list"
+        lru_ids = [b.block_id for b in self._lru]
+        assert len(lru_ids) == self._lru.size, "LRU size out of step with its links"
+        assert not set(free_ids) & set(lru_ids), "a block is in both free lists"
+        assert 0 not in ref_counts and 0 not in free_ids and 0 not in lru_ids, "null block 0 in use"
+        assert self.blocks[0].ref_cnt == 0
+        free_set, lru_set = set(free_ids), set(lru_ids)
+        for block in self.blocks[1:]:
+            held = ref_counts.get(block.block_id, 0)
+            assert block.ref_cnt == held, f"{block}: ref count != {held} block tables holding it"
+            in_free = block.block_id in free_set
+            in_lru = block.block_id in lru_set
+            if held:
+                assert not in_free and not in_lru, f"{block} is held and free"
+            else:
+                assert in_free != in_lru, f"{block} is neither free, cached nor held"
+                assert (block.block_hash is not None) == in_lru, f"{block} is in the wrong free list"
+        for block_hash, block in self._cached.items():
+            assert block.block_hash == block_hash, f"{block} is registered under another hash"
+        assert len(free_ids) + len(lru_ids) + sum(1 for b in self.blocks[1:] if b.ref_cnt) == self.num_usable

@@ -1,0 +1,180 @@
+"""Per-request block tables on top of the BlockPool: slot allocation, prefix-cache hits,
+forks with copy-on-write, swap to host and back."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from .block_pool import BlockPool, KVBlock, hash_block_tokens
+from .request import Request
+
+# (index of the first changed entry, block ids from there on): how a step tells the worker
+# what became of a block table. Usually an append; a copy-on-write replaces one entry.
+TableDelta = tuple[int, list[int]]
+UNCHANGED: TableDelta = (0, [])
+
+
+class KVCacheManager:
+    def __init__(self, block_size: int, num_blocks: int, enable_caching: bool = True,
+                 num_swap_blocks: int = 0):
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.tables: dict[str, list[KVBlock]] = {}
+        self._num_hashed: dict[str, int] = {}  # leading blocks already registered in the cache
+        self.num_swap_blocks = num_swap_blocks
+        self._swap_free: list[int] = list(range(num_swap_blocks - 1, -1, -1))
+        self.swapped: dict[str, list[int]] = {}  # request id -> swap block ids
+        self._copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) since last take
+
+    # --- queries --------------------------------------------------------------------------
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.tables.get(request_id, ())]
+
+    @property
+    def num_free_swap_blocks(self) -> int:
+        return len(self._swap_free)
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        copies, self._copies = self._copies, []
+        return copies
+
+    # --- prefix cache ---------------------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """Longest run of cached full blocks that prefixes the request's tokens. The last
+        token is never taken from the cache: its logits have to be computed. The caller records
+        the lookup in the pool's stats once the request is admitted."""
+        if not self.enable_caching:
+            return [], 0
+        bs = self.block_size
+        max_blocks = (request.num_tokens - 1) // bs
+        hashes = self._block_hashes(request, max_blocks)
+        hits: list[KVBlock] = []
+        for block_hash in hashes[:max_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * bs
+
+    def _block_hashes(self, request: Request, num_full: int) -> list[int]:
+        hashes = request.block_hashes
+        bs = self.block_size
+        tokens = request.all_token_ids
+        while len(hashes) < num_full:
+            i = len(hashes)
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
+        return hashes
+
+    def _cache_full_blocks(self, request: Request, table: list[KVBlock], num_tokens: int) -> None:
+        rid = request.request_id
+        done = self._num_hashed[rid]
+        full = min(num_tokens // self.block_size, len(table))
+        if full <= done:
+            return
+        hashes = self._block_hashes(request, full)
+        for i in range(done, full):
+            self.pool.cache_full_block(table[i], hashes[i])
+        self._num_hashed[rid] = full
+
+    # --- allocation -----------------------------------------------------------------------
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_blocks: list[KVBlock] = ()) -> TableDelta | None:
+        """Make room for `num_new_tokens` more tokens after the request's computed ones (and
+        after `computed_blocks`, prefix hits taken now). Returns how the block table changed,
+        or None — with nothing changed — when the free blocks do not suffice."""
+        rid = request.request_id
+        table = self.tables.get(rid)
+        if table is None:  # registered only once something is allocated
+            table = []
+        bs = self.block_size
+        start = request.num_computed_tokens + len(computed_blocks) * bs
+        end = start + num_new_tokens
+        num_new_blocks = -(-end // bs) - len(table) - len(computed_blocks)
+        cow = start % bs != 0 and table[start // bs].ref_cnt > 1
+        if num_new_blocks <= 0 and not cow:
+            if self.enable_caching and end // bs > self._num_hashed[rid]:
+                self._cache_full_blocks(request, table, end)
+            return UNCHANGED
+
+        num_new_blocks = max(num_new_blocks, 0)
+        revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks + cow > self.pool.num_free - revived:
+            return None
+
+        if rid not in self.tables:
+            self.tables[rid] = table
+            self._num_hashed[rid] = 0
+        first_changed = len(table)
+        if computed_blocks:
+            self.pool.touch(computed_blocks)
+            table.extend(computed_blocks)
+        if cow:
+            idx = start // bs
+            src = table[idx]
+            (dst,) = self.pool.allocate(1)
+            self.pool.free((src,))
+            table[idx] = dst
+            self._copies.append((src.block_id, dst.block_id))
+            first_changed = idx
+        table.extend(self.pool.allocate(num_new_blocks))
+        if self.enable_caching:
+            self._cache_full_blocks(request, table, end)
+        return first_changed, [b.block_id for b in table[first_changed:]]
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """The child shares every block of the parent; the first write into a shared
+        partial block copies it (see allocate_slots)."""
+        table = self.tables[parent.request_id]
+        self.pool.touch(table)
+        self.tables[child.request_id] = list(table)
+        self._num_hashed[child.request_id] = self._num_hashed[parent.request_id]
+
+    def free(self, request: Request) -> None:
+        rid = request.request_id
+        table = self.tables.pop(rid, None)
+        if table is not None:
+            self.pool.free(reversed(table))
+            del self._num_hashed[rid]
+        swap_ids = self.swapped.pop(rid, None)
+        if swap_ids is not None:
+            self._swap_free.extend(reversed(swap_ids))
+
+    # --- swap -----------------------------------------------------------------------------
+    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
+        """Move a request's blocks to the swap space: (device block, swap block) pairs to copy,
+        or None if the swap space is too full."""
+        table = self.tables.get(request.request_id, [])
+        if len(table) > len(self._swap_free):
+            return None
+        swap_ids = [self._swap_free.pop() for _ in table]
+        pairs = [(b.block_id, s) for b, s in zip(table, swap_ids)]
+        self.free(request)
+        self.swapped[request.request_id] = swap_ids
+        return pairs
+
+    def swap_in(self, request: Request) -> list[tuple[int, int]] | None:
+        """Bring a swapped request back: (swap block, device block) pairs, or None if the
+        device has too few free blocks."""
+        rid = request.request_id
+        swap_ids = self.swapped[rid]
+        if len(swap_ids) > self.pool.num_free:
+            return None
+        del self.swapped[rid]
+        blocks = self.pool.allocate(len(swap_ids))
+        self.tables[rid] = blocks
+        self._num_hashed[rid] = 0
+        if self.enable_caching:
+            self._cache_full_blocks(request, blocks, request.num_computed_tokens)
+        self._swap_free.extend(reversed(swap_ids))
+        return [(s, b.block_id) for s, b in zip(swap_ids, blocks)]
+
+    # --- checks ---------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        holders = Counter(b.block_id for table in self.tables.values() for b in table)
+        self.pool.check_invariants(holders)
+        held_swap = [s for ids in self.swapped.values() for s in ids]
+        assert len(set(held_swap)) == len(held_swap), "a swap block is held twice"
+        assert not set(held_swap) & set(self._swap_free), "a swap block is held and free"
+        assert len(held_swap) + len(self._swap_free) == self.num_swap_blocks, "swap blocks leaked"
+        assert not set(self.tables) & set(self.swapped), "a request is on device and swapped"

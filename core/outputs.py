@@ -1,0 +1,47 @@
+"""What the scheduler hands the workers each step, and what the core hands the frontend."""
+
+from __future__ import annotations
+
+import msgspec
+
+from .sampling_params import SamplingParams
+
+
+class NewRequestData(msgspec.Struct, array_like=True):
+    """A request the worker has no state for: first scheduled, resumed after preemption,
+    or forked. `token_ids` are all its known tokens (prompt and output so far)."""
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+class SchedulerOutput(msgspec.Struct, kw_only=True):
+    """One step's plan, as differences against what the worker already holds."""
+
+    step_id: int
+    new_requests: list[NewRequestData]
+    # every request that runs this step, in batch order: how many tokens it computes
+    num_scheduled_tokens: dict[str, int]
+    # requests the worker knows whose block table changed: (first changed index, ids from there)
+    block_table_deltas: dict[str, tuple[int, list[int]]]
+    block_copies: list[tuple[int, int]]  # copy-on-write (src, dst), done before the forward pass
+    swap_out: list[tuple[int, int]]  # (device block, swap block), done first
+    swap_in: list[tuple[int, int]]  # (swap block, device block), done after swap_out
+    finished_request_ids: list[str]  # ended since the last step: drop their state
+    preempted_request_ids: list[str]  # drop their state; they come back as new requests
+    total_num_scheduled_tokens: int
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    stop_reason: int | None = None  # the stop token id that ended it

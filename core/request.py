@@ -1,0 +1,109 @@
+"""Request types: what the frontend sends (`EngineRequest`) and what the core tracks (`Request`)."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import msgspec
+
+from .sampling_params import SamplingParams
+
+
+class EngineRequest(msgspec.Struct, kw_only=True):
+    """A new request as it travels from the frontend to the engine core."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = 0.0
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2  # waiting again after a recompute preemption
+    SWAPPED = 3  # KV lives in the swap space
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """The core's mutable view of one sequence. `num_computed_tokens` catching up with
+    `num_tokens` is the only thing the scheduler drives: prefill, chunked prefill, decode,
+    prefix hits and recompute are all that one rule."""
+
+    __slots__ = (
+        "request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "arrival_time",
+        "priority", "all_token_ids", "num_prompt_tokens", "num_computed_tokens", "status",
+        "max_tokens", "min_tokens", "stop_ids", "block_hashes", "num_preemptions",
+        "num_cached_tokens", "stop_reason",
+    )
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 eos_token_id: int | None = None, arrival_time: float | None = None,
+                 max_tokens: int = 16):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = None if sampling_params.ignore_eos else eos_token_id
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.priority = sampling_params.priority
+        self.all_token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.max_tokens = max_tokens
+        self.min_tokens = sampling_params.min_tokens
+        self.stop_ids = frozenset(sampling_params.stop_token_ids or ())
+        self.block_hashes: list[int] = []  # chained hashes of this request's full blocks
+        self.num_preemptions = 0
+        self.num_cached_tokens = -1  # prefix-cache hit on first admission; -1 until then
+        self.stop_reason: int | None = None  # the stop token that ended it, if any
+
+    @classmethod
+    def from_engine_request(cls, req: EngineRequest, max_tokens: int) -> "Request":
+        return cls(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_id,
+                   req.arrival_time or None, max_tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens:]
+
+    def fork(self, child_id: str) -> "Request":
+        child = Request.__new__(Request)
+        for name in Request.__slots__:
+            setattr(child, name, getattr(self, name))
+        child.request_id = child_id
+        child.all_token_ids = list(self.all_token_ids)
+        child.block_hashes = list(self.block_hashes)
+        return child
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, {self.status.name})")

@@ -1,0 +1,80 @@
+"""Sampling parameters, with vLLM's field names and ranges."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+from .errors import InvalidParameter
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 disables
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: until max_model_len
+    min_tokens: int = 0
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    priority: int = 0  # lower runs first under the `priority` policy, as in vLLM
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        _check_int("n", self.n, lo=1)
+        _check_float("temperature", self.temperature, lo=0.0)
+        _check_float("top_p", self.top_p, lo=0.0, lo_open=True, hi=1.0)
+        _check_int("top_k", self.top_k, lo=-1)
+        _check_float("min_p", self.min_p, lo=0.0, hi=1.0)
+        _check_float("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
+        _check_float("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True)
+        if self.seed is not None:
+            _check_int("seed", self.seed, lo=-(2**63), hi=2**64 - 1)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, lo=1)
+        _check_int("min_tokens", self.min_tokens, lo=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidParameter(
+                "min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        for token_id in self.stop_token_ids or ():
+            _check_int("stop_token_ids", token_id, lo=0)
+        for s in self.stop or ():
+            if not isinstance(s, str) or not s:
+                raise InvalidParameter("stop", f"each stop string must be a non-empty string, got {s!r}")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, lo=0, hi=20)
+        _check_int("priority", self.priority)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _check_int(field: str, value, lo: int | None = None, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidParameter(field, f"must be an integer, got {value!r}")
+    if lo is not None and value < lo:
+        raise InvalidParameter(field, f"must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise InvalidParameter(field, f"must be <= {hi}, got {value}")
+
+
+def _check_float(field: str, value, lo: float | None = None, hi: float | None = None,
+                 lo_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidParameter(field, f"must be a finite number, got {value!r}")
+    if lo is not None and (value <= lo if lo_open else value < lo):
+        raise InvalidParameter(field, f"must be {'>' if lo_open else '>='} {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise InvalidParameter(field, f"must be <= {hi}, got {value}")

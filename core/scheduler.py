@@ -1,0 +1,295 @@
+"""Continuous-batching scheduler, one rule for every phase: each step gives a request tokens
+so that its `num_computed_tokens` catches up with its length, within a token budget.
+
+Order per step: running requests (decodes before unfinished prefills, so a long prompt's
+chunks never stall the decodes), then swapped requests, then waiting ones. When a running
+request needs blocks and none are free, the victim is the lowest-priority, latest-arriving
+request not yet scheduled in this step (possibly itself), preempted by recompute or swap."""
+
+from __future__ import annotations
+
+import itertools
+
+from .config import CacheConfig, SchedulerConfig, check_fits
+from .errors import InvalidParameter
+from .kv_cache_manager import KVCacheManager
+from .outputs import EngineCoreOutput, NewRequestData, SchedulerOutput
+from .request import EngineRequest, Request, RequestStatus
+from .request_queue import RequestQueue
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig):
+        check_fits(cache_config, scheduler_config)
+        self.config = scheduler_config
+        self.cache_config = cache_config
+        self.block_size = cache_config.block_size
+        self.kv = KVCacheManager(cache_config.block_size, cache_config.num_blocks,
+                                 cache_config.enable_prefix_caching, cache_config.num_swap_blocks)
+        by_priority = scheduler_config.policy == "priority"
+        self.requests: dict[str, Request] = {}
+        self.running: list[Request] = []
+        self.waiting = RequestQueue(by_priority)
+        self.swapped = RequestQueue(by_priority)
+        self._on_worker: set[str] = set()  # requests whose state the worker holds
+        self._finished_ids: list[str] = []
+        self._preempted_ids: list[str] = []
+        self._step_ids = itertools.count()
+        self.num_preemptions = 0
+
+    # --- requests in and out --------------------------------------------------------------
+    def add_request(self, engine_request: EngineRequest) -> Request:
+        rid = engine_request.request_id
+        if rid in self.requests:
+            raise InvalidParameter("request_id", f"{rid!r} is already in use")
+        prompt = engine_request.prompt_token_ids
+        if not prompt:
+            raise InvalidParameter("prompt", "must contain at least one token")
+        max_len = self.config.max_model_len
+        if len(prompt) >= max_len:
+            raise InvalidParameter(
+                "prompt", f"has {len(prompt)} tokens; max_model_len is {max_len}, "
+                          f"which leaves room for at most {max_len - 1} prompt tokens")
+        room = max_len - len(prompt)
+        max_tokens = engine_request.sampling_params.max_tokens
+        request = Request.from_engine_request(engine_request, min(max_tokens or room, room))
+        self.requests[rid] = request
+        self.waiting.add(request)
+        return request
+
+    def abort_requests(self, request_ids) -> list[EngineCoreOutput]:
+        """Abort now: blocks are freed before the next step. Unknown ids are ignored (the
+        request may have just finished)."""
+        outputs = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            elif request.status == RequestStatus.SWAPPED:
+                self.swapped.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            outputs.append(EngineCoreOutput(rid, [], "abort"))
+        return outputs
+
+    def fork_request(self, parent_id: str, child_id: str) -> Request:
+        """A running request splits in two that share every block (parallel sampling, beams)."""
+        if child_id in self.requests:
+            raise InvalidParameter("request_id", f"{child_id!r} is already in use")
+        parent = self.requests.get(parent_id)
+        if parent is None or parent.status != RequestStatus.RUNNING:
+            raise ValueError(f"can only fork a running request, {parent_id!r} is not one")
+        child = parent.fork(child_id)
+        self.kv.fork(parent, child)
+        self.requests[child_id] = child
+        self.running.append(child)
+        return child
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    # --- one step -------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        kv = self.kv
+        scheduled: dict[str, int] = {}
+        deltas: dict[str, tuple[int, list[int]]] = {}
+        new_requests: list[NewRequestData] = []
+        swap_out: list[tuple[int, int]] = []
+        swap_in: list[tuple[int, int]] = []
+        preempted_now = False
+
+        def record(request: Request, num_tokens: int, delta) -> None:
+            scheduled[request.request_id] = num_tokens
+            if request.request_id not in self._on_worker:
+                self._on_worker.add(request.request_id)
+                new_requests.append(NewRequestData(
+                    request.request_id, list(request.all_token_ids), request.num_prompt_tokens,
+                    request.sampling_params, kv.block_ids(request.request_id),
+                    request.num_computed_tokens))
+            elif delta[1]:
+                deltas[request.request_id] = delta
+
+        # 1. running: decodes first, then unfinished prefills
+        prefills = []
+        for phase in (self.running, prefills):
+            for request in phase:
+                if budget <= 0:
+                    break
+                if request.status != RequestStatus.RUNNING:
+                    continue  # preempted as a victim earlier in this loop
+                remaining = request.num_tokens - request.num_computed_tokens
+                if phase is self.running and remaining > 1:
+                    prefills.append(request)
+                    continue
+                num_new = min(remaining, budget)
+                while True:
+                    delta = kv.allocate_slots(request, num_new)
+                    if delta is not None:
+                        break
+                    victim = self._pick_victim(request, scheduled)
+                    self._preempt(victim, swap_out)
+                    preempted_now = True
+                    if victim is request:
+                        break
+                if delta is None:
+                    continue
+                record(request, num_new, delta)
+                budget -= num_new
+        if preempted_now:
+            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+
+        # 2. swapped, then 3. waiting; nothing new starts in a step that had to preempt
+        max_seqs = self.config.max_num_seqs
+        while (self.swapped and not preempted_now and budget > 0
+               and len(self.running) < max_seqs):
+            request = self.swapped.peek()
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            blocks_needed = -(-(request.num_computed_tokens + num_new) // self.block_size)
+            if blocks_needed > kv.pool.num_free:
+                break
+            self.swapped.pop()
+            swap_in.extend(kv.swap_in(request))
+            delta = kv.allocate_slots(request, num_new)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            record(request, num_new, delta)
+            budget -= num_new
+
+        while (self.waiting and not self.swapped and not preempted_now and budget > 0
+               and len(self.running) < max_seqs):
+            request = self.waiting.peek()
+            computed_blocks, num_hit = kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit, budget)
+            delta = kv.allocate_slots(request, num_new, computed_blocks)
+            if delta is None:
+                break
+            self.waiting.pop()
+            if kv.enable_caching:
+                kv.pool.record_lookup(request.num_tokens, num_hit)
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            request.num_computed_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            record(request, num_new, delta)
+            budget -= num_new
+
+        for rid, num_tokens in scheduled.items():
+            self.requests[rid].num_computed_tokens += num_tokens
+        finished, self._finished_ids = self._finished_ids, []
+        preempted, self._preempted_ids = self._preempted_ids, []
+        return SchedulerOutput(
+            step_id=next(self._step_ids), new_requests=new_requests,
+            num_scheduled_tokens=scheduled, block_table_deltas=deltas,
+            block_copies=kv.take_block_copies(), swap_out=swap_out, swap_in=swap_in,
+            finished_request_ids=finished, preempted_request_ids=preempted,
+            total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget)
+
+    def update(self, plan: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[EngineCoreOutput]:
+        """Apply the tokens the worker sampled. Requests in the middle of a chunked prefill
+        sampled nothing; requests aborted since `schedule()` are skipped."""
+        outputs = []
+        any_finished = False
+        max_model_len = self.config.max_model_len
+        requests = self.requests
+        RUNNING = RequestStatus.RUNNING
+        for rid in plan.num_scheduled_tokens:
+            request = requests.get(rid)
+            if request is None or request.status != RUNNING:
+                continue
+            if request.num_computed_tokens < request.num_tokens:
+                continue
+            token = sampled_token_ids[rid]
+            tokens = request.all_token_ids
+            tokens.append(token)
+            num_output = len(tokens) - request.num_prompt_tokens
+            status = None
+            if num_output >= request.min_tokens and (
+                    token == request.eos_token_id or token in request.stop_ids):
+                status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token if token in request.stop_ids else None
+            elif num_output >= request.max_tokens or len(tokens) >= max_model_len:
+                status = RequestStatus.FINISHED_LENGTH
+            if status is None:
+                outputs.append(EngineCoreOutput(rid, [token]))
+            else:
+                self._finish(request, status)
+                any_finished = True
+                outputs.append(EngineCoreOutput(rid, [token], status.finish_reason, request.stop_reason))
+        if any_finished:
+            self.running = [r for r in self.running if r.status == RUNNING]
+        return outputs
+
+    # --- preemption -----------------------------------------------------------------------
+    def _pick_victim(self, current: Request, scheduled: dict[str, int]) -> Request:
+        by_priority = self.config.policy == "priority"
+        candidates = [r for r in self.running
+                      if r.status == RequestStatus.RUNNING and r.request_id not in scheduled]
+        return max(candidates, key=lambda r: (r.priority if by_priority else 0, r.arrival_time))
+
+    def _preempt(self, request: Request, swap_out: list[tuple[int, int]]) -> None:
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._forget_on_worker(request, self._preempted_ids)
+        if self.config.preemption_mode == "swap":
+            pairs = self.kv.swap_out(request)
+            if pairs is not None:
+                swap_out.extend(pairs)
+                request.status = RequestStatus.SWAPPED
+                self.swapped.add(request)
+                return
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.add(request)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv.free(request)
+        self._forget_on_worker(request, self._finished_ids)
+        del self.requests[request.request_id]
+
+    def _forget_on_worker(self, request: Request, into: list[str]) -> None:
+        if request.request_id in self._on_worker:
+            self._on_worker.discard(request.request_id)
+            into.append(request.request_id)
+
+    # --- stats and checks -----------------------------------------------------------------
+    def stats(self) -> dict:
+        pool = self.kv.pool
+        return {
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "num_swapped": len(self.swapped),
+            "kv_cache_usage": pool.usage,
+            "prefix_cache_queries": pool.prefix_queries,
+            "prefix_cache_hits": pool.prefix_hits,
+            "num_preemptions": self.num_preemptions,
+        }
+
+    def check_invariants(self) -> None:
+        self.kv.check_invariants()
+        running = {r.request_id for r in self.running}
+        waiting = {r.request_id for r in self.waiting}
+        swapped = {r.request_id for r in self.swapped}
+        assert len(running) == len(self.running), "a request is twice in running"
+        assert not (running & waiting or running & swapped or waiting & swapped), \
+            "a request is in two queues"
+        assert running | waiting | swapped == set(self.requests), "queues and requests disagree"
+        assert set(self.kv.tables) == running, "only running requests hold device blocks"
+        assert set(self.kv.swapped) == swapped, "only swapped requests hold swap blocks"
+        for request in self.running:
+            assert request.status == RequestStatus.RUNNING
+            need = -(-request.num_computed_tokens // self.block_size)
+            assert len(self.kv.tables[request.request_id]) >= need, f"{request} lacks blocks"
+        for request in self.waiting:
+            assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            assert request.num_computed_tokens == 0

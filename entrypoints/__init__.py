@@ -1,0 +1,1 @@
+"""Entrypoints: LLM API, CLI, servers."""

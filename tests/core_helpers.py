@@ -1,0 +1,106 @@
+"""Shared by the core tests: building schedulers and a fake worker that checks every plan."""
+
+from __future__ import annotations
+
+import zlib
+
+from pagedllm.core import CacheConfig, EngineRequest, SamplingParams, Scheduler, SchedulerConfig
+from pagedllm.core.outputs import SchedulerOutput
+
+
+def make_scheduler(block_size=4, num_blocks=64, budget=64, max_num_seqs=16, max_model_len=64,
+                   policy="fcfs", preemption_mode="recompute", num_swap_blocks=0,
+                   enable_prefix_caching=True) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                        max_model_len=max_model_len, policy=policy, preemption_mode=preemption_mode),
+        CacheConfig(block_size=block_size, num_blocks=num_blocks, num_swap_blocks=num_swap_blocks,
+                    enable_prefix_caching=enable_prefix_caching))
+
+
+def add(sched: Scheduler, rid: str, prompt, max_tokens=8, eos_token_id=None, **params):
+    params.setdefault("ignore_eos", eos_token_id is None)
+    return sched.add_request(EngineRequest(
+        request_id=rid, prompt_token_ids=list(prompt), eos_token_id=eos_token_id,
+        sampling_params=SamplingParams(max_tokens=max_tokens, **params)))
+
+
+def fake_token(rid: str, position: int, vocab: int = 50) -> int:
+    """A 'sampled' token that depends only on the request and position, like greedy decoding."""
+    return zlib.crc32(f"{rid}:{position}".encode()) % vocab + 1
+
+
+class FakeWorker:
+    """Plays a backend worker: keeps per-request state from the plans' differences alone, writes
+    each token id into the KV slot the plan chose, performs swaps and copies, and before
+    'sampling' checks that every position a request attends to holds that request's token.
+    A wrong block table, a missed copy-on-write or a bad prefix hit shows up here."""
+
+    def __init__(self, block_size: int, num_blocks: int, num_swap_blocks: int = 0, vocab: int = 50):
+        self.bs = block_size
+        self.kv = [None] * (num_blocks * block_size)
+        self.swap = [None] * (num_swap_blocks * block_size)
+        self.state: dict[str, dict] = {}
+        self.vocab = vocab
+
+    def _copy_block(self, src_mem, src, dst_mem, dst):
+        bs = self.bs
+        dst_mem[dst * bs:(dst + 1) * bs] = src_mem[src * bs:(src + 1) * bs]
+
+    def execute(self, plan: SchedulerOutput) -> dict[str, int]:
+        for rid in plan.finished_request_ids + plan.preempted_request_ids:
+            del self.state[rid]
+        for dev, sw in plan.swap_out:
+            self._copy_block(self.kv, dev, self.swap, sw)
+        for sw, dev in plan.swap_in:
+            self._copy_block(self.swap, sw, self.kv, dev)
+        for src, dst in plan.block_copies:
+            self._copy_block(self.kv, src, self.kv, dst)
+        for new in plan.new_requests:
+            assert new.request_id not in self.state, f"{new.request_id} sent twice as new"
+            self.state[new.request_id] = {"tokens": list(new.token_ids), "blocks": list(new.block_ids),
+                                          "computed": new.num_computed_tokens}
+        for rid, (start, ids) in plan.block_table_deltas.items():
+            blocks = self.state[rid]["blocks"]
+            del blocks[start:]
+            blocks.extend(ids)
+        bs = self.bs
+        for rid, n in plan.num_scheduled_tokens.items():
+            st = self.state[rid]
+            assert 0 not in st["blocks"], "null block 0 in a block table"
+            for pos in range(st["computed"], st["computed"] + n):
+                self.kv[st["blocks"][pos // bs] * bs + pos % bs] = (st["tokens"][pos], pos)
+        sampled = {}
+        for rid, n in plan.num_scheduled_tokens.items():
+            st = self.state[rid]
+            st["computed"] += n
+            for pos in range(st["computed"]):  # what attention would read
+                got = self.kv[st["blocks"][pos // bs] * bs + pos % bs]
+                assert got == (st["tokens"][pos], pos), f"{rid} pos {pos}: KV holds {got}"
+            if st["computed"] == len(st["tokens"]):
+                token = fake_token(rid, len(st["tokens"]), self.vocab)
+                st["tokens"].append(token)
+                sampled[rid] = token
+        return sampled
+
+
+def run_to_completion(sched: Scheduler, worker: FakeWorker | None = None, max_steps=10_000,
+                      check=True):
+    """Steps until every request ended; returns ({rid: output tokens}, {rid: finish_reason}, plans)."""
+    worker = worker or FakeWorker(sched.block_size, sched.cache_config.num_blocks,
+                                  sched.cache_config.num_swap_blocks)
+    outputs: dict[str, list[int]] = {}
+    reasons: dict[str, str] = {}
+    plans = []
+    for _ in range(max_steps):
+        if not sched.has_unfinished_requests():
+            return outputs, reasons, plans
+        plan = sched.schedule()
+        plans.append(plan)
+        for out in sched.update(plan, worker.execute(plan)):
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finish_reason:
+                reasons[out.request_id] = out.finish_reason
+        if check:
+            sched.check_invariants()
+    raise AssertionError(f"requests still unfinished after {max_steps} steps")

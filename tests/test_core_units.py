@@ -1,0 +1,110 @@
+import subprocess
+import sys
+
+import msgspec
+import pytest
+
+from pagedllm.core import CacheConfig, InvalidParameter, SamplingParams, SchedulerConfig
+from pagedllm.core.block_pool import BlockPool
+from pagedllm.core.outputs import SchedulerOutput
+
+
+def test_core_imports_no_torch():
+    code = ("import sys, pagedllm.core, pagedllm.core.scheduler, pagedllm.core.kv_cache_manager, "
+            "pagedllm.core.block_pool, pagedllm.core.outputs\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton'))\n"
+            "print(bad); sys.exit(1 if bad else 0)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("temperature", -0.5, ">= 0.0"),
+    ("top_p", 0.0, "> 0.0"),
+    ("top_p", 1.5, "<= 1.0"),
+    ("top_k", -2, ">= -1"),
+    ("min_p", 2.0, "<= 1.0"),
+    ("presence_penalty", 3.0, "<= 2.0"),
+    ("frequency_penalty", -2.5, ">= -2.0"),
+    ("repetition_penalty", 0.0, "> 0.0"),
+    ("max_tokens", 0, ">= 1"),
+    ("n", 0, ">= 1"),
+    ("min_tokens", -1, ">= 0"),
+    ("logprobs", 21, "<= 20"),
+    ("temperature", float("nan"), "finite"),
+    ("max_tokens", 2.5, "integer"),
+])
+def test_sampling_params_errors_name_field_and_range(field, value, needle):
+    with pytest.raises(InvalidParameter) as err:
+        SamplingParams(**{field: value})
+    assert err.value.field == field
+    assert field in str(err.value) and needle in str(err.value)
+
+
+def test_sampling_params_min_tokens_above_max_tokens():
+    with pytest.raises(InvalidParameter, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+
+
+def test_sampling_params_round_trip_msgpack_and_stop_string():
+    params = SamplingParams(temperature=0.0, top_k=5, stop="END", seed=7, logprobs=3)
+    assert params.stop == ["END"]
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams) == params
+    with pytest.raises(msgspec.ValidationError, match="temperature"):
+        msgspec.msgpack.decode(msgspec.msgpack.encode({"temperature": -1}), type=SamplingParams)
+
+
+def test_configs_validate():
+    with pytest.raises(InvalidParameter, match="block_size"):
+        CacheConfig(block_size=3)
+    with pytest.raises(InvalidParameter, match="scheduler_policy"):
+        SchedulerConfig(policy="lifo")
+    with pytest.raises(InvalidParameter, match="preemption_mode"):
+        SchedulerConfig(preemption_mode="drop")
+
+
+def test_scheduler_rejects_model_len_that_cannot_fit():
+    from core_helpers import make_scheduler
+    with pytest.raises(InvalidParameter, match="max_model_len"):
+        make_scheduler(block_size=4, num_blocks=5, max_model_len=64)
+
+
+def test_block_pool_allocate_free_and_null_block():
+    pool = BlockPool(6)
+    blocks = pool.allocate(5)
+    assert sorted(b.block_id for b in blocks) == [1, 2, 3, 4, 5]
+    assert pool.num_free == 0 and pool.usage == 1.0
+    with pytest.raises(RuntimeError):
+        pool.allocate(1)
+    pool.free(blocks)
+    assert pool.num_free == 5 and pool.usage == 0.0
+    pool.check_invariants({})
+
+
+def test_block_pool_lru_eviction_prefers_uncached_then_oldest():
+    pool = BlockPool(5)
+    a, b, c = pool.allocate(3)
+    pool.cache_full_block(a, 111)
+    pool.cache_full_block(b, 222)
+    pool.free([b])  # cached, older
+    pool.free([a])  # cached, newer
+    pool.free([c])  # uncached
+    assert pool.num_free == 4 and pool.num_cached_free == 2
+    first, second = pool.allocate(2)  # block 4 (never used) and c: the uncached ones
+    assert {first.block_id, second.block_id} == {4, c.block_id}
+    assert pool.lookup(111) is a and pool.lookup(222) is b
+    (evicted,) = pool.allocate(1)
+    assert evicted is b and pool.lookup(222) is None and pool.lookup(111) is a
+    pool.touch([a])  # revival from the LRU
+    assert a.ref_cnt == 1 and pool.num_free == 0
+    pool.check_invariants({a.block_id: 1, first.block_id: 1, second.block_id: 1, b.block_id: 1})
+
+
+def test_scheduler_output_is_msgpack_serialisable():
+    from core_helpers import add, make_scheduler
+    sched = make_scheduler()
+    add(sched, "a", range(1, 10))
+    plan = sched.schedule()
+    again = msgspec.msgpack.decode(msgspec.msgpack.encode(plan), type=SchedulerOutput)
+    assert again.num_scheduled_tokens == {"a": 9}
+    assert again.new_requests[0].block_ids == plan.new_requests[0].block_ids

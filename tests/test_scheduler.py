@@ -1,0 +1,171 @@
+import pytest
+from core_helpers import FakeWorker, add, fake_token, make_scheduler, run_to_completion
+
+from pagedllm.core import InvalidParameter
+
+
+def test_long_prompt_is_chunked_while_decodes_keep_running():
+    sched = make_scheduler(block_size=4, num_blocks=128, budget=16, max_model_len=256)
+    worker = FakeWorker(4, 128)
+    add(sched, "short", range(1, 6), max_tokens=30)
+    plan = sched.schedule()
+    sched.update(plan, worker.execute(plan))  # "short" is now decoding
+    add(sched, "long", range(100, 160), max_tokens=2)  # 60 tokens > budget of 16
+    chunks = []
+    while True:
+        plan = sched.schedule()
+        assert plan.total_num_scheduled_tokens <= 16
+        assert plan.num_scheduled_tokens["short"] == 1, "the decode stalled behind the prefill"
+        chunks.append(plan.num_scheduled_tokens["long"])
+        out = sched.update(plan, worker.execute(plan))
+        sched.check_invariants()
+        if any(o.request_id == "long" for o in out):
+            break
+    assert chunks == [15, 15, 15, 15]
+    assert sum(chunks) == 60
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_five_requests_finish_with_blocks_for_two(mode):
+    # each request needs 20 + 12 = 32 tokens = 8 blocks of 4; the pool holds 16 usable blocks
+    def run(num_blocks, mode):
+        sched = make_scheduler(block_size=4, num_blocks=num_blocks, budget=64, max_model_len=32,
+                               preemption_mode=mode, num_swap_blocks=64 if mode == "swap" else 0,
+                               enable_prefix_caching=False)
+        for i in range(5):
+            add(sched, f"r{i}", range(10 * i + 1, 10 * i + 21), max_tokens=12)
+        outputs, reasons, plans = run_to_completion(sched)
+        return sched, outputs, reasons, plans
+
+    sched, outputs, reasons, plans = run(17, mode)
+    assert sched.num_preemptions > 0
+    assert sorted(outputs) == [f"r{i}" for i in range(5)]
+    assert all(len(toks) == 12 for toks in outputs.values())
+    assert set(reasons.values()) == {"length"}
+    if mode == "swap":
+        assert any(p.swap_out for p in plans) and any(p.swap_in for p in plans)
+    assert sched.kv.pool.num_used == 0
+    # greedy-like outputs do not change because of preemption
+    _, unconstrained, _, _ = run(200, mode)
+    assert outputs == unconstrained
+
+
+@pytest.mark.parametrize("policy,expected_victim", [("priority", "low"), ("fcfs", "late")])
+def test_victim_is_lowest_priority_then_latest_arrival(policy, expected_victim):
+    # 3 requests of 8 prompt tokens = 6 blocks; 8 usable blocks run out as they decode
+    sched = make_scheduler(block_size=4, num_blocks=9, budget=64, max_model_len=32, policy=policy,
+                           enable_prefix_caching=False)
+    add(sched, "low", range(1, 9), max_tokens=20, priority=5)  # arrives first, lowest priority
+    add(sched, "high", range(11, 19), max_tokens=20, priority=0)
+    add(sched, "late", range(21, 29), max_tokens=20, priority=1)  # arrives last
+    worker = FakeWorker(4, 9)
+    plan = sched.schedule()
+    assert set(plan.num_scheduled_tokens) == {"low", "high", "late"}
+    sched.update(plan, worker.execute(plan))
+    while True:
+        plan = sched.schedule()
+        sched.check_invariants()
+        if plan.preempted_request_ids:
+            break
+        sched.update(plan, worker.execute(plan))
+    assert plan.preempted_request_ids == [expected_victim]
+
+
+@pytest.mark.parametrize("first_still_running", [True, False])
+def test_shared_three_block_prefix_allocates_only_new_blocks(first_still_running):
+    sched = make_scheduler(block_size=4, num_blocks=64, budget=64, max_model_len=64)
+    prefix = list(range(1, 13))  # 3 full blocks
+    worker = FakeWorker(4, 64)
+    add(sched, "a", prefix + [50, 51], max_tokens=10 if first_still_running else 1)
+    plan = sched.schedule()
+    sched.update(plan, worker.execute(plan))
+    a_blocks = sched.kv.block_ids("a") if first_still_running else plan.new_requests[0].block_ids
+    used_before = sched.kv.pool.num_used
+    hits_before, queries_before = sched.kv.pool.prefix_hits, sched.kv.pool.prefix_queries
+    add(sched, "b", prefix + [60, 61, 62, 63, 64], max_tokens=1)  # 17 tokens = 5 blocks
+    plan = sched.schedule()
+    assert plan.num_scheduled_tokens["b"] == 5
+    b_blocks = sched.kv.block_ids("b")
+    assert len(b_blocks) == 5
+    assert b_blocks[:3] == a_blocks[:3]
+    assert not set(b_blocks[3:]) & set(a_blocks if first_still_running else a_blocks[:3])
+    # b took only 2 fresh blocks; a finished earlier leaves its prefix cached, and b revives it
+    assert sched.kv.pool.num_used - used_before == (2 if first_still_running else 5)
+    assert sched.kv.pool.prefix_hits - hits_before == 12
+    assert sched.kv.pool.prefix_queries - queries_before == 17
+    shared = b_blocks[:3]
+    expected_refs = 2 if first_still_running else 1
+    assert [sched.kv.pool.blocks[i].ref_cnt for i in shared] == [expected_refs] * 3
+    sched.update(plan, worker.execute(plan))  # the fake worker checks b reads a's KV
+    sched.check_invariants()
+
+
+def test_fork_then_one_append_each_copies_the_shared_block_once():
+    sched = make_scheduler(block_size=4, num_blocks=32, budget=64)
+    worker = FakeWorker(4, 32)
+    add(sched, "p", range(1, 11), max_tokens=8)  # 10 tokens: the third block holds 2
+    plan = sched.schedule()
+    sched.update(plan, worker.execute(plan))
+    child = sched.fork_request("p", "c")
+    assert sched.kv.block_ids("c") == sched.kv.block_ids("p")
+    assert all(sched.kv.pool.blocks[i].ref_cnt == 2 for i in sched.kv.block_ids("p"))
+    used = sched.kv.pool.num_used
+    plan = sched.schedule()
+    assert plan.num_scheduled_tokens == {"p": 1, "c": 1}
+    assert len(plan.block_copies) == 1
+    src, dst = plan.block_copies[0]
+    assert src == sched.kv.block_ids("c")[2] and dst == sched.kv.block_ids("p")[2]
+    assert sched.kv.pool.num_used == used + 1
+    assert sched.kv.block_ids("p")[:2] == sched.kv.block_ids("c")[:2]
+    sched.update(plan, worker.execute(plan))
+    sched.check_invariants()
+    assert child.output_token_ids != sched.requests["p"].output_token_ids
+    plan = sched.schedule()
+    assert plan.block_copies == []
+
+
+def test_stop_conditions():
+    sched = make_scheduler(max_model_len=40)
+    add(sched, "eos", [1, 2, 3], max_tokens=30, eos_token_id=fake_token("eos", 5))
+    add(sched, "min", [1, 2, 3], max_tokens=30, eos_token_id=fake_token("min", 3), min_tokens=3)
+    add(sched, "stopid", [1, 2, 3], max_tokens=30, stop_token_ids=[fake_token("stopid", 4)])
+    add(sched, "ignore", [1, 2, 3], max_tokens=5, eos_token_id=fake_token("ignore", 3), ignore_eos=True)
+    add(sched, "modellen", list(range(1, 36)), max_tokens=None)
+    outputs, reasons, _ = run_to_completion(sched)
+    assert outputs["eos"] == [fake_token("eos", p) for p in (3, 4, 5)] and reasons["eos"] == "stop"
+    assert len(outputs["min"]) >= 3 and reasons["min"] in ("stop", "length")
+    assert outputs["stopid"][-1] == fake_token("stopid", 4) and reasons["stopid"] == "stop"
+    assert len(outputs["ignore"]) == 5 and reasons["ignore"] == "length"
+    assert len(outputs["modellen"]) == 5 and reasons["modellen"] == "length"
+
+
+def test_abort_frees_blocks_immediately_and_in_every_state():
+    sched = make_scheduler(block_size=4, num_blocks=12, budget=64, max_model_len=32,
+                           preemption_mode="swap", num_swap_blocks=32)
+    worker = FakeWorker(4, 12, 32)
+    for i in range(4):
+        add(sched, f"r{i}", range(10 * i + 1, 10 * i + 13), max_tokens=16)
+    states = set()
+    for _ in range(8):
+        plan = sched.schedule()
+        sched.update(plan, worker.execute(plan))
+        states |= {r.status.name for r in sched.requests.values()}
+    assert {"RUNNING", "SWAPPED"} <= states or {"RUNNING", "WAITING"} <= states
+    out = sched.abort_requests(list(sched.requests) + ["unknown"])
+    assert {o.finish_reason for o in out} == {"abort"}
+    sched.check_invariants()
+    assert sched.kv.pool.num_used == 0 and sched.kv.num_free_swap_blocks == 32
+    assert not sched.has_unfinished_requests()
+    plan = sched.schedule()
+    assert plan.is_empty and sorted(plan.finished_request_ids + plan.preempted_request_ids)
+
+
+def test_bad_requests_are_rejected_with_the_field_named():
+    sched = make_scheduler(max_model_len=16)
+    with pytest.raises(InvalidParameter, match="prompt"):
+        add(sched, "empty", [])
+    with pytest.raises(InvalidParameter, match="max_model_len is 16"):
+        add(sched, "long", range(1, 18))
+    add(sched, "ok", [1, 2])
+    with pytest.raises(InvalidParameter, match="request_id"):
+        add(sched, "ok", [1, 2])
