@@ -1,0 +1,100 @@
+"""Random workloads against the scheduler; DESIGN.md's block invariants after every step, and
+a fake worker that checks every request reads exactly its own tokens from the KV slots."""
+
+from core_helpers import FakeWorker, make_scheduler
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from pagedllm.core import EngineRequest, RequestStatus, SamplingParams
+
+MAX_MODEL_LEN = 32
+EOS = 1
+# prompts start from a few common prefixes so that prefix-cache hits happen
+PREFIXES = [list(range(2, 2 + MAX_MODEL_LEN)), list(range(40, 40 + MAX_MODEL_LEN)), [7] * MAX_MODEL_LEN]
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    @initialize(block_size=st.sampled_from([1, 2, 4, 8]), extra_blocks=st.integers(0, 10),
+                budget=st.integers(4, 40), max_num_seqs=st.integers(1, 6),
+                mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans(),
+                policy=st.sampled_from(["fcfs", "priority"]), num_swap_blocks=st.integers(0, 24))
+    def setup(self, block_size, extra_blocks, budget, max_num_seqs, mode, caching, policy,
+              num_swap_blocks):
+        # tight: the smallest pool that still fits one max_model_len request, plus a little
+        num_blocks = 1 + -(-MAX_MODEL_LEN // block_size) + extra_blocks
+        self.sched = make_scheduler(block_size=block_size, num_blocks=num_blocks, budget=budget,
+                                    max_num_seqs=max_num_seqs, max_model_len=MAX_MODEL_LEN,
+                                    policy=policy, preemption_mode=mode,
+                                    num_swap_blocks=num_swap_blocks, enable_prefix_caching=caching)
+        self.worker = FakeWorker(block_size, num_blocks, num_swap_blocks, vocab=12)
+        self.next_id = 0
+        self.expected_len: dict[str, int] = {}
+
+    @rule(prefix=st.sampled_from(range(len(PREFIXES))), shared=st.integers(0, 31),
+          tail=st.lists(st.integers(2, 60), max_size=30), max_tokens=st.integers(1, 12),
+          priority=st.integers(0, 3), ignore_eos=st.booleans())
+    def add_request(self, prefix, shared, tail, max_tokens, priority, ignore_eos):
+        prompt = (PREFIXES[prefix][:shared] + tail)[:MAX_MODEL_LEN - 1] or [2]
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        self.sched.add_request(EngineRequest(
+            request_id=rid, prompt_token_ids=prompt, eos_token_id=EOS,
+            sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos,
+                                           priority=priority)))
+
+    @precondition(lambda self: self.sched.requests)
+    @rule(data=st.data())
+    def abort(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.sched.requests)))
+        self.sched.abort_requests([rid])
+        assert rid not in self.sched.requests
+
+    @precondition(lambda self: self.sched.running)
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from([r.request_id for r in self.sched.running]))
+        child = f"r{self.next_id}"
+        self.next_id += 1
+        self.sched.fork_request(parent, child)
+
+    @rule()
+    def step(self):
+        sched = self.sched
+        plan = sched.schedule()
+        assert plan.total_num_scheduled_tokens == sum(plan.num_scheduled_tokens.values())
+        assert plan.total_num_scheduled_tokens <= sched.config.max_num_batched_tokens
+        assert all(n > 0 for n in plan.num_scheduled_tokens.values())
+        sched.check_invariants()
+        outputs = sched.update(plan, self.worker.execute(plan))
+        for out in outputs:
+            if out.finish_reason == "length":
+                assert out.request_id not in sched.requests
+
+    @invariant()
+    def invariants_hold(self):
+        if hasattr(self, "sched"):
+            self.sched.check_invariants()
+
+    def teardown(self):
+        if not hasattr(self, "sched"):
+            return
+        sched = self.sched
+        for _ in range(2000):
+            if not sched.has_unfinished_requests():
+                break
+            self.step()
+        assert not sched.has_unfinished_requests(), "requests never finished: livelock"
+        sched.check_invariants()
+        pool = sched.kv.pool
+        assert pool.num_used == 0, "blocks still held after every request ended"
+        assert all(b.ref_cnt == 0 for b in pool.blocks)
+        assert pool.num_free == pool.num_usable  # every block free or cached
+        assert sched.kv.num_free_swap_blocks == sched.kv.num_swap_blocks
+        assert not any(r.status == RequestStatus.RUNNING for r in sched.running)
+
+
+TestSchedulerStateful = SchedulerMachine.TestCase
+TestSchedulerStateful.settings = settings(
+    max_examples=250, stateful_step_count=40, deadline=None, derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow])
