@@ -93,7 +93,7 @@ class KVCacheManager:
         num_new_blocks = -(-end // bs) - len(table) - len(computed_blocks)
         cow = start % bs != 0 and table[start // bs].ref_cnt > 1
         if num_new_blocks <= 0 and not cow:
-            if self.enable_caching and end // bs > self._num_hashed[rid]:
+            if self.enable_caching and end // bs > self._num_hashed.get(rid, 0):
                 self._cache_full_blocks(request, table, end)
             return UNCHANGED
 

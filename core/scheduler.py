@@ -125,7 +125,7 @@ class Scheduler:
                     break
                 if request.status != RequestStatus.RUNNING:
                     continue  # preempted as a victim earlier in this loop
-                remaining = request.num_tokens - request.num_computed_tokens
+                remaining = len(request.all_token_ids) - request.num_computed_tokens
                 if phase is self.running and remaining > 1:
                     prefills.append(request)
                     continue
@@ -205,10 +205,10 @@ class Scheduler:
             request = requests.get(rid)
             if request is None or request.status != RUNNING:
                 continue
-            if request.num_computed_tokens < request.num_tokens:
+            tokens = request.all_token_ids
+            if request.num_computed_tokens < len(tokens):
                 continue
             token = sampled_token_ids[rid]
-            tokens = request.all_token_ids
             tokens.append(token)
             num_output = len(tokens) - request.num_prompt_tokens
             status = None
