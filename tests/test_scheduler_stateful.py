@@ -2,7 +2,7 @@
 a fake worker that checks every request reads exactly its own tokens from the KV slots."""
 
 from core_helpers import FakeWorker, make_scheduler
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -66,6 +66,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert plan.total_num_scheduled_tokens <= sched.config.max_num_batched_tokens
         assert all(n > 0 for n in plan.num_scheduled_tokens.values())
         sched.check_invariants()
+        for kind in ("block_copies", "swap_out", "swap_in", "preempted_request_ids"):
+            if getattr(plan, kind):
+                event(kind)
         outputs = sched.update(plan, self.worker.execute(plan))
         for out in outputs:
             if out.finish_reason == "length":
