@@ -1,0 +1,83 @@
+"""The operations a backend implements, and the metadata a step hands them.
+
+A step's tokens are one flattened batch without padding, ordered decodes first (requests
+computing one token), then prefills (a whole prompt, a chunk of one, or several tokens after a
+prefix-cache hit). Each layer writes the step's new K/V into the slots the core chose, then
+attends; so every token of the step — including another request's, when a prefix-cache hit
+shares blocks computed in this same step — is in the cache before attention reads it.
+
+KV cache of one layer: [2, num_blocks, block_size, num_kv_heads, head_size] (0 = K, 1 = V).
+Slot s is block s // block_size, offset s % block_size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DecodeMetadata:
+    block_tables: torch.Tensor  # [D, max_blocks] int32, padded with 0 (the null block)
+    context_lens: torch.Tensor  # [D] int32: tokens to attend to, the new one included
+    max_context_len: int
+
+
+@dataclass
+class PrefillMetadata:
+    block_tables: torch.Tensor  # [P, max_blocks] int32
+    query_start_loc: torch.Tensor  # [P + 1] int32, offsets into the prefill part of the batch
+    context_lens: torch.Tensor  # [P] int32: cached prefix + new tokens
+    query_lens: list[int]  # the same, as Python ints, for host-side loops
+    context_lens_list: list[int]
+    max_query_len: int
+    max_context_len: int
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
+    num_decode_tokens: int
+    num_prefill_tokens: int
+    decode: DecodeMetadata | None
+    prefill: PrefillMetadata | None
+
+
+class AttentionOps:
+    """One backend's kernels. Every method works on one layer's cache unless it says otherwise."""
+
+    name = "abstract"
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """key/value: [T, KVH, D]. Stores token t at slot slot_mapping[t]."""
+        raise NotImplementedError
+
+    def decode_attention(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: DecodeMetadata,
+                         scale: float) -> torch.Tensor:
+        """query: [D, H, Dh], one token per request; returns [D, H, Dh]."""
+        raise NotImplementedError
+
+    def prefill_attention(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: PrefillMetadata,
+                          scale: float) -> torch.Tensor:
+        """query: [Tp, H, Dh]; query i of request r sits at position context_len - query_len + i
+        and attends causally to every cached position up to its own. Returns [Tp, H, Dh]."""
+        raise NotImplementedError
+
+    def copy_blocks(self, kv_caches: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write across all layers: kv_caches [L, 2, N, bs, KVH, D]; block src -> dst."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=kv_caches.device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=kv_caches.device)
+        kv_caches[:, :, dst] = kv_caches[:, :, src]
+
+    def swap_blocks(self, src_caches: torch.Tensor, dst_caches: torch.Tensor,
+                    pairs: list[tuple[int, int]]) -> None:
+        """Move blocks between the device pool and the host swap space (either direction)."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=src_caches.device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=dst_caches.device)
+        dst_caches[:, :, dst] = src_caches[:, :, src].to(dst_caches.device)

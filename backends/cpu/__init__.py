@@ -1,0 +1,5 @@
+"""The `cpu` reference backend."""
+
+from .ops import CpuAttentionOps
+
+__all__ = ["CpuAttentionOps"]

@@ -1,0 +1,1 @@
+"""Model code shared by every backend: configs, layers, loader."""

@@ -1,0 +1,119 @@
+"""Load a Hugging Face folder (config.json + safetensors, single or sharded) into CausalLM."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import torch
+from safetensors import safe_open
+
+from .config import ModelConfig
+from .decoder import CausalLM
+
+# Hugging Face name pattern -> (our parameter, shard index within a fused matrix or None)
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_LAYER_NAMES = {
+    "self_attn.q_proj": ("qkv_proj", 0),
+    "self_attn.k_proj": ("qkv_proj", 1),
+    "self_attn.v_proj": ("qkv_proj", 2),
+    "self_attn.o_proj": ("o_proj", None),
+    "self_attn.q_norm": ("q_norm", None),
+    "self_attn.k_norm": ("k_norm", None),
+    "mlp.gate_proj": ("gate_up_proj", 0),
+    "mlp.up_proj": ("gate_up_proj", 1),
+    "mlp.down_proj": ("down_proj", None),
+    "input_layernorm": ("input_layernorm", None),
+    "post_attention_layernorm": ("post_attention_layernorm", None),
+}
+_TOP_NAMES = {"model.embed_tokens": "embed_tokens", "model.norm": "norm", "lm_head": "lm_head"}
+# buffers some checkpoints carry that are recomputed here
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+
+
+def checkpoint_files(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(model_dir, s) for s in shards]
+    single = os.path.join(model_dir, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    raise FileNotFoundError(f"model: no model.safetensors or model.safetensors.index.json in {model_dir!r}")
+
+
+def _target(name: str) -> tuple[str, int | None] | None:
+    stem, _, kind = name.rpartition(".")  # kind: weight or bias
+    if stem in _TOP_NAMES:
+        return f"{_TOP_NAMES[stem]}.{kind}", None
+    m = _LAYER.match(stem)
+    if m and m.group(2) in _LAYER_NAMES:
+        param, shard = _LAYER_NAMES[m.group(2)]
+        return f"layers.{m.group(1)}.{param}.{kind}", shard
+    return None
+
+
+def load_model(model_dir: str, dtype: str | None = None, max_positions: int | None = None,
+               device: str | torch.device = "cpu") -> CausalLM:
+    cfg = ModelConfig.from_pretrained(model_dir, dtype)
+    with torch.device("meta"):
+        model = CausalLM(cfg, max_positions=1)
+    model = model.to_empty(device=device).to(cfg.dtype)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.rope = type(model.rope)(cfg.head_dim, cfg.rope, max_positions or cfg.max_position_embeddings)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for path in checkpoint_files(model_dir):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                target = _target(name)
+                if target is None or target[0] not in params:
+                    if not _IGNORED.search(name):
+                        unexpected.append(name)
+                    continue
+                param_name, shard = target
+                tensor = f.get_tensor(name)
+                _copy_into(params[param_name], param_name, tensor, shard, cfg, name)
+                loaded.add(f"{param_name}#{shard}")
+    missing = [n for n, shards in _expected_loads(params, cfg) if not shards <= loaded]
+    if missing or unexpected:
+        raise ValueError(f"model: checkpoint in {model_dir!r} does not match {cfg.architecture}: "
+                         f"missing weights {missing or 'none'}; unexpected weights {unexpected or 'none'}")
+    model.eval()
+    return model
+
+
+def _shard_offsets(param_name: str, cfg: ModelConfig) -> list[int]:
+    if ".qkv_proj." in param_name:
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        return [0, q, q + kv, q + 2 * kv]
+    if ".gate_up_proj." in param_name:
+        return [0, cfg.intermediate_size, 2 * cfg.intermediate_size]
+    raise AssertionError(param_name)
+
+
+def _copy_into(param: torch.Tensor, param_name: str, tensor: torch.Tensor, shard: int | None,
+               cfg: ModelConfig, name: str) -> None:
+    with torch.no_grad():
+        if shard is None:
+            dst = param
+        else:
+            offsets = _shard_offsets(param_name, cfg)
+            dst = param[offsets[shard]:offsets[shard + 1]]
+        if dst.shape != tensor.shape:
+            raise ValueError(f"model: weight {name} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(dst.shape)}")
+        dst.copy_(tensor.to(param.dtype))
+
+
+def _expected_loads(params: dict, cfg: ModelConfig):
+    for name in params:
+        if cfg.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        fused = ".qkv_proj." in name or ".gate_up_proj." in name
+        shards = range(3 if ".qkv_proj." in name else 2) if fused else [None]
+        yield name, {f"{name}#{s}" for s in shards}

@@ -1,0 +1,60 @@
+"""Rotary position embeddings (Hugging Face's rotate-half convention)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def inverse_frequencies(head_dim: int, rope: dict) -> torch.Tensor:
+    rope_type = rope["rope_type"]
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+    base = rope["rope_theta"]
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope_type == "linear":
+        inv_freq = inv_freq / rope["factor"]
+    elif rope_type == "llama3":
+        inv_freq = _llama3_scaling(inv_freq, rope)
+    return inv_freq
+
+
+def _llama3_scaling(inv_freq: torch.Tensor, rope: dict) -> torch.Tensor:
+    """Llama 3.1: long wavelengths are divided by `factor`, short ones kept, and the band
+    between low_freq_factor and high_freq_factor interpolated."""
+    factor = rope["factor"]
+    low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+    old_len = rope["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding:
+    def __init__(self, head_dim: int, rope: dict, max_positions: int):
+        inv_freq = inverse_frequencies(head_dim, rope)
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = emb.cos()  # [max_positions, head_dim], float32 like transformers
+        self.sin = emb.sin()
+
+    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q: [T, H, D], k: [T, KVH, D]; rotated in float32, returned in their dtype."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    dtype = x.dtype
+    cos, sin = cos.to(dtype), sin.to(dtype)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,94 @@
+"""Model runner: one step's requests in, the logits of each request's last scheduled token out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .attention import AttentionMetadata, AttentionOps, DecodeMetadata, PrefillMetadata
+
+
+@dataclass
+class SeqInput:
+    """One request's share of a step."""
+
+    token_ids: list[int]  # the tokens computed this step
+    start_pos: int  # tokens already in the cache (num_computed_tokens)
+    block_ids: list[int]  # the request's block table, covering start_pos + len(token_ids)
+
+
+@dataclass
+class StepBatch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # row of each request's last token, in the caller's order
+
+
+def prepare_batch(seqs: list[SeqInput], block_size: int, device="cpu") -> StepBatch:
+    """Flatten requests into one batch: decodes (one new token) first, then prefills."""
+    decodes = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
+    prefills = [i for i, s in enumerate(seqs) if len(s.token_ids) != 1]
+    order = decodes + prefills
+    q_lens = np.array([len(seqs[i].token_ids) for i in order], dtype=np.int64)
+    starts = np.array([seqs[i].start_pos for i in order], dtype=np.int64)
+    ctx_lens = starts + q_lens
+    max_blocks = max(-(-int(c) // block_size) for c in ctx_lens)
+    tables = np.zeros((len(order), max_blocks), dtype=np.int32)
+    for row, i in enumerate(order):
+        ids = seqs[i].block_ids[:max_blocks]
+        tables[row, :len(ids)] = ids
+    num_tokens = int(q_lens.sum())
+    ends = np.cumsum(q_lens)
+    seq_of_token = np.repeat(np.arange(len(order)), q_lens)
+    positions = np.arange(num_tokens) - np.repeat(ends - q_lens, q_lens) + starts[seq_of_token]
+    slots = tables[seq_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    input_ids = np.fromiter((t for i in order for t in seqs[i].token_ids), dtype=np.int64, count=num_tokens)
+    logits_rows = np.empty(len(seqs), dtype=np.int64)
+    logits_rows[np.array(order, dtype=np.int64)] = ends - 1
+
+    nd = len(decodes)
+    tables_t = torch.from_numpy(tables).to(device)
+    ctx_t = torch.from_numpy(ctx_lens.astype(np.int32)).to(device)
+    decode = prefill = None
+    if nd:
+        decode = DecodeMetadata(block_tables=tables_t[:nd], context_lens=ctx_t[:nd],
+                                max_context_len=int(ctx_lens[:nd].max()))
+    if len(prefills):
+        p_q = q_lens[nd:]
+        qsl = np.concatenate(([0], np.cumsum(p_q))).astype(np.int32)
+        prefill = PrefillMetadata(
+            block_tables=tables_t[nd:], query_start_loc=torch.from_numpy(qsl).to(device),
+            context_lens=ctx_t[nd:], query_lens=p_q.tolist(), context_lens_list=ctx_lens[nd:].tolist(),
+            max_query_len=int(p_q.max()), max_context_len=int(ctx_lens[nd:].max()))
+    meta = AttentionMetadata(
+        slot_mapping=torch.from_numpy(slots).to(device), num_decode_tokens=nd,
+        num_prefill_tokens=num_tokens - nd, decode=decode, prefill=prefill)
+    return StepBatch(torch.from_numpy(input_ids).to(device), torch.from_numpy(positions).to(device),
+                     meta, torch.from_numpy(logits_rows).to(device))
+
+
+class ModelRunner:
+    def __init__(self, model, ops: AttentionOps, kv_caches: torch.Tensor, block_size: int,
+                 device="cpu"):
+        self.model = model
+        self.ops = ops
+        self.kv_caches = kv_caches  # [L, 2, num_blocks, block_size, KVH, D]
+        self.block_size = block_size
+        self.device = device
+
+    @torch.inference_mode()
+    def execute(self, seqs: list[SeqInput]) -> torch.Tensor:
+        """Float32 logits [len(seqs), vocab], row i for seqs[i]'s last token."""
+        batch = prepare_batch(seqs, self.block_size, self.device)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.ops)
+        return self.model.compute_logits(hidden[batch.logits_indices])
+
+
+def allocate_kv_caches(model_config, num_blocks: int, block_size: int, dtype=None,
+                       device="cpu") -> torch.Tensor:
+    cfg = model_config
+    return torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+                       dtype=dtype or cfg.dtype, device=device)

@@ -1,0 +1,155 @@
+"""Token sampling for a batch, each row with its own SamplingParams.
+
+Order, as in vLLM: min_tokens masking, penalties (repetition on prompt and output tokens;
+presence and frequency on output tokens), then greedy argmax, or temperature, top-k, top-p,
+min-p and a draw. A request with a seed draws from a generator seeded by (seed, number of
+tokens it has generated), so its tokens do not depend on the batch around it, nor on
+preemption. Logprobs are those of the model's raw distribution, as vLLM reports by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedllm.core.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    eos_token_id: int | None = None
+
+
+@dataclass
+class Logprobs:
+    token_logprob: float  # of the sampled token
+    rank: int  # 1 = the most likely token
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[Logprobs | None]
+
+
+def _seed_for(seed: int, step: int) -> int:
+    return hash((seed, step)) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+class Sampler:
+    def __init__(self, seed: int = 0):
+        self.generator = torch.Generator().manual_seed(seed)  # for rows without a seed
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        logits = logits.float()
+        want_logprobs = any(r.params.logprobs is not None for r in rows)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        logits = apply_min_tokens(logits, rows)
+        logits = apply_penalties(logits, rows)
+
+        greedy = [i for i, r in enumerate(rows) if r.params.temperature == 0.0]
+        random = [i for i, r in enumerate(rows) if r.params.temperature != 0.0]
+        tokens = torch.empty(len(rows), dtype=torch.long)
+        if greedy:
+            tokens[greedy] = logits[greedy].argmax(dim=-1)
+        if random:
+            probs = probabilities([rows[i].params for i in random], logits[random])
+            tokens[random] = self._draw(probs, [rows[i] for i in random])
+        token_list = tokens.tolist()
+        logprobs = [None] * len(rows)
+        if want_logprobs:
+            for i, row in enumerate(rows):
+                if row.params.logprobs is not None:
+                    logprobs[i] = _logprobs(raw_logprobs[i], token_list[i], row.params.logprobs)
+        return SamplerOutput(token_list, logprobs)
+
+    def _draw(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """argmax(p / E) with E ~ Exp(1) picks token i with probability p_i."""
+        noise = torch.empty_like(probs)
+        for j, row in enumerate(rows):
+            seed = row.params.seed
+            gen = self.generator if seed is None else \
+                torch.Generator().manual_seed(_seed_for(seed, len(row.output_token_ids)))
+            noise[j].exponential_(generator=gen)
+        return (probs / noise).argmax(dim=-1)
+
+
+def probabilities(params: list[SamplingParams], logits: torch.Tensor) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p masks; rows are renormalised."""
+    vocab = logits.shape[-1]
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
+    logits = logits / temps[:, None]
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    if any(k < vocab for k in top_k):
+        ordered = logits.sort(dim=-1, descending=True).values
+        kth = ordered.gather(1, torch.tensor(top_k)[:, None] - 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)
+    if (top_p < 1.0).any():
+        ascending, order = logits.sort(dim=-1)
+        cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative <= (1.0 - top_p)[:, None]  # the least likely tail outside the nucleus
+        drop[:, -1] = False  # always keep the most likely token
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+    min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype)
+    if (min_p > 0).any():
+        probs = logits.softmax(dim=-1)
+        floor = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < floor, float("-inf"))
+    return logits.softmax(dim=-1)
+
+
+def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Until a request has min_tokens outputs, its EOS and stop tokens cannot be drawn."""
+    blocked = []
+    for i, row in enumerate(rows):
+        if len(row.output_token_ids) < row.params.min_tokens:
+            ids = list(row.params.stop_token_ids or ())
+            if row.eos_token_id is not None and not row.params.ignore_eos:
+                ids.append(row.eos_token_id)
+            blocked.extend((i, t) for t in ids if 0 <= t < logits.shape[-1])
+    if not blocked:
+        return logits
+    logits = logits.clone()
+    rows_idx, cols = zip(*blocked)
+    logits[list(rows_idx), list(cols)] = float("-inf")
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """repetition: a seen token's logit is divided by the penalty if positive, multiplied if
+    not (HF/vLLM); frequency: minus penalty x count in the output; presence: minus penalty
+    if in the output at all."""
+    if not any(r.params.repetition_penalty != 1.0 or r.params.presence_penalty
+               or r.params.frequency_penalty for r in rows):
+        return logits
+    batch, vocab = logits.shape
+    counts = torch.zeros(batch, vocab, dtype=logits.dtype)
+    seen = torch.zeros(batch, vocab, dtype=torch.bool)
+    for i, row in enumerate(rows):
+        if row.output_token_ids:
+            out = torch.tensor(row.output_token_ids, dtype=torch.long)
+            counts[i] = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
+        if row.prompt_token_ids:
+            seen[i, torch.tensor(row.prompt_token_ids, dtype=torch.long)] = True
+    seen |= counts > 0
+    rep = torch.tensor([r.params.repetition_penalty for r in rows], dtype=logits.dtype)[:, None]
+    freq = torch.tensor([r.params.frequency_penalty for r in rows], dtype=logits.dtype)[:, None]
+    pres = torch.tensor([r.params.presence_penalty for r in rows], dtype=logits.dtype)[:, None]
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalised, logits)
+    return logits - freq * counts - pres * (counts > 0).to(logits.dtype)
+
+
+def _logprobs(row_logprobs: torch.Tensor, token: int, k: int) -> Logprobs:
+    token_lp = row_logprobs[token]
+    rank = int((row_logprobs > token_lp).sum()) + 1
+    top = row_logprobs.topk(k) if k else None
+    return Logprobs(float(token_lp), rank, top.indices.tolist() if k else [],
+                    top.values.tolist() if k else [])

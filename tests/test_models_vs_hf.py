@@ -1,0 +1,79 @@
+"""The runner against transformers running the same weights."""
+
+import random
+
+import pytest
+import torch
+from model_helpers import greedy_batched, hf_greedy, make_runner, shuffled_tables
+
+from pagedllm.backends.runner import SeqInput
+from pagedllm.conformance.tiny_models import ARCHITECTURES, load_hf
+
+ATOL = 1e-4
+
+
+def random_prompt(n: int, seed: int, vocab: int = 400) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def arch_models(request, tiny_model):
+    path = tiny_model(request.param)
+    return request.param, path, load_hf(path)
+
+
+def test_prefill_chunked_prefill_and_decode_logits(arch_models):
+    arch, path, hf = arch_models
+    runner = make_runner(path)
+    prompt = random_prompt(70, seed=1)  # long enough for llama3 scaling to matter (orig. 64)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    (table,) = shuffled_tables(1, 8, 256, seed=3)
+
+    whole = runner.execute([SeqInput(prompt, 0, table)])[0]
+    assert (whole - ref[-1]).abs().max() <= ATOL
+
+    # the same prompt in 3 chunked-prefill steps, into other blocks
+    (table,) = shuffled_tables(1, 8, 256, seed=4)
+    for start, end in ((0, 23), (23, 50), (50, 70)):
+        logits = runner.execute([SeqInput(prompt[start:end], start, table)])[0]
+        assert (logits - ref[end - 1]).abs().max() <= ATOL, f"chunk ending at {end}"
+
+    # 32 decode steps after the chunked prefill
+    tokens = list(prompt)
+    worst = 0.0
+    for _ in range(32):
+        tokens.append(int(logits.argmax()))
+        logits = runner.execute([SeqInput(tokens[-1:], len(tokens) - 1, table)])[0]
+        with torch.no_grad():
+            expected = hf(torch.tensor([tokens])).logits[0, -1]
+        worst = max(worst, float((logits - expected).abs().max()))
+    assert worst <= ATOL, f"{arch}: decode logits differ by {worst}"
+
+
+def test_eight_prompts_in_one_batch_match_hf_generate_alone(arch_models):
+    arch, path, hf = arch_models
+    runner = make_runner(path)
+    lengths = [1, 5, 15, 16, 17, 33, 48, 70]
+    prompts = [random_prompt(n, seed=10 + i) for i, n in enumerate(lengths)]
+    ours = greedy_batched(runner, prompts, max_new=20, start_steps=[0, 0, 1, 1, 2, 3, 5, 8])
+    for prompt, got in zip(prompts, ours):
+        assert got == hf_greedy(hf, prompt, 20), f"{arch}: prompt of {len(prompt)} tokens"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_bfloat16_tokens_and_logits_agree(tiny_model, arch):
+    path = tiny_model(arch)
+    hf = load_hf(path, dtype=torch.bfloat16)
+    runner = make_runner(path, dtype="bfloat16")
+    prompts = [random_prompt(n, seed=30 + n) for n in (4, 17, 40)]
+    ours = greedy_batched(runner, prompts, max_new=16)
+    for prompt, got in zip(prompts, ours):
+        assert got == hf_greedy(hf, prompt, 16)
+        (table,) = shuffled_tables(1, 4, 256, seed=5)
+        logits = runner.execute([SeqInput(prompt, 0, table)])[0]
+        with torch.no_grad():
+            expected = hf(torch.tensor([prompt])).logits[0, -1].float()
+        cos = torch.nn.functional.cosine_similarity(logits, expected, dim=0)
+        assert cos >= 0.999
