@@ -49,6 +49,9 @@ class AttentionOps:
 
     name = "abstract"
 
+    def prepare_model(self, model) -> None:
+        """A chance to adapt the loaded model to this backend (e.g. pack weights)."""
+
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
         """key/value: [T, KVH, D]. Stores token t at slot slot_mapping[t]."""

@@ -75,6 +75,7 @@ class ModelRunner:
                  device="cpu"):
         self.model = model
         self.ops = ops
+        ops.prepare_model(model)
         self.kv_caches = kv_caches  # [L, 2, num_blocks, block_size, KVH, D]
         self.block_size = block_size
         self.device = device

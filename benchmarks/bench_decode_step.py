@@ -1,0 +1,102 @@
+"""One decode step for 32 requests at 512-token contexts: pagedllm's runner (cpu backend,
+paged KV) against transformers' own forward with its own KV cache, same weights, same script.
+
+Run: python -m pagedllm.benchmarks.bench_decode_step [--dtype float32|bfloat16] [--steps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+
+from pagedllm.backends.cpu import CpuAttentionOps
+from pagedllm.backends.models.loader import load_model
+from pagedllm.backends.runner import ModelRunner, SeqInput, allocate_kv_caches
+
+
+def small_llama_dir(path: str, dtype: str) -> str:
+    """The 19M-parameter random Llama of the project's figures: hidden 256, 4 layers, 8 heads,
+    4 KV heads, vocab 32000."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048)
+    LlamaForCausalLM(cfg).to(getattr(torch, dtype)).save_pretrained(path)
+    return path
+
+
+def time_steps(fn, steps: int) -> list[float]:
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+@torch.inference_mode()
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--dtype", default="float32")
+    args = ap.parse_args(argv)
+    path = small_llama_dir(tempfile.mkdtemp(prefix="pagedllm-bench-"), args.dtype)
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(10, 32000, (args.batch, args.context), generator=gen)
+    bs = 16
+
+    # pagedllm: prefill every request, then time decode steps
+    model = load_model(path)
+    blocks_each = -(-(args.context + args.steps + 2) // bs)
+    kv = allocate_kv_caches(model.config, 1 + args.batch * blocks_each, bs)
+    runner = ModelRunner(model, CpuAttentionOps(), kv, bs)
+    # scattered blocks, as in a pool that has served many requests
+    ids = (torch.randperm(args.batch * blocks_each, generator=gen) + 1).tolist()
+    tables = [ids[i * blocks_each:(i + 1) * blocks_each] for i in range(args.batch)]
+    tokens = [p.tolist() for p in prompts]
+    for i in range(args.batch):
+        logits = runner.execute([SeqInput(tokens[i], 0, tables[i])])
+        tokens[i].append(int(logits[0].argmax()))
+
+    def paged_step():
+        seqs = [SeqInput(t[-1:], len(t) - 1, tab) for t, tab in zip(tokens, tables)]
+        out = runner.execute(seqs).argmax(-1).tolist()
+        for t, nxt in zip(tokens, out):
+            t.append(nxt)
+
+    # transformers: one padded-free batch (equal lengths), its DynamicCache
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
+    from transformers import DynamicCache
+    cache = DynamicCache(config=hf.config)
+    out = hf(prompts, cache=cache, use_cache=True)
+    state = {"next": out.logits[:, -1].argmax(-1, keepdim=True)}
+
+    def hf_step():
+        o = hf(state["next"], cache=cache, use_cache=True)
+        state["next"] = o.logits[:, -1].argmax(-1, keepdim=True)
+
+    # alternate the two, step by step, so that the machine's drift hits both alike
+    paged_step()
+    hf_step()
+    ours, theirs = [], []
+    for _ in range(args.steps):
+        ours += time_steps(paged_step, 1)
+        theirs += time_steps(hf_step, 1)
+    ours_ms, theirs_ms = statistics.median(ours) * 1e3, statistics.median(theirs) * 1e3
+    print(f"decode step, {args.batch} requests x {args.context}-token context, {args.dtype}, "
+          f"median of {args.steps}:")
+    print(f"  pagedllm runner (cpu backend): {ours_ms:8.1f} ms")
+    print(f"  transformers forward + cache:  {theirs_ms:8.1f} ms")
+    print(f"  ratio (transformers / pagedllm): {theirs_ms / ours_ms:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

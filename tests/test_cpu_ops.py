@@ -1,0 +1,79 @@
+"""The cpu backend's ops against dense attention computed directly."""
+
+import pytest
+import torch
+
+from pagedllm.backends.cpu import CpuAttentionOps
+from pagedllm.conformance.op_cases import context_lengths, make_case
+
+OPS = CpuAttentionOps()
+ATOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("head_size", [64, 80, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_decode_attention(block_size, head_size, group):
+    ctx = context_lengths(block_size)
+    case = make_case([1] * len(ctx), ctx, block_size, head_size, num_kv_heads=2, group=group,
+                     seed=block_size * head_size + group)
+    out = OPS.decode_attention(case.query, case.kv_cache, case.decode_metadata(), case.scale)
+    assert (out.double() - case.expected).abs().max() <= ATOL[torch.float32]
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("head_size", [64, 80, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_prefill_and_chunked_prefill_attention(block_size, head_size, group):
+    ctx = context_lengths(block_size)
+    # whole prompts, then chunks that continue after a cached prefix
+    q_lens = ctx + [1, max(1, block_size - 2), 3, 100]
+    ctx = ctx + [block_size + 1, 2 * block_size, 1000, 1000]
+    case = make_case(q_lens, ctx, block_size, head_size, num_kv_heads=2, group=group, seed=group)
+    out = OPS.prefill_attention(case.query, case.kv_cache, case.prefill_metadata(), case.scale)
+    assert (out.double() - case.expected).abs().max() <= ATOL[torch.float32]
+
+
+@pytest.mark.parametrize("phase", ["decode", "prefill"])
+def test_requests_sharing_blocks(phase):
+    q_lens = [1, 1, 1] if phase == "decode" else [5, 17, 1]
+    case = make_case(q_lens, [40, 53, 33], block_size=16, head_size=64, num_kv_heads=2, group=4,
+                     share_prefix_blocks=2)
+    assert (case.block_tables[:, :2] == case.block_tables[0, :2]).all()
+    meta = case.decode_metadata() if phase == "decode" else case.prefill_metadata()
+    op = OPS.decode_attention if phase == "decode" else OPS.prefill_attention
+    out = op(case.query, case.kv_cache, meta, case.scale)
+    assert (out.double() - case.expected).abs().max() <= ATOL[torch.float32]
+
+
+def test_bfloat16_ops_within_tolerance():
+    case = make_case([1, 1, 7], [17, 300, 40], 16, 64, 2, 4, dtype=torch.bfloat16)
+    dec = make_case([1, 1], [17, 300], 16, 64, 2, 4, dtype=torch.bfloat16)
+    out = OPS.prefill_attention(case.query, case.kv_cache, case.prefill_metadata(), case.scale)
+    assert (out.double() - case.expected).abs().max() <= ATOL[torch.bfloat16]
+    out = OPS.decode_attention(dec.query, dec.kv_cache, dec.decode_metadata(), dec.scale)
+    assert (out.double() - dec.expected).abs().max() <= ATOL[torch.bfloat16]
+
+
+def test_write_kv_touches_exactly_the_chosen_slots():
+    kv = torch.zeros(2, 10, 4, 2, 8)
+    key, value = torch.randn(5, 2, 8), torch.randn(5, 2, 8)
+    slots = torch.tensor([37, 4, 5, 22, 9])
+    OPS.write_kv(key, value, kv, slots)
+    flat_k, flat_v = kv[0].view(-1, 2, 8), kv[1].view(-1, 2, 8)
+    assert torch.equal(flat_k[slots], key) and torch.equal(flat_v[slots], value)
+    others = torch.ones(40, dtype=torch.bool)
+    others[slots] = False
+    assert not flat_k[others].any() and not flat_v[others].any()
+
+
+def test_copy_and_swap_blocks():
+    caches = torch.randn(3, 2, 6, 4, 2, 8)
+    before = caches.clone()
+    OPS.copy_blocks(caches, [(1, 4), (2, 5)])
+    assert torch.equal(caches[:, :, 4], before[:, :, 1]) and torch.equal(caches[:, :, 5], before[:, :, 2])
+    assert torch.equal(caches[:, :, :4], before[:, :, :4])
+    host = torch.zeros(3, 2, 3, 4, 2, 8)
+    OPS.swap_blocks(caches, host, [(3, 0), (1, 2)])
+    assert torch.equal(host[:, :, 0], caches[:, :, 3]) and torch.equal(host[:, :, 2], caches[:, :, 1])
+    assert not host[:, :, 1].any()
