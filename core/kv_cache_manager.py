@@ -92,8 +92,11 @@ class KVCacheManager:
         end = start + num_new_tokens
         num_new_blocks = -(-end // bs) - len(table) - len(computed_blocks)
         cow = start % bs != 0 and table[start // bs].ref_cnt > 1
-        if num_new_blocks <= 0 and not cow:
-            if self.enable_caching and end // bs > self._num_hashed.get(rid, 0):
+        if num_new_blocks <= 0 and not cow and not computed_blocks:
+            if rid not in self.tables:
+                self.tables[rid] = table
+                self._num_hashed[rid] = 0
+            elif self.enable_caching and end // bs > self._num_hashed[rid]:
                 self._cache_full_blocks(request, table, end)
             return UNCHANGED
 

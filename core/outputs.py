@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 
 from .sampling_params import SamplingParams
 
@@ -12,7 +13,7 @@ class NewRequestData(msgspec.Struct, array_like=True):
     or forked. `token_ids` are all its known tokens (prompt and output so far)."""
 
     request_id: str
-    token_ids: list[int]
+    token_ids: np.ndarray  # int32; travels as its own frame (see protocol.py)
     num_prompt_tokens: int
     sampling_params: SamplingParams
     block_ids: list[int]

@@ -54,7 +54,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "arrival_time",
         "priority", "all_token_ids", "num_prompt_tokens", "num_computed_tokens", "status",
         "max_tokens", "min_tokens", "stop_ids", "block_hashes", "num_preemptions",
-        "num_cached_tokens", "stop_reason",
+        "num_cached_tokens", "stop_reason", "forks_pending",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
@@ -77,11 +77,19 @@ class Request:
         self.num_preemptions = 0
         self.num_cached_tokens = -1  # prefix-cache hit on first admission; -1 until then
         self.stop_reason: int | None = None  # the stop token that ended it, if any
+        # n > 1: the prompt is computed once, up to its last token, then the request forks
+        # into n that share those blocks and each compute the last token and sample on
+        self.forks_pending = sampling_params.n - 1
 
     @classmethod
     def from_engine_request(cls, req: EngineRequest, max_tokens: int) -> "Request":
         return cls(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_id,
                    req.arrival_time or None, max_tokens)
+
+    @property
+    def fork_point(self) -> int:
+        """How many tokens may be computed before the request must fork."""
+        return self.num_prompt_tokens - 1 if self.forks_pending else len(self.all_token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -100,6 +108,7 @@ class Request:
         for name in Request.__slots__:
             setattr(child, name, getattr(self, name))
         child.request_id = child_id
+        child.forks_pending = 0
         child.all_token_ids = list(self.all_token_ids)
         child.block_hashes = list(self.block_hashes)
         return child

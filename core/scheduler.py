@@ -10,11 +10,24 @@ from __future__ import annotations
 
 import itertools
 
+import msgspec
+import numpy as np
+
 from .config import CacheConfig, SchedulerConfig, check_fits
 from .errors import InvalidParameter
 from .kv_cache_manager import KVCacheManager
 from .outputs import EngineCoreOutput, NewRequestData, SchedulerOutput
 from .request import EngineRequest, Request, RequestStatus
+from .sampling_params import SamplingParams
+
+
+def child_request_id(parent_id: str, index: int) -> str:
+    """The id of sample `index` (1..n-1) of a request with n > 1; sample 0 keeps the parent id."""
+    return f"{parent_id}#{index}"
+
+
+def child_seed(seed: int, index: int) -> int:
+    return hash((seed, index, "sample")) & 0x7FFF_FFFF_FFFF_FFFF
 from .request_queue import RequestQueue
 
 
@@ -46,6 +59,9 @@ class Scheduler:
         if not prompt:
             raise InvalidParameter("prompt", "must contain at least one token")
         max_len = self.config.max_model_len
+        n = engine_request.sampling_params.n
+        if n > self.config.max_num_seqs:
+            raise InvalidParameter("n", f"must be <= max_num_seqs ({self.config.max_num_seqs}), got {n}")
         if len(prompt) >= max_len:
             raise InvalidParameter(
                 "prompt", f"has {len(prompt)} tokens; max_model_len is {max_len}, "
@@ -75,7 +91,8 @@ class Scheduler:
             outputs.append(EngineCoreOutput(rid, [], "abort"))
         return outputs
 
-    def fork_request(self, parent_id: str, child_id: str) -> Request:
+    def fork_request(self, parent_id: str, child_id: str,
+                     sampling_params: SamplingParams | None = None) -> Request:
         """A running request splits in two that share every block (parallel sampling, beams)."""
         if child_id in self.requests:
             raise InvalidParameter("request_id", f"{child_id!r} is already in use")
@@ -83,10 +100,21 @@ class Scheduler:
         if parent is None or parent.status != RequestStatus.RUNNING:
             raise ValueError(f"can only fork a running request, {parent_id!r} is not one")
         child = parent.fork(child_id)
+        if sampling_params is not None:
+            child.sampling_params = sampling_params
         self.kv.fork(parent, child)
         self.requests[child_id] = child
         self.running.append(child)
         return child
+
+    def _fork_samples(self, parent: Request) -> None:
+        """n > 1: the prompt (but its last token) is computed; split into n samples."""
+        params = parent.sampling_params
+        for i in range(1, parent.forks_pending + 1):
+            child_params = params if params.seed is None else \
+                msgspec.structs.replace(params, seed=child_seed(params.seed, i))
+            self.fork_request(parent.request_id, child_request_id(parent.request_id, i), child_params)
+        parent.forks_pending = 0
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -111,7 +139,8 @@ class Scheduler:
             if request.request_id not in self._on_worker:
                 self._on_worker.add(request.request_id)
                 new_requests.append(NewRequestData(
-                    request.request_id, list(request.all_token_ids), request.num_prompt_tokens,
+                    request.request_id, np.array(request.all_token_ids, dtype=np.int32),
+                    request.num_prompt_tokens,
                     request.sampling_params, kv.block_ids(request.request_id),
                     request.num_computed_tokens))
             elif delta[1]:
@@ -125,7 +154,9 @@ class Scheduler:
                     break
                 if request.status != RequestStatus.RUNNING:
                     continue  # preempted as a victim earlier in this loop
-                remaining = len(request.all_token_ids) - request.num_computed_tokens
+                remaining = request.fork_point - request.num_computed_tokens
+                if remaining <= 0:
+                    continue
                 if phase is self.running and remaining > 1:
                     prefills.append(request)
                     continue
@@ -151,7 +182,7 @@ class Scheduler:
         while (self.swapped and not preempted_now and budget > 0
                and len(self.running) < max_seqs):
             request = self.swapped.peek()
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.fork_point - request.num_computed_tokens, budget)
             blocks_needed = -(-(request.num_computed_tokens + num_new) // self.block_size)
             if blocks_needed > kv.pool.num_free:
                 break
@@ -164,10 +195,10 @@ class Scheduler:
             budget -= num_new
 
         while (self.waiting and not self.swapped and not preempted_now and budget > 0
-               and len(self.running) < max_seqs):
+               and len(self.running) + 1 + self.waiting.peek().forks_pending <= max_seqs):
             request = self.waiting.peek()
             computed_blocks, num_hit = kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_hit, budget)
+            num_new = min(request.fork_point - num_hit, budget)
             delta = kv.allocate_slots(request, num_new, computed_blocks)
             if delta is None:
                 break
@@ -179,6 +210,9 @@ class Scheduler:
             request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if num_new == 0:  # n > 1 and nothing to compute before forking
+                self._fork_samples(request)
+                continue
             record(request, num_new, delta)
             budget -= num_new
 
@@ -207,6 +241,8 @@ class Scheduler:
                 continue
             tokens = request.all_token_ids
             if request.num_computed_tokens < len(tokens):
+                if request.forks_pending and request.num_computed_tokens == request.fork_point:
+                    self._fork_samples(request)
                 continue
             token = sampled_token_ids[rid]
             tokens.append(token)

@@ -6,7 +6,7 @@ import pytest
 
 from pagedllm.core import CacheConfig, InvalidParameter, SamplingParams, SchedulerConfig
 from pagedllm.core.block_pool import BlockPool
-from pagedllm.core.outputs import SchedulerOutput
+from pagedllm.core.protocol import Decoder, Encoder, Step, ToWorker
 
 
 def test_core_imports_no_torch():
@@ -105,6 +105,9 @@ def test_scheduler_output_is_msgpack_serialisable():
     sched = make_scheduler()
     add(sched, "a", range(1, 10))
     plan = sched.schedule()
-    again = msgspec.msgpack.decode(msgspec.msgpack.encode(plan), type=SchedulerOutput)
+    frames = Encoder().encode(Step(plan))
+    assert len(frames) == 2  # the prompt's token ids travel as their own frame
+    again = Decoder(ToWorker).decode([bytes(f) for f in frames]).plan
     assert again.num_scheduled_tokens == {"a": 9}
     assert again.new_requests[0].block_ids == plan.new_requests[0].block_ids
+    assert again.new_requests[0].token_ids.tolist() == list(range(1, 10))

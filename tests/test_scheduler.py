@@ -169,3 +169,30 @@ def test_bad_requests_are_rejected_with_the_field_named():
     add(sched, "ok", [1, 2])
     with pytest.raises(InvalidParameter, match="request_id"):
         add(sched, "ok", [1, 2])
+
+
+@pytest.mark.parametrize("prompt_len", [1, 10, 16, 17])
+def test_n_samples_share_the_prompt_blocks(prompt_len):
+    sched = make_scheduler(block_size=4, num_blocks=64, budget=64, max_model_len=64,
+                           enable_prefix_caching=False)
+    add(sched, "r", range(1, prompt_len + 1), max_tokens=6, n=4, seed=7)
+    worker = FakeWorker(4, 64)
+    plan = sched.schedule()
+    sched.update(plan, worker.execute(plan))
+    if prompt_len > 1:
+        assert plan.num_scheduled_tokens == {"r": prompt_len - 1}
+    ids = ["r", "r#1", "r#2", "r#3"]
+    assert sorted(sched.requests) == ids
+    full_prompt_blocks = (prompt_len - 1) // 4
+    tables = [sched.kv.block_ids(i) for i in ids]
+    assert all(t[:full_prompt_blocks] == tables[0][:full_prompt_blocks] for t in tables)
+    seeds = {sched.requests[i].sampling_params.seed for i in ids}
+    assert len(seeds) == 4  # each sample its own seed stream
+    plan = sched.schedule()
+    assert plan.num_scheduled_tokens == {i: 1 for i in ids}
+    partial = (prompt_len - 1) % 4 != 0
+    assert len(plan.block_copies) == (3 if partial else 0)  # the shared partial block, copied on write
+    sched.update(plan, worker.execute(plan))
+    outputs, reasons, _ = run_to_completion(sched, worker)
+    sched.check_invariants()
+    assert sorted(reasons) == ids

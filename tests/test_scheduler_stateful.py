@@ -33,15 +33,15 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule(prefix=st.sampled_from(range(len(PREFIXES))), shared=st.integers(0, 31),
           tail=st.lists(st.integers(2, 60), max_size=30), max_tokens=st.integers(1, 12),
-          priority=st.integers(0, 3), ignore_eos=st.booleans())
-    def add_request(self, prefix, shared, tail, max_tokens, priority, ignore_eos):
+          priority=st.integers(0, 3), ignore_eos=st.booleans(), n=st.sampled_from([1, 1, 2, 3]))
+    def add_request(self, prefix, shared, tail, max_tokens, priority, ignore_eos, n):
         prompt = (PREFIXES[prefix][:shared] + tail)[:MAX_MODEL_LEN - 1] or [2]
         rid = f"r{self.next_id}"
         self.next_id += 1
         self.sched.add_request(EngineRequest(
             request_id=rid, prompt_token_ids=prompt, eos_token_id=EOS,
             sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos,
-                                           priority=priority)))
+                                           priority=priority, n=min(n, self.sched.config.max_num_seqs))))
 
     @precondition(lambda self: self.sched.requests)
     @rule(data=st.data())

@@ -1,0 +1,202 @@
+"""Every message on pagedllm's internal sockets, and how they are encoded.
+
+All messages are msgspec Structs encoded as msgpack; nothing is pickled. A message is sent as
+one or more ZeroMQ frames: frame 0 is the msgpack body; numpy arrays inside it travel as
+further frames, referenced from the body by an extension type, so large integer arrays are
+neither copied into the body on send nor out of the frame on receive.
+
+Frontend -> core:  AddRequest, AbortRequests, Shutdown        (PUSH -> PULL)
+Core -> frontend:  EngineReady, EngineOutputs, RequestRejected, EngineDead
+Core -> worker:    InitCache, Step, Shutdown                   (PUSH -> PULL)
+Worker -> core:    WorkerHello, WorkerReady, StepResult, WorkerFailed
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+import numpy as np
+
+from .outputs import EngineCoreOutput, SchedulerOutput
+from .request import EngineRequest
+
+_NDARRAY_EXT = 1
+
+
+# --- frontend <-> core ---------------------------------------------------------------------
+class AddRequest(msgspec.Struct, tag="add"):
+    request: EngineRequest
+
+
+class AbortRequests(msgspec.Struct, tag="abort"):
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+class EngineStats(msgspec.Struct):
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    peak_blocks_used: int
+    num_blocks: int
+    steps: int
+
+
+class EngineReady(msgspec.Struct, tag="ready"):
+    num_blocks: int
+    num_swap_blocks: int
+    block_size: int
+    max_model_len: int
+    backend: str
+    kv_segment: str | None  # name of the shared-memory block pool, if the backend uses one
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    token_logprob: float
+    rank: int
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+class RequestOutputDelta(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    num_cached_tokens: int = 0
+
+
+class EngineOutputs(msgspec.Struct, tag="outputs"):
+    outputs: list[RequestOutputDelta]
+    stats: EngineStats | None = None
+
+
+class RequestRejected(msgspec.Struct, tag="rejected"):
+    request_id: str
+    field: str
+    message: str
+
+
+class EngineDead(msgspec.Struct, tag="dead"):
+    reason: str
+
+
+FrontendMessage = Union[AddRequest, AbortRequests, Shutdown]
+CoreMessage = Union[EngineReady, EngineOutputs, RequestRejected, EngineDead]
+
+
+# --- core <-> worker -----------------------------------------------------------------------
+class KVSpec(msgspec.Struct):
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    dtype: str  # float32, bfloat16, float16
+
+    @property
+    def bytes_per_block_slot(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_size * DTYPE_SIZES[self.dtype]
+
+
+DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class WorkerHello(msgspec.Struct, tag="hello"):
+    rank: int
+    kv_spec: KVSpec
+    max_position_embeddings: int
+    sliding_window: int | None
+    kv_in_shared_memory: bool  # the backend keeps its KV pool in host shared memory
+    num_device_blocks: int | None  # GPU backends: blocks that fit after profiling
+
+
+class InitCache(msgspec.Struct, tag="init_cache"):
+    num_blocks: int
+    num_swap_blocks: int
+    block_size: int
+    kv_segment: str | None
+    swap_segment: str | None
+    max_model_len: int
+
+
+class WorkerReady(msgspec.Struct, tag="worker_ready"):
+    rank: int
+
+
+class Step(msgspec.Struct, tag="step"):
+    plan: SchedulerOutput
+
+
+class StepResult(msgspec.Struct, tag="result"):
+    step_id: int
+    # one per scheduled request, in the plan's order; -1 where a prefill chunk sampled nothing
+    sampled_token_ids: np.ndarray
+    logprobs: dict[str, TokenLogprobs] | None = None
+    forward_seconds: float = 0.0
+
+
+class WorkerFailed(msgspec.Struct, tag="failed"):
+    rank: int
+    reason: str
+
+
+ToWorker = Union[InitCache, Step, Shutdown]
+FromWorker = Union[WorkerHello, WorkerReady, StepResult, WorkerFailed]
+
+
+# --- encoding ------------------------------------------------------------------------------
+class Encoder:
+    """msgpack with numpy arrays out of band: encode() returns the frames to send."""
+
+    def __init__(self):
+        self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
+        self._buffers: list = []
+
+    def encode(self, message) -> list:
+        self._buffers = [None]
+        body = self._encoder.encode(message)
+        frames, self._buffers = self._buffers, []
+        frames[0] = body
+        return frames
+
+    def _enc_hook(self, obj):
+        if isinstance(obj, np.ndarray):
+            arr = np.ascontiguousarray(obj)
+            self._buffers.append(arr.data)
+            header = msgspec.msgpack.encode((arr.dtype.str, arr.shape, len(self._buffers) - 1))
+            return msgspec.msgpack.Ext(_NDARRAY_EXT, header)
+        raise TypeError(f"cannot encode {type(obj).__name__} on a pagedllm socket")
+
+
+class Decoder:
+    def __init__(self, message_type):
+        self._decoder = msgspec.msgpack.Decoder(message_type, ext_hook=self._ext_hook,
+                                                dec_hook=self._dec_hook)
+        self._frames: list = []
+
+    def decode(self, frames: list):
+        self._frames = frames
+        try:
+            return self._decoder.decode(frames[0])
+        finally:
+            self._frames = []
+
+    def _ext_hook(self, code: int, data: memoryview):
+        if code != _NDARRAY_EXT:
+            raise msgspec.ValidationError(f"unknown extension type {code}")
+        dtype, shape, index = msgspec.msgpack.decode(data)
+        return np.frombuffer(self._frames[index], dtype=np.dtype(dtype)).reshape(shape)
+
+    @staticmethod
+    def _dec_hook(type_, obj):
+        if type_ is np.ndarray and isinstance(obj, np.ndarray):
+            return obj
+        raise msgspec.ValidationError(f"expected {type_}, got {type(obj).__name__}")
