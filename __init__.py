@@ -6,4 +6,15 @@ from pagedllm.core.errors import InvalidParameter
 from pagedllm.core.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["SamplingParams", "InvalidParameter", "__version__"]
+__all__ = ["LLM", "SamplingParams", "InvalidParameter", "RequestOutput", "CompletionOutput", "__version__"]
+
+
+def __getattr__(name):
+    # LLM pulls in the frontend (transformers); `import pagedllm.core` must stay light.
+    if name == "LLM":
+        from pagedllm.entrypoints.llm import LLM
+        return LLM
+    if name in ("RequestOutput", "CompletionOutput"):
+        from pagedllm.entrypoints import outputs
+        return getattr(outputs, name)
+    raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")

@@ -19,9 +19,21 @@ from pagedllm.core.sampling_params import SamplingParams
 @dataclass
 class SamplingRow:
     params: SamplingParams
-    prompt_token_ids: list[int] = field(default_factory=list)
-    output_token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # prompt and output so far
+    num_prompt_tokens: int = 0
     eos_token_id: int | None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
 
 
 @dataclass
@@ -75,7 +87,7 @@ class Sampler:
         for j, row in enumerate(rows):
             seed = row.params.seed
             gen = self.generator if seed is None else \
-                torch.Generator().manual_seed(_seed_for(seed, len(row.output_token_ids)))
+                torch.Generator().manual_seed(_seed_for(seed, row.num_output_tokens))
             noise[j].exponential_(generator=gen)
         return (probs / noise).argmax(dim=-1)
 
@@ -109,7 +121,7 @@ def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
     """Until a request has min_tokens outputs, its EOS and stop tokens cannot be drawn."""
     blocked = []
     for i, row in enumerate(rows):
-        if len(row.output_token_ids) < row.params.min_tokens:
+        if row.num_output_tokens < row.params.min_tokens:
             ids = list(row.params.stop_token_ids or ())
             if row.eos_token_id is not None and not row.params.ignore_eos:
                 ids.append(row.eos_token_id)

@@ -55,3 +55,66 @@ def check_fits(cache: CacheConfig, sched: SchedulerConfig) -> None:
             f"{sched.max_model_len} tokens need {needed} KV blocks of {cache.block_size} but the cache "
             f"has {usable}; lower max_model_len or give the KV cache more memory",
         )
+
+
+class EngineConfig(msgspec.Struct, kw_only=True):
+    """Everything the engine core needs to start. Field names follow vLLM's engine flags."""
+
+    model: str
+    backend: str = "cpu"
+    dtype: str = "auto"
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # default: max(2048, max_model_len)
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    scheduler_policy: str = "fcfs"
+    preemption_mode: str = "recompute"
+    seed: int = 0
+    kv_cache_memory: int = 1 << 30  # bytes of KV pool (cpu backend)
+    num_kv_blocks: int | None = None  # exact pool size, overriding kv_cache_memory
+    swap_space: int = 0  # bytes of host swap space
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+
+    def __post_init__(self):
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise InvalidParameter("block_size", f"must be a power of two in 1..128, got {self.block_size}")
+        for field in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks"):
+            value = getattr(self, field)
+            if value is not None and value < 1:
+                raise InvalidParameter(field, f"must be >= 1, got {value}")
+        if self.kv_cache_memory < 1:
+            raise InvalidParameter("kv_cache_memory", f"must be > 0 bytes, got {self.kv_cache_memory}")
+        if self.swap_space < 0:
+            raise InvalidParameter("swap_space", f"must be >= 0, got {self.swap_space}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise InvalidParameter("gpu_memory_utilization",
+                                   f"must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.scheduler_policy not in SCHEDULER_POLICIES:
+            raise InvalidParameter("scheduler_policy",
+                                   f"must be one of {SCHEDULER_POLICIES}, got {self.scheduler_policy!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise InvalidParameter("preemption_mode",
+                                   f"must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.tensor_parallel_size != 1:
+            raise InvalidParameter("tensor_parallel_size",
+                                   f"only 1 is supported so far, got {self.tensor_parallel_size}")
+
+
+def parse_size(value, field: str) -> int:
+    """Bytes from an int or a string such as '512MiB', '4GiB', '1.5GB' (GB = GiB here)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return int(value)
+    if isinstance(value, str):
+        text = value.strip().lower().replace(" ", "")
+        for suffix, scale in (("gib", 1 << 30), ("gb", 1 << 30), ("g", 1 << 30), ("mib", 1 << 20),
+                              ("mb", 1 << 20), ("m", 1 << 20), ("kib", 1 << 10), ("kb", 1 << 10),
+                              ("k", 1 << 10), ("b", 1), ("", 1)):
+            if text.endswith(suffix):
+                try:
+                    return int(float(text[:len(text) - len(suffix)] or "x") * scale)
+                except ValueError:
+                    break
+    raise InvalidParameter(field, f"must be a size such as 4GiB or 512MiB, got {value!r}")

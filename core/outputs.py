@@ -18,6 +18,7 @@ class NewRequestData(msgspec.Struct, array_like=True):
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    eos_token_id: int | None = None
 
 
 class SchedulerOutput(msgspec.Struct, kw_only=True):

@@ -142,7 +142,7 @@ class Scheduler:
                     request.request_id, np.array(request.all_token_ids, dtype=np.int32),
                     request.num_prompt_tokens,
                     request.sampling_params, kv.block_ids(request.request_id),
-                    request.num_computed_tokens))
+                    request.num_computed_tokens, request.eos_token_id))
             elif delta[1]:
                 deltas[request.request_id] = delta
 

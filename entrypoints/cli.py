@@ -3,15 +3,129 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from pagedllm import __version__
 
 
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """Engine flags, named as vLLM names them."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="Hugging Face model folder (default: the built-in demo model)")
+    g.add_argument("--backend", default="cpu", help="cpu, cuda-triton, cuda-native, cuda, or an installed plugin")
+    g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--scheduler-policy", default="fcfs", choices=["fcfs", "priority"])
+    g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
+    g.add_argument("--swap-space", type=float, default=None, help="GiB of host swap space")
+    g.add_argument("--kv-cache-memory", default="1GiB", help="KV pool size, e.g. 512MiB or 4GiB")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--tensor-parallel-size", type=int, default=1)
+
+
+def add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default here)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--min-tokens", type=int, default=0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--n", type=int, default=1)
+    g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--logprobs", type=int, default=None)
+
+
+def engine_kwargs(args) -> dict:
+    return dict(model=args.model, backend=args.backend, dtype=args.dtype, block_size=args.block_size,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
+                scheduler_policy=args.scheduler_policy, preemption_mode=args.preemption_mode,
+                swap_space=args.swap_space, kv_cache_memory=args.kv_cache_memory,
+                gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
+                tensor_parallel_size=args.tensor_parallel_size)
+
+
+def sampling_params(args):
+    from pagedllm.core.sampling_params import SamplingParams
+    return SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        max_tokens=args.max_tokens, min_tokens=args.min_tokens, repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty, n=args.n,
+        seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos, logprobs=args.logprobs)
+
+
+def read_jsonl(path: str) -> list:
+    prompts = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--input: line {lineno} is not JSON: {e}") from None
+            if isinstance(item, str):
+                item = {"prompt": item}
+            if not isinstance(item, dict) or not ("prompt" in item or "prompt_token_ids" in item):
+                raise ValueError(f"--input: line {lineno} needs a 'prompt' or 'prompt_token_ids' field")
+            prompts.append(item)
+    return prompts
+
+
+def cmd_generate(args) -> int:
+    from pagedllm.core.errors import InvalidParameter
+    from pagedllm.entrypoints.llm import LLM
+
+    if args.input:
+        prompts = read_jsonl(args.input)
+    elif args.prompts:
+        prompts = list(args.prompts)
+    else:
+        raise ValueError("give prompts as arguments or --input prompts.jsonl")
+    params = sampling_params(args)
+    with LLM(**engine_kwargs(args)) as llm:
+        outputs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
+        out = open(args.output, "w") if args.output else None
+        try:
+            for o in outputs:
+                if out is not None:
+                    out.write(json.dumps({
+                        "prompt": o.prompt, "prompt_token_ids": o.prompt_token_ids,
+                        "outputs": [{"text": c.text, "token_ids": c.token_ids,
+                                     "finish_reason": c.finish_reason} for c in o.outputs]}) + "\n")
+                else:
+                    for c in o.outputs:
+                        print(f"{o.prompt or o.prompt_token_ids!r} -> {c.text!r} [{c.finish_reason}]")
+        finally:
+            if out is not None:
+                out.close()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedllm", description=__doc__)
+    parser = argparse.ArgumentParser(prog="pagedllm", description="PagedAttention LLM inference engine")
     parser.add_argument("--version", action="version", version=f"pagedllm {__version__}")
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    gen = sub.add_parser("generate", help="generate completions offline")
+    gen.add_argument("prompts", nargs="*", metavar="PROMPT")
+    gen.add_argument("--input", help="JSONL file: one {\"prompt\": ...} or {\"prompt_token_ids\": [...]} per line")
+    gen.add_argument("--output", help="write JSONL results here instead of printing")
+    gen.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_engine_flags(gen)
+    add_sampling_flags(gen)
+    gen.set_defaults(func=cmd_generate)
     return parser
 
 
@@ -21,7 +135,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    return 0
+    from pagedllm.core.errors import InvalidParameter
+    from pagedllm.backends.registry import UnknownBackend
+    try:
+        return args.func(args)
+    except InvalidParameter as e:
+        flag = "--" + e.field.replace("_", "-")
+        parser.exit(2, f"pagedllm: error: {flag}: {str(e).split(': ', 1)[-1]}\n")
+    except (UnknownBackend, ValueError, FileNotFoundError) as e:
+        parser.exit(2, f"pagedllm: error: {e}\n")
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

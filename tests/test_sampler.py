@@ -9,6 +9,10 @@ from pagedllm.core import SamplingParams
 VOCAB = 50
 
 
+def row(params, prompt=(), output=(), eos=None) -> SamplingRow:
+    return SamplingRow(params, list(prompt) + list(output), len(prompt), eos)
+
+
 def logits_batch(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, VOCAB, generator=torch.Generator().manual_seed(seed)) * 2
 
@@ -67,12 +71,12 @@ def test_same_seed_same_tokens_alone_and_in_a_batch_of_16():
     alone = []
     sampler = Sampler(seed=0)
     for step in range(5):
-        alone.append(sampler(logits[3:4], [SamplingRow(seeded, output_token_ids=[0] * step)]).token_ids[0])
+        alone.append(sampler(logits[3:4], [row(seeded, output=[0] * step)]).token_ids[0])
     batched = []
     sampler = Sampler(seed=99)
     for step in range(5):
         rows = [SamplingRow(SamplingParams(temperature=1.0, seed=i)) for i in range(16)]
-        rows[3] = SamplingRow(seeded, output_token_ids=[0] * step)
+        rows[3] = row(seeded, output=[0] * step)
         batched.append(sampler(logits, rows).token_ids[3])
     assert alone == batched
     assert len(set(alone)) > 1  # the stream moves on with each generated token
@@ -80,9 +84,9 @@ def test_same_seed_same_tokens_alone_and_in_a_batch_of_16():
 
 def test_penalties_change_logits_exactly_as_defined():
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
-    row = SamplingRow(SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25),
-                      prompt_token_ids=[0], output_token_ids=[1, 3, 3])
-    got = apply_penalties(logits, [row])[0]
+    r = row(SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25),
+            prompt=[0], output=[1, 3, 3])
+    got = apply_penalties(logits, [r])[0]
     # token 0: prompt only -> 2/2; token 1: once in output -> -1*2 - 0.5 - 0.25;
     # token 2: unseen; token 3: twice -> 3/2 - 2*0.5 - 0.25; token 4: unseen
     expected = torch.tensor([1.0, -2.75, 0.5, 0.25, -2.0])
@@ -94,11 +98,10 @@ def test_min_tokens_blocks_eos_and_stop_ids():
     logits = torch.zeros(1, VOCAB)
     logits[0, 7] = 10.0
     logits[0, 8] = 9.0
-    row = SamplingRow(SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[8]),
-                      output_token_ids=[1], eos_token_id=7)
-    assert Sampler()(logits, [row]).token_ids == [logits[0, :7].argmax().item()]
-    row.output_token_ids = [1, 2]
-    assert Sampler()(logits, [row]).token_ids == [7]
+    r = row(SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[8]), output=[1], eos=7)
+    assert Sampler()(logits, [r]).token_ids == [logits[0, :7].argmax().item()]
+    r.token_ids.append(2)
+    assert Sampler()(logits, [r]).token_ids == [7]
 
 
 @pytest.mark.parametrize("k", [0, 3])

@@ -1,0 +1,50 @@
+"""Backend registry: built-in backends and out-of-tree ones from the entry-point group
+`pagedllm.backends`. Importing this module imports no torch: a backend's module is imported
+only when it is loaded."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+
+ENTRY_POINT_GROUP = "pagedllm.backends"
+
+# name -> "module:attribute" of a callable returning an AttentionOps
+BUILTIN_BACKENDS = {
+    "cpu": "pagedllm.backends.cpu:CpuAttentionOps",
+}
+
+
+@dataclass
+class BackendSpec:
+    name: str
+    target: str  # module:attribute
+    builtin: bool
+
+
+class UnknownBackend(ValueError):
+    pass
+
+
+def available_backends() -> dict[str, BackendSpec]:
+    specs = {name: BackendSpec(name, target, True) for name, target in BUILTIN_BACKENDS.items()}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name not in specs:
+            specs[ep.name] = BackendSpec(ep.name, ep.value, False)
+    return specs
+
+
+def resolve(name: str) -> BackendSpec:
+    specs = available_backends()
+    if name not in specs:
+        raise UnknownBackend(f"backend: unknown backend {name!r}; known backends: {', '.join(sorted(specs))}")
+    return specs[name]
+
+
+def load_backend(name: str):
+    """Instantiate the backend's AttentionOps."""
+    spec = resolve(name)
+    module_name, _, attr = spec.target.partition(":")
+    factory = getattr(importlib.import_module(module_name), attr)
+    return factory()

@@ -1,0 +1,179 @@
+"""The backend worker process: holds the model and the KV cache, runs the steps the core plans.
+
+It keeps per-request state (token ids, block table, computed count) and applies each step's
+differences to it; the core never resends what the worker already has.
+`python -m pagedllm.backends.worker --rank 0 --input ENDPOINT --output ENDPOINT --config JSON`
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+import torch
+import zmq
+
+from pagedllm.core import shm
+from pagedllm.core.config import EngineConfig
+from pagedllm.core.ipc import Channel
+from pagedllm.core.outputs import SchedulerOutput
+from pagedllm.core.protocol import (InitCache, KVSpec, Shutdown, Step, StepResult, TokenLogprobs, ToWorker,
+                                    WorkerFailed, WorkerHello, WorkerReady)
+from pagedllm.core.sampling_params import SamplingParams
+
+from .models.config import DTYPES
+from .models.loader import load_model
+from .registry import load_backend
+from .runner import ModelRunner, SeqInput
+from .sampler import Sampler, SamplingRow
+
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+POLL_MS = 100
+
+
+@dataclass
+class RequestState:
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    block_ids: list[int]
+    num_computed: int
+    eos_token_id: int | None
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, rank: int = 0):
+        self.config = config
+        self.rank = rank
+        torch.manual_seed(config.seed)
+        self.ops = load_backend(config.backend)
+        self.device = getattr(self.ops, "device", "cpu")
+        self.model = load_model(config.model, dtype=config.dtype, device=self.device)
+        self.model_config = self.model.config
+        self.states: dict[str, RequestState] = {}
+        self.runner: ModelRunner | None = None
+        self.sampler = Sampler(config.seed)
+        self._mappings = []
+
+    def hello(self) -> WorkerHello:
+        cfg = self.model_config
+        return WorkerHello(
+            rank=self.rank,
+            kv_spec=KVSpec(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+                           head_size=cfg.head_dim, dtype=DTYPE_NAMES[cfg.dtype]),
+            max_position_embeddings=cfg.max_position_embeddings, sliding_window=cfg.sliding_window,
+            kv_in_shared_memory=getattr(self.ops, "kv_in_shared_memory", True),
+            num_device_blocks=None)
+
+    def _cache_tensor(self, segment: str | None, num_blocks: int, block_size: int) -> torch.Tensor:
+        cfg = self.model_config
+        shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        if segment is None:
+            return torch.zeros(shape, dtype=cfg.dtype, device=self.device)
+        mapping = shm.map_segment(segment)
+        self._mappings.append(mapping)
+        return torch.frombuffer(mapping, dtype=cfg.dtype, count=int(np.prod(shape))).view(shape)
+
+    def init_cache(self, msg: InitCache) -> WorkerReady:
+        kv = self._cache_tensor(msg.kv_segment, msg.num_blocks, msg.block_size)
+        self.swap = self._cache_tensor(msg.swap_segment, msg.num_swap_blocks, msg.block_size) \
+            if msg.num_swap_blocks else None
+        self.runner = ModelRunner(self.model, self.ops, kv, msg.block_size, self.device)
+        return WorkerReady(rank=self.rank)
+
+    def execute(self, plan: SchedulerOutput) -> StepResult:
+        states = self.states
+        for rid in plan.finished_request_ids:
+            states.pop(rid, None)
+        for rid in plan.preempted_request_ids:
+            states.pop(rid, None)
+        kv = self.runner.kv_caches
+        self.ops.swap_blocks(kv, self.swap, plan.swap_out)
+        self.ops.swap_blocks(self.swap, kv, plan.swap_in)
+        self.ops.copy_blocks(kv, plan.block_copies)
+        for new in plan.new_requests:
+            states[new.request_id] = RequestState(
+                new.token_ids.tolist(), new.num_prompt_tokens, new.sampling_params, list(new.block_ids),
+                new.num_computed_tokens, new.eos_token_id)
+        for rid, (start, ids) in plan.block_table_deltas.items():
+            blocks = states[rid].block_ids
+            del blocks[start:]
+            blocks.extend(ids)
+
+        seqs, order = [], []
+        for rid, n in plan.num_scheduled_tokens.items():
+            st = states[rid]
+            seqs.append(SeqInput(st.token_ids[st.num_computed:st.num_computed + n], st.num_computed,
+                                 st.block_ids))
+            st.num_computed += n
+            order.append(st)
+        t0 = time.perf_counter()
+        logits = self.runner.execute(seqs)
+        rows = [i for i, st in enumerate(order) if st.num_computed == len(st.token_ids)]
+        sampled = np.full(len(order), -1, dtype=np.int64)
+        logprobs = None
+        if rows:
+            batch = [order[i] for i in rows]
+            out = self.sampler(logits[rows], [SamplingRow(st.params, st.token_ids, st.num_prompt_tokens,
+                                                          st.eos_token_id) for st in batch])
+            for i, st, tok in zip(rows, batch, out.token_ids):
+                st.token_ids.append(tok)
+                sampled[i] = tok
+            rids = list(plan.num_scheduled_tokens)
+            for i, lp in zip(rows, out.logprobs):
+                if lp is not None:
+                    logprobs = logprobs or {}
+                    logprobs[rids[i]] = TokenLogprobs(lp.token_logprob, lp.rank, lp.top_token_ids,
+                                                      lp.top_logprobs)
+        return StepResult(step_id=plan.step_id, sampled_token_ids=sampled, logprobs=logprobs,
+                          forward_seconds=time.perf_counter() - t0)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--input", required=True)
+    ap.add_argument("--output", required=True)
+    ap.add_argument("--config", required=True)
+    args = ap.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend orchestrates shutdown
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    parent = os.getppid()
+    ctx = zmq.Context()
+    inbox = Channel(ctx, zmq.PULL, args.input, bind=False, message_type=ToWorker)
+    outbox = Channel(ctx, zmq.PUSH, args.output, bind=False)
+    code = 0
+    try:
+        worker = Worker(msgspec.json.decode(args.config, type=EngineConfig), args.rank)
+        outbox.send(worker.hello())
+        while True:
+            if not inbox.poll(POLL_MS):
+                if os.getppid() != parent:
+                    break  # the engine core is gone
+                continue
+            msg = inbox.recv()
+            if isinstance(msg, Step):
+                outbox.send(worker.execute(msg.plan))
+            elif isinstance(msg, InitCache):
+                outbox.send(worker.init_cache(msg))
+            elif isinstance(msg, Shutdown):
+                break
+    except Exception as e:  # noqa: BLE001 - the core must learn why
+        outbox.send(WorkerFailed(rank=args.rank, reason=f"{e}\n{traceback.format_exc()}"))
+        code = 1
+    finally:
+        inbox.close()
+        outbox.close(linger_ms=2000)
+        ctx.term()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,246 @@
+"""The engine-core process: one loop that takes requests and aborts, schedules a step, has the
+worker run it, applies the sampled tokens and streams outputs back. Never imports torch.
+
+While the worker computes step k+1, the core sends step k's outputs to the frontend and takes
+new messages, so its own work overlaps the forward pass.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import zmq
+
+from . import shm
+from .config import CacheConfig, EngineConfig, SchedulerConfig
+from .errors import InvalidParameter
+from .ipc import Channel
+from .protocol import (AbortRequests, AddRequest, EngineDead, EngineOutputs, EngineReady, EngineStats,
+                       FromWorker, FrontendMessage, InitCache, RequestOutputDelta, RequestRejected,
+                       Shutdown, Step, StepResult, WorkerFailed, WorkerHello, WorkerReady)
+from .scheduler import Scheduler
+
+POLL_MS = 100  # how often a blocked loop checks that its peers are alive
+WORKER_START_TIMEOUT_S = 300
+
+
+class EngineFailure(RuntimeError):
+    pass
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, input_endpoint: str, output_endpoint: str,
+                 worker_in: str, worker_out: str):
+        self.config = config
+        self.parent_pid = os.getppid()
+        self.ctx = zmq.Context()
+        self.from_frontend = Channel(self.ctx, zmq.PULL, input_endpoint, bind=True,
+                                     message_type=FrontendMessage)
+        self.to_frontend = Channel(self.ctx, zmq.PUSH, output_endpoint, bind=True)
+        self.to_worker = Channel(self.ctx, zmq.PUSH, worker_in, bind=True)
+        self.from_worker = Channel(self.ctx, zmq.PULL, worker_out, bind=True, message_type=FromWorker)
+        self.worker_endpoints = (worker_in, worker_out)
+        self.worker: subprocess.Popen | None = None
+        self.segments: list[str] = []
+        self.scheduler: Scheduler | None = None
+        self.pending: list[RequestOutputDelta] = []
+        self.steps = 0
+        self.stopping = False
+
+    # --- start-up -------------------------------------------------------------------------
+    def start(self) -> None:
+        shm.remove_stale_segments()
+        self.worker = subprocess.Popen(
+            [sys.executable, "-m", "pagedllm.backends.worker", "--rank", "0",
+             "--input", self.worker_endpoints[0], "--output", self.worker_endpoints[1],
+             "--config", _json(self.config)],
+            stdin=subprocess.DEVNULL)
+        hello = self._expect_from_worker(WorkerHello, WORKER_START_TIMEOUT_S)
+        cfg = self.config
+        max_model_len = cfg.max_model_len or hello.max_position_embeddings
+        if hello.sliding_window and max_model_len > hello.sliding_window:
+            max_model_len = hello.sliding_window  # attention beyond the window is not implemented
+        slot_bytes = hello.kv_spec.bytes_per_block_slot
+        if cfg.num_kv_blocks:
+            num_blocks = cfg.num_kv_blocks
+        elif hello.num_device_blocks is not None:
+            num_blocks = hello.num_device_blocks
+        else:
+            num_blocks = cfg.kv_cache_memory // (slot_bytes * cfg.block_size)
+        num_blocks = max(num_blocks, 2)
+        if cfg.max_model_len is None:  # the model's own limit, capped by what the cache holds
+            max_model_len = min(max_model_len, (num_blocks - 1) * cfg.block_size)
+        num_swap = cfg.swap_space // (slot_bytes * cfg.block_size)
+        cache_config = CacheConfig(block_size=cfg.block_size, num_blocks=num_blocks,
+                                   num_swap_blocks=num_swap, enable_prefix_caching=cfg.enable_prefix_caching)
+        sched_config = SchedulerConfig(
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens or max(2048, max_model_len),
+            max_model_len=max_model_len, policy=cfg.scheduler_policy, preemption_mode=cfg.preemption_mode)
+        self.scheduler = Scheduler(sched_config, cache_config)  # checks that max_model_len fits
+
+        kv_segment = swap_segment = None
+        block_bytes = slot_bytes * cfg.block_size
+        if hello.kv_in_shared_memory:
+            kv_segment = shm.segment_name("kv")
+            shm.create_segment(kv_segment, num_blocks * block_bytes)
+            self.segments.append(kv_segment)
+        if num_swap:
+            swap_segment = shm.segment_name("swap")
+            shm.create_segment(swap_segment, num_swap * block_bytes)
+            self.segments.append(swap_segment)
+        self.to_worker.send(InitCache(num_blocks=num_blocks, num_swap_blocks=num_swap,
+                                      block_size=cfg.block_size, kv_segment=kv_segment,
+                                      swap_segment=swap_segment, max_model_len=max_model_len))
+        self._expect_from_worker(WorkerReady, WORKER_START_TIMEOUT_S)
+        self.to_frontend.send(EngineReady(num_blocks=num_blocks, num_swap_blocks=num_swap,
+                                          block_size=cfg.block_size, max_model_len=max_model_len,
+                                          backend=cfg.backend, kv_segment=kv_segment))
+
+    def _expect_from_worker(self, kind, timeout_s: float):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self._check_peers()
+            if self.from_worker.poll(POLL_MS):
+                msg = self.from_worker.recv()
+                if isinstance(msg, WorkerFailed):
+                    raise EngineFailure(f"worker {msg.rank} failed: {msg.reason}")
+                if isinstance(msg, kind):
+                    return msg
+                raise EngineFailure(f"worker sent {type(msg).__name__}, expected {kind.__name__}")
+        raise EngineFailure(f"worker sent no {kind.__name__} within {timeout_s:.0f} s")
+
+    def _check_peers(self) -> None:
+        if self.worker is not None and self.worker.poll() is not None:
+            raise EngineFailure(f"worker process exited with code {self.worker.returncode}")
+        if os.getppid() != self.parent_pid:
+            self.stopping = True
+            raise EngineFailure("frontend process is gone")
+
+    # --- the loop -------------------------------------------------------------------------
+    def run(self) -> None:
+        sched = self.scheduler
+        in_flight = None
+        while not self.stopping:
+            if in_flight is None:
+                busy = sched.has_unfinished_requests()
+                self._take_frontend_messages(0 if busy else POLL_MS)
+                if not busy:
+                    self._check_peers()
+                    continue
+                if self.stopping:
+                    break
+                in_flight = self._send_step()
+                if in_flight is None:
+                    continue
+            # the worker computes; meanwhile flush outputs and take new messages
+            self._flush_outputs()
+            self._take_frontend_messages(0)
+            result = self._wait_result()
+            outputs = sched.update(in_flight, _sampled_dict(in_flight, result))
+            self._collect(outputs, result)
+            self.steps += 1
+            in_flight = self._send_step() if sched.has_unfinished_requests() and not self.stopping else None
+            if in_flight is None:
+                self._flush_outputs()
+
+    def _send_step(self):
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            self._flush_outputs()
+            return None
+        self.to_worker.send(Step(plan))
+        return plan
+
+    def _wait_result(self) -> StepResult:
+        while True:
+            if self.from_worker.poll(POLL_MS):
+                msg = self.from_worker.recv()
+                if isinstance(msg, StepResult):
+                    return msg
+                if isinstance(msg, WorkerFailed):
+                    raise EngineFailure(f"worker {msg.rank} failed: {msg.reason}")
+                raise EngineFailure(f"worker sent {type(msg).__name__} during a step")
+            self._check_peers()
+
+    def _collect(self, outputs, result: StepResult) -> None:
+        logprobs = result.logprobs or {}
+        requests = self.scheduler.requests
+        for out in outputs:
+            lp = logprobs.get(out.request_id)
+            req = requests.get(out.request_id)
+            self.pending.append(RequestOutputDelta(
+                out.request_id, out.new_token_ids, out.finish_reason, out.stop_reason,
+                [lp] if lp is not None else None,
+                req.num_cached_tokens if req is not None else 0))
+
+    def _flush_outputs(self) -> None:
+        if self.pending:
+            self.to_frontend.send(EngineOutputs(self.pending, self._stats()))
+            self.pending = []
+
+    def _stats(self) -> EngineStats:
+        s = self.scheduler.stats()
+        pool = self.scheduler.kv.pool
+        return EngineStats(num_running=s["num_running"], num_waiting=s["num_waiting"],
+                           num_swapped=s["num_swapped"], kv_cache_usage=s["kv_cache_usage"],
+                           prefix_cache_queries=s["prefix_cache_queries"],
+                           prefix_cache_hits=s["prefix_cache_hits"],
+                           num_preemptions=s["num_preemptions"], peak_blocks_used=pool.peak_used,
+                           num_blocks=pool.num_blocks, steps=self.steps)
+
+    def _take_frontend_messages(self, timeout_ms: int) -> None:
+        sock = self.from_frontend
+        if not sock.poll(timeout_ms):
+            return
+        while sock.poll(0):
+            msg = sock.recv()
+            if isinstance(msg, AddRequest):
+                try:
+                    self.scheduler.add_request(msg.request)
+                except InvalidParameter as e:
+                    self.to_frontend.send(RequestRejected(msg.request.request_id, e.field, str(e)))
+            elif isinstance(msg, AbortRequests):
+                for out in self.scheduler.abort_requests(msg.request_ids):
+                    self.pending.append(RequestOutputDelta(out.request_id, [], "abort"))
+            elif isinstance(msg, Shutdown):
+                self.stopping = True
+                return
+
+    # --- shutdown -------------------------------------------------------------------------
+    def close(self) -> None:
+        if self.worker is not None and self.worker.poll() is None:
+            try:
+                self.to_worker.send(Shutdown())
+                self.worker.wait(timeout=5)
+            except (subprocess.TimeoutExpired, zmq.ZMQError):
+                self.worker.kill()
+                self.worker.wait()
+        for name in self.segments:
+            shm.unlink_segment(name)
+        self.segments = []
+        for ch in (self.from_frontend, self.to_worker, self.from_worker):
+            ch.close()
+        self.to_frontend.close(linger_ms=2000)
+        self.ctx.term()
+
+    def report_death(self, reason: str) -> None:
+        try:
+            self.to_frontend.send(EngineDead(reason))
+        except zmq.ZMQError:
+            pass
+
+
+def _sampled_dict(plan, result: StepResult) -> dict[str, int]:
+    tokens = result.sampled_token_ids.tolist() if isinstance(result.sampled_token_ids, np.ndarray) \
+        else result.sampled_token_ids
+    return {rid: tok for rid, tok in zip(plan.num_scheduled_tokens, tokens) if tok >= 0}
+
+
+def _json(config: EngineConfig) -> str:
+    import msgspec
+    return msgspec.json.encode(config).decode()

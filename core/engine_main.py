@@ -1,0 +1,45 @@
+"""Entry point of the engine-core process: `python -m pagedllm.core.engine_main ...`."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import traceback
+
+import msgspec
+
+from .config import EngineConfig
+from .engine import EngineCore, EngineFailure
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--input", required=True)
+    ap.add_argument("--output", required=True)
+    ap.add_argument("--worker-input", required=True)
+    ap.add_argument("--worker-output", required=True)
+    args = ap.parse_args(argv)
+    # Ctrl-C reaches the whole process group; the frontend decides how to shut down.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # unwinds through close()
+    config = msgspec.json.decode(args.config, type=EngineConfig)
+    core = EngineCore(config, args.input, args.output, args.worker_input, args.worker_output)
+    code = 0
+    try:
+        core.start()
+        core.run()
+    except EngineFailure as e:
+        core.report_death(str(e))
+        code = 1
+    except Exception as e:  # noqa: BLE001 - report anything to the frontend before dying
+        core.report_death(f"engine core crashed: {e!r}\n{traceback.format_exc()}")
+        code = 1
+    finally:
+        core.close()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

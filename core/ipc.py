@@ -1,0 +1,52 @@
+"""ZeroMQ plumbing shared by the processes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import zmq
+
+from .protocol import Decoder, Encoder
+
+
+class Channel:
+    """One direction of a pipe: a PUSH or PULL socket with its encoder or decoder."""
+
+    def __init__(self, ctx: zmq.Context, kind: int, endpoint: str, bind: bool, message_type=None):
+        self.socket = ctx.socket(kind)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        if kind == zmq.PUSH:
+            self.socket.setsockopt(zmq.SNDHWM, 0)
+        (self.socket.bind if bind else self.socket.connect)(endpoint)
+        self.encoder = Encoder()
+        self.decoder = Decoder(message_type) if message_type is not None else None
+
+    def send(self, message) -> None:
+        frames = self.encoder.encode(message)
+        self.socket.send_multipart(frames, copy=len(frames) == 1)
+
+    def poll(self, timeout_ms: int) -> bool:
+        return bool(self.socket.poll(timeout_ms, zmq.POLLIN))
+
+    def recv(self):
+        frames = self.socket.recv_multipart(copy=False)
+        return self.decoder.decode([f.buffer for f in frames])
+
+    def close(self, linger_ms: int = 0) -> None:
+        """linger_ms > 0 gives a last message (an error report) time to leave."""
+        self.socket.close(linger=linger_ms)
+
+
+def make_ipc_dir(pid: int | None = None) -> str:
+    """A private folder for ipc:// socket files, named after the engine's pid."""
+    return tempfile.mkdtemp(prefix=f"pagedllm-{pid or os.getpid()}-")
+
+
+def remove_ipc_dir(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def ipc_endpoint(folder: str, name: str) -> str:
+    return f"ipc://{os.path.join(folder, name)}"

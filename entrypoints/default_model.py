@@ -1,0 +1,38 @@
+"""The model used when none is given: made deterministically on first use, then cached.
+
+It is a tiny random-weight Llama with a real byte-level BPE tokenizer: it runs everywhere
+(no model hub needed) and shows the whole engine working, though its text is not meaningful.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import tempfile
+
+DEFAULT_MODEL_NAME = "pagedllm-tiny-random-llama-v1"
+
+
+def cache_root() -> str:
+    root = os.environ.get("PAGEDLLM_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagedllm")
+    os.makedirs(root, exist_ok=True)
+    return root
+
+
+def default_model_dir() -> str:
+    root = cache_root()
+    path = os.path.join(root, DEFAULT_MODEL_NAME)
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    with open(os.path.join(root, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one process builds it; the others wait
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            from pagedllm.conformance.tiny_models import make_model_dir
+            tmp = tempfile.mkdtemp(dir=root)
+            make_model_dir(os.path.join(tmp, "m"), "llama", seed=0)
+            shutil.rmtree(path, ignore_errors=True)
+            os.rename(os.path.join(tmp, "m"), path)
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path

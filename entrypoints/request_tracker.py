@@ -1,0 +1,76 @@
+"""Frontend-side state of one request: its n completions, their detokenizers, stop strings and
+logprobs, built up from the engine's token deltas."""
+
+from __future__ import annotations
+
+from pagedllm.core.protocol import RequestOutputDelta
+from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.core.scheduler import child_request_id
+
+from .detokenizer import IncrementalDetokenizer, find_stop
+from .outputs import CompletionOutput, Logprob, RequestOutput
+
+
+class RequestTracker:
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, tokenizer):
+        self.request_id = request_id
+        self.params = params
+        self.tokenizer = tokenizer
+        self.output = RequestOutput(request_id, prompt, prompt_token_ids, [
+            CompletionOutput(index=i, text="", token_ids=[],
+                             cumulative_logprob=0.0 if params.logprobs is not None else None,
+                             logprobs=[] if params.logprobs is not None else None)
+            for i in range(params.n)])
+        self.engine_ids = [request_id] + [child_request_id(request_id, i) for i in range(1, params.n)]
+        self._index = {rid: i for i, rid in enumerate(self.engine_ids)}
+        self._detok = [IncrementalDetokenizer(tokenizer, prompt_token_ids) for _ in range(params.n)]
+        self._stops = list(params.stop or ())
+        self._holdback = max((len(s) for s in self._stops), default=1) - 1
+        self._sent = [0] * params.n  # characters of each completion already handed out as deltas
+
+    @property
+    def finished(self) -> bool:
+        return self.output.finished
+
+    def unfinished_engine_ids(self) -> list[str]:
+        return [rid for rid, c in zip(self.engine_ids, self.output.outputs) if c.finish_reason is None]
+
+    def apply(self, delta: RequestOutputDelta) -> tuple[int, str, bool, bool]:
+        """Fold one engine delta in. Returns (completion index, text safe to stream now,
+        whether this completion just finished, whether the engine must abort it: a stop
+        string ended it before the engine knew)."""
+        i = self._index[delta.request_id]
+        comp = self.output.outputs[i]
+        if comp.finish_reason is not None:
+            return i, "", False, False  # e.g. the abort that follows a stop string
+        self.output.num_cached_tokens = max(self.output.num_cached_tokens, delta.num_cached_tokens)
+        comp.token_ids.extend(delta.new_token_ids)
+        if delta.logprobs and comp.logprobs is not None:
+            for token, lp in zip(delta.new_token_ids, delta.logprobs):
+                entry = {t: Logprob(v, rank + 1, self.tokenizer.decode([t]))
+                         for rank, (t, v) in enumerate(zip(lp.top_token_ids, lp.top_logprobs))}
+                entry[token] = Logprob(lp.token_logprob, lp.rank, self.tokenizer.decode([token]))
+                comp.logprobs.append(entry)
+                comp.cumulative_logprob += lp.token_logprob
+        detok = self._detok[i]
+        new_text = detok.add(delta.new_token_ids)
+        if delta.finish_reason is not None:
+            new_text += detok.flush()
+        abort = False
+        hit = find_stop(detok.text, len(new_text), self._stops)
+        if hit is not None:
+            comp.text = detok.text[:hit[0]]
+            comp.finish_reason, comp.stop_reason = "stop", hit[1]
+            abort = delta.finish_reason is None
+        else:
+            comp.text = detok.text
+            if delta.finish_reason is not None:
+                comp.finish_reason, comp.stop_reason = delta.finish_reason, delta.stop_reason
+        done = comp.finish_reason is not None
+        end = len(comp.text) if done else max(self._sent[i], len(comp.text) - self._holdback)
+        chunk = comp.text[self._sent[i]:end]
+        self._sent[i] = end
+        if all(c.finish_reason is not None for c in self.output.outputs):
+            self.output.finished = True
+        return i, chunk, done, abort

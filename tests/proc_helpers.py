@@ -1,0 +1,41 @@
+"""Process-tree and /dev/shm checks for leak tests (Linux /proc)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+
+def children_of(pid: int) -> list[int]:
+    """All live descendants of pid."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z":
+            parents[int(entry)] = int(fields[1])
+    found, frontier = [], [pid]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parents.items() if pp == p]
+        found += kids
+        frontier += kids
+    return found
+
+
+def segments_of(pid: int) -> list[str]:
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"pagedllm-{pid}-"))
+
+
+def wait_until(predicate, timeout_s: float = 10.0, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()

@@ -1,0 +1,52 @@
+"""The whole engine through its real processes and sockets, against transformers."""
+
+import random
+
+import pytest
+from model_helpers import hf_greedy
+from proc_helpers import children_of, segments_of
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.conformance.tiny_models import load_hf
+
+
+def workload(seed: int = 0, vocab: int = 400):
+    """32 prompts, lengths 1-300, some sharing long prefixes; max_tokens 1-64."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, vocab) for _ in range(120)]
+    lengths = [1, 300, 2, 17, 16, 15, 64, 250] + [rng.randrange(1, 301) for _ in range(24)]
+    prompts = []
+    for i, n in enumerate(lengths):
+        if i in (1, 7) or (i % 4 == 3 and n > 130):  # some share a 120-token prefix
+            prompts.append(shared + [rng.randrange(3, vocab) for _ in range(n - 120)])
+        else:
+            prompts.append([rng.randrange(3, vocab) for _ in range(n)])
+    max_tokens = [1, 64, 64, 2] + [rng.randrange(1, 65) for _ in range(28)]
+    return prompts, max_tokens
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    path = tiny_model("llama")
+    hf = load_hf(path)
+    prompts, max_tokens = workload()
+    return path, prompts, max_tokens, [hf_greedy(hf, p, m) for p, m in zip(prompts, max_tokens)]
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-cache", "no-prefix-cache"])
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_32_requests_under_kv_pressure_match_transformers(reference, prefix_caching, mode):
+    path, prompts, max_tokens, expected = reference
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    with LLM(path, num_kv_blocks=48, max_model_len=512, max_num_batched_tokens=128,
+             enable_prefix_caching=prefix_caching, preemption_mode=mode, swap_space=0.01) as llm:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.last_stats
+        core_pid = llm.engine.pid
+    assert stats.num_preemptions > 0, "the KV budget was meant to force preemption"
+    if prefix_caching:
+        assert stats.prefix_cache_hits > 0
+    for i, (out, want) in enumerate(zip(outputs, expected)):
+        assert out.outputs[0].token_ids == want, f"request {i}: prompt of {len(prompts[i])} tokens"
+        assert out.outputs[0].finish_reason == "length"
+    assert not children_of(core_pid) and not segments_of(core_pid)
