@@ -1,0 +1,65 @@
+"""Faults: a dying worker and Ctrl-C leave no processes or shared-memory segments behind."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from proc_helpers import children_of, segments_of, wait_until
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.entrypoints.engine_client import EngineDeadError
+
+
+def test_killed_worker_raises_quickly_and_leaves_nothing(tiny_model):
+    llm = LLM(tiny_model("llama"), num_kv_blocks=512, max_model_len=1024)
+    core_pid = llm.engine.pid
+    (worker_pid,) = children_of(core_pid)
+    assert segments_of(core_pid), "the cpu backend's KV pool should be a shared-memory segment"
+    killed_at = {}
+
+    def kill():
+        killed_at["t"] = time.monotonic()
+        os.kill(worker_pid, signal.SIGKILL)
+
+    timer = threading.Timer(1.0, kill)
+    timer.start()
+    with pytest.raises(EngineDeadError, match="worker"):
+        llm.generate([[5] * 50] * 64, SamplingParams(max_tokens=900, ignore_eos=True), use_tqdm=False)
+    elapsed = time.monotonic() - killed_at["t"]
+    assert elapsed <= 5.0, f"took {elapsed:.1f} s to notice the dead worker"
+    llm.shutdown()
+    assert core_pid not in children_of(os.getpid()) and not children_of(core_pid)
+    assert not segments_of(core_pid)
+    assert not os.path.exists(llm.engine.ipc_dir), "socket files left behind"
+    with pytest.raises(EngineDeadError):
+        llm.generate([[5, 6]], use_tqdm=False)
+
+
+def test_sigint_on_pagedllm_generate_cleans_up(tiny_model, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_token_ids": [5 + i] * 40}) + "\n" for i in range(64)))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pagedllm.entrypoints.cli", "generate", "--model", tiny_model("llama"),
+         "--input", str(prompts), "--max-tokens", "900", "--ignore-eos", "--max-model-len", "1024",
+         "--kv-cache-memory", "64MiB", "--output", str(tmp_path / "out.jsonl")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        # running once the engine core has its KV segment and the worker is computing
+        assert wait_until(lambda: any(segments_of(p) for p in children_of(proc.pid)), timeout_s=60)
+        time.sleep(1.0)
+        engine_pids = children_of(proc.pid)
+        core_pid = next(p for p in engine_pids if segments_of(p))
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, proc.stderr.read()
+    assert wait_until(lambda: not set(engine_pids) & set(children_of(1) + children_of(os.getpid())),
+                      timeout_s=5), "engine processes outlived the CLI"
+    assert not segments_of(core_pid)

@@ -1,0 +1,103 @@
+"""n > 1, seeds, stop strings, detokenization, chat and bad input through the real engine."""
+
+import pytest
+from model_helpers import hf_greedy
+
+from pagedllm import InvalidParameter, LLM, SamplingParams
+from pagedllm.conformance.tiny_models import load_hf, make_tokenizer
+from pagedllm.entrypoints.detokenizer import IncrementalDetokenizer
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+    with LLM(tiny_model("llama"), num_kv_blocks=256, max_model_len=512, enable_prefix_caching=False) as engine:
+        yield engine
+
+
+def test_n4_shares_prompt_blocks_and_seeds_reproduce(llm):
+    prompt = list(range(10, 10 + 160))  # 10 full blocks of 16
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=12, seed=42, ignore_eos=True)
+    first = llm.generate([prompt], params, use_tqdm=False)[0]
+    peak = llm.last_stats.peak_blocks_used
+    texts = [tuple(c.token_ids) for c in first.outputs]
+    assert [c.index for c in first.outputs] == [0, 1, 2, 3]
+    assert len(set(texts)) == 4, "4 samples should differ"
+    # unshared, 4 x 11 blocks; shared: 10 prompt blocks + 4 x (1 copied partial block + growth)
+    assert peak <= 10 + 4 * 2, f"peak {peak} blocks: the prompt's blocks were not shared"
+    again = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert [tuple(c.token_ids) for c in again.outputs] == texts
+
+
+def test_stop_string_spanning_two_tokens_is_cut(llm):
+    tok = llm.get_tokenizer()
+    prompt = "The quick brown fox"
+    plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    ids = plain[0].outputs[0].token_ids
+    # a stop string made of the last character of token k-1 and the first of token k
+    pieces = [tok.decode(ids[:k]) for k in range(len(ids) + 1)]
+
+    def clean_boundary(k):
+        a, b = pieces[k], pieces[k + 1]
+        return (len(b) > len(a) > len(pieces[k - 1]) and b.startswith(a) and "\ufffd" not in a[-1] + b[len(a)]
+                and a[-1] + b[len(a)] not in a)
+
+    k = next(k for k in range(2, len(ids) - 1) if clean_boundary(k))
+    stop = pieces[k][-1] + pieces[k + 1][len(pieces[k])]
+    expected_text = pieces[k + 1][:pieces[k + 1].find(stop)]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == expected_text and stop not in out.text
+    assert len(out.token_ids) < 20
+
+
+def test_multibyte_characters_split_across_tokens_come_out_whole():
+    tok = make_tokenizer()
+    text = "déjà vu 東京 😀 über"
+    ids = tok.encode(text)
+    assert any("\ufffd" in tok.decode([i]) for i in ids), "the test needs a character split across tokens"
+    detok = IncrementalDetokenizer(tok, prompt_token_ids=[])
+    deltas = [detok.add([i]) for i in ids]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) + detok.flush() == text
+
+
+def test_chat_uses_the_template(llm):
+    messages = [{"role": "user", "content": "Hello"}]
+    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    assert out.prompt == "<|user|>Hello</s><|assistant|>"
+    assert out.prompt_token_ids == llm.get_tokenizer().encode(out.prompt, add_special_tokens=False)
+
+
+def test_string_prompts_and_logprobs(llm, tiny_model):
+    hf = load_hf(tiny_model("llama"))
+    tok = llm.get_tokenizer()
+    out = llm.generate("paged attention", SamplingParams(temperature=0, max_tokens=6, logprobs=3,
+                                                         ignore_eos=True), use_tqdm=False)[0]
+    assert out.prompt_token_ids == tok.encode("paged attention")
+    comp = out.outputs[0]
+    assert comp.token_ids == hf_greedy(hf, out.prompt_token_ids, 6)
+    assert len(comp.logprobs) == 6
+    for token, entry in zip(comp.token_ids, comp.logprobs):
+        assert entry[token].rank == 1 and len(entry) == 3
+        assert entry[token].logprob == max(lp.logprob for lp in entry.values())
+    assert comp.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(comp.token_ids, comp.logprobs)))
+
+
+def test_bad_input_names_the_field_and_the_engine_keeps_serving(llm):
+    with pytest.raises(InvalidParameter, match="prompt"):
+        llm.generate([list(range(3, 600))], use_tqdm=False)
+    with pytest.raises(InvalidParameter, match="prompt_token_ids"):
+        llm.generate([[5, 100000]], use_tqdm=False)
+    with pytest.raises(InvalidParameter, match="prompt"):
+        llm.generate([[]], use_tqdm=False)
+    with pytest.raises(InvalidParameter, match="temperature"):
+        SamplingParams(temperature=-1)
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+    assert llm.last_stats.kv_cache_usage == 0.0
+
+
+def test_unknown_backend_lists_known_ones():
+    with pytest.raises(ValueError, match="known backends: cpu"):
+        LLM(backend="tpu")
