@@ -67,8 +67,11 @@ class Sampler:
 
         greedy = [i for i, r in enumerate(rows) if r.params.temperature == 0.0]
         random = [i for i, r in enumerate(rows) if r.params.temperature != 0.0]
-        tokens = torch.empty(len(rows), dtype=torch.long)
-        if greedy:
+        if not random:  # the common all-greedy batch: no copies of the logits
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = torch.empty(len(rows), dtype=torch.long)
+        if greedy and random:
             tokens[greedy] = logits[greedy].argmax(dim=-1)
         if random:
             probs = probabilities([rows[i].params for i in random], logits[random])

@@ -121,7 +121,9 @@ class Worker:
         logprobs = None
         if rows:
             batch = [order[i] for i in rows]
-            out = self.sampler(logits[rows], [SamplingRow(st.params, st.token_ids, st.num_prompt_tokens,
+            if len(rows) < len(order):
+                logits = logits[rows]
+            out = self.sampler(logits, [SamplingRow(st.params, st.token_ids, st.num_prompt_tokens,
                                                           st.eos_token_id) for st in batch])
             for i, st, tok in zip(rows, batch, out.token_ids):
                 st.token_ids.append(tok)

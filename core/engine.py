@@ -25,6 +25,10 @@ from .protocol import (AbortRequests, AddRequest, EngineDead, EngineOutputs, Eng
 from .scheduler import Scheduler
 
 POLL_MS = 100  # how often a blocked loop checks that its peers are alive
+# glibc malloc returns large freed buffers to the OS and page-faults them back on every step;
+# keeping them in the heap makes the cpu backend's per-step temporaries ~25% cheaper.
+WORKER_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(16 << 30),
+                     "MALLOC_TOP_PAD_": str(512 << 20)}
 WORKER_START_TIMEOUT_S = 300
 
 
@@ -49,6 +53,9 @@ class EngineCore:
         self.scheduler: Scheduler | None = None
         self.pending: list[RequestOutputDelta] = []
         self.steps = 0
+        self.step_seconds = 0.0
+        self.forward_seconds = 0.0
+        self._step_start = 0.0
         self.stopping = False
 
     # --- start-up -------------------------------------------------------------------------
@@ -58,7 +65,7 @@ class EngineCore:
             [sys.executable, "-m", "pagedllm.backends.worker", "--rank", "0",
              "--input", self.worker_endpoints[0], "--output", self.worker_endpoints[1],
              "--config", _json(self.config)],
-            stdin=subprocess.DEVNULL)
+            stdin=subprocess.DEVNULL, env={**WORKER_MALLOC_ENV, **os.environ})
         hello = self._expect_from_worker(WorkerHello, WORKER_START_TIMEOUT_S)
         cfg = self.config
         max_model_len = cfg.max_model_len or hello.max_position_embeddings
@@ -144,11 +151,14 @@ class EngineCore:
             outputs = sched.update(in_flight, _sampled_dict(in_flight, result))
             self._collect(outputs, result)
             self.steps += 1
+            self.step_seconds += time.perf_counter() - self._step_start
+            self.forward_seconds += result.forward_seconds
             in_flight = self._send_step() if sched.has_unfinished_requests() and not self.stopping else None
             if in_flight is None:
                 self._flush_outputs()
 
     def _send_step(self):
+        self._step_start = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan.is_empty:
             self._flush_outputs()
@@ -191,7 +201,8 @@ class EngineCore:
                            prefix_cache_queries=s["prefix_cache_queries"],
                            prefix_cache_hits=s["prefix_cache_hits"],
                            num_preemptions=s["num_preemptions"], peak_blocks_used=pool.peak_used,
-                           num_blocks=pool.num_blocks, steps=self.steps)
+                           num_blocks=pool.num_blocks, steps=self.steps, step_seconds=self.step_seconds,
+                           forward_seconds=self.forward_seconds)
 
     def _take_frontend_messages(self, timeout_ms: int) -> None:
         sock = self.from_frontend

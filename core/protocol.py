@@ -48,6 +48,8 @@ class EngineStats(msgspec.Struct):
     peak_blocks_used: int
     num_blocks: int
     steps: int
+    step_seconds: float  # core wall time over all steps: schedule to update
+    forward_seconds: float  # of which the worker's model forward and sampling
 
 
 class EngineReady(msgspec.Struct, tag="ready"):

@@ -36,7 +36,7 @@ class LLM:
                  kv_cache_memory: int | str = "1GiB", swap_space: float | str | None = None,
                  tensor_parallel_size: int = 1, num_kv_blocks: int | None = None,
                  gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
-                 tokenizer: str | None = None):
+                 tokenizer: str | None = None, skip_tokenizer_init: bool = False):
         resolve(backend)  # an unknown backend fails here, listing the known ones
         if model is None:
             from .default_model import default_model_dir
@@ -60,8 +60,10 @@ class LLM:
         self.engine = EngineClient(self.config)
         try:
             # the tokenizer loads while the engine starts
-            from transformers import AutoTokenizer
-            self.tokenizer = AutoTokenizer.from_pretrained(tokenizer or model)
+            self.tokenizer = None
+            if not skip_tokenizer_init:
+                from transformers import AutoTokenizer
+                self.tokenizer = AutoTokenizer.from_pretrained(tokenizer or model)
             self.eos_token_id, self.vocab_size = _model_facts(model, self.tokenizer)
             self.ready = self.engine.wait_ready()
         except BaseException:
@@ -121,6 +123,8 @@ class LLM:
         if bad:
             raise InvalidParameter("prompt_token_ids",
                                    f"token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        if self.tokenizer is None and params.stop:
+            raise InvalidParameter("stop", "stop strings need a tokenizer (skip_tokenizer_init is set)")
         return RequestTracker(str(next(self._ids)), text, ids, params, self.tokenizer)
 
     def _run(self, trackers: list[RequestTracker], use_tqdm: bool) -> list[RequestOutput]:
@@ -167,6 +171,9 @@ class LLM:
             prompts = [prompts]
         items = []
         for p in prompts:
+            if self.tokenizer is None and (isinstance(p, str) or (isinstance(p, dict)
+                                                                   and "prompt_token_ids" not in p)):
+                raise InvalidParameter("prompts", "text prompts need a tokenizer (skip_tokenizer_init is set)")
             if isinstance(p, str):
                 items.append((p, self.tokenizer.encode(p)))
             elif isinstance(p, dict) and "prompt_token_ids" in p:
@@ -206,10 +213,10 @@ def _model_facts(model_dir: str, tokenizer) -> tuple[int | None, int]:
         with open(gen_path) as f:
             eos = json.load(f).get("eos_token_id")
     if eos is None:
-        eos = cfg.get("eos_token_id", tokenizer.eos_token_id)
+        eos = cfg.get("eos_token_id", tokenizer.eos_token_id if tokenizer is not None else None)
     if isinstance(eos, list):
         eos = eos[0] if eos else None
-    return eos, cfg.get("vocab_size") or len(tokenizer)
+    return eos, cfg["vocab_size"]
 
 
 def _progress(total: int):

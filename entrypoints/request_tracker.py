@@ -24,10 +24,14 @@ class RequestTracker:
             for i in range(params.n)])
         self.engine_ids = [request_id] + [child_request_id(request_id, i) for i in range(1, params.n)]
         self._index = {rid: i for i, rid in enumerate(self.engine_ids)}
-        self._detok = [IncrementalDetokenizer(tokenizer, prompt_token_ids) for _ in range(params.n)]
+        self._detok = [IncrementalDetokenizer(tokenizer, prompt_token_ids) if tokenizer is not None else None
+                       for _ in range(params.n)]
         self._stops = list(params.stop or ())
         self._holdback = max((len(s) for s in self._stops), default=1) - 1
         self._sent = [0] * params.n  # characters of each completion already handed out as deltas
+
+    def _decode_one(self, token: int) -> str | None:
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else None
 
     @property
     def finished(self) -> bool:
@@ -48,12 +52,17 @@ class RequestTracker:
         comp.token_ids.extend(delta.new_token_ids)
         if delta.logprobs and comp.logprobs is not None:
             for token, lp in zip(delta.new_token_ids, delta.logprobs):
-                entry = {t: Logprob(v, rank + 1, self.tokenizer.decode([t]))
+                entry = {t: Logprob(v, rank + 1, self._decode_one(t))
                          for rank, (t, v) in enumerate(zip(lp.top_token_ids, lp.top_logprobs))}
-                entry[token] = Logprob(lp.token_logprob, lp.rank, self.tokenizer.decode([token]))
+                entry[token] = Logprob(lp.token_logprob, lp.rank, self._decode_one(token))
                 comp.logprobs.append(entry)
                 comp.cumulative_logprob += lp.token_logprob
         detok = self._detok[i]
+        if detok is None:  # no tokenizer: token ids only
+            if delta.finish_reason is not None:
+                comp.finish_reason, comp.stop_reason = delta.finish_reason, delta.stop_reason
+            self.output.finished = all(c.finish_reason is not None for c in self.output.outputs)
+            return i, "", comp.finish_reason is not None, False
         new_text = detok.add(delta.new_token_ids)
         if delta.finish_reason is not None:
             new_text += detok.flush()

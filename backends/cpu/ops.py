@@ -4,10 +4,10 @@ Attention follows transformers' eager attention step for step — scores in the 
 softmax in float32, probabilities cast back — so in bfloat16 and float16 the reference
 rounds where the oracle rounds, not only in float32.
 
-K/V are gathered one KV head at a time with index_select: from the cache's
-[block, slot, head, dim] layout that yields each head's [tokens, dim] matrix contiguous in
-one copy, ~3x faster than gathering every head and transposing (and advanced indexing is
-~10x slower than index_select)."""
+A request's blocks are gathered whole with index_select (contiguous 'block' rows copy at
+memory speed; advanced indexing is ~10x slower, and selecting one head's strided slice ~7x
+slower per byte), then laid out head-major once so each head's matmuls read contiguous
+memory."""
 
 from __future__ import annotations
 
@@ -16,19 +16,33 @@ import torch
 from ..attention import AttentionOps, DecodeMetadata, PrefillMetadata
 from .packed_linear import pack_linear_layers
 
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor,
-           scale: float) -> torch.Tensor:
-    """q [..., M, D], k/v [..., S, D], hidden [..., M, S] (True: may not attend) -> [..., M, D]."""
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = scores.masked_fill(hidden, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v)
+DECODE_GROUPS = 4  # at most this many context-length groups per decode batch
+DECODE_GROUP_MIN = 8  # requests per group, at least
 
 
-def gather_head(kv_cache: torch.Tensor, which: int, head: int, blocks: torch.Tensor) -> torch.Tensor:
-    """[len(blocks) * block_size, D]: one KV head's K (which=0) or V (1) over the blocks."""
-    return kv_cache[which, :, :, head].index_select(0, blocks).flatten(0, 1)
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor, scale: float,
+           dtype: torch.dtype) -> torch.Tensor:
+    """q [..., M, D], k/v [..., S, D] in float32 holding `dtype` values; hidden [..., M, S]
+    (True: may not attend). Rounds to `dtype` exactly where transformers' eager attention
+    computing in `dtype` rounds; the GEMMs themselves run in float32, which is faster here
+    than 16-bit batched GEMMs and accumulates as they do. Returns [..., M, D] in `dtype`."""
+    scores = torch.matmul(q, k.transpose(-1, -2))
+    if dtype != torch.float32:
+        scores = scores.to(dtype)
+    scores = (scores * scale).masked_fill(hidden, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    if dtype != torch.float32:
+        probs = probs.to(dtype).float()
+    return torch.matmul(probs, v).to(dtype)
+
+
+def gather_heads(kv_cache: torch.Tensor, which: int, blocks: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """K (which=0) or V (1) of the blocks, head-major float32: [KVH, num_seqs, tokens per seq, D]."""
+    _, _, block_size, num_kv_heads, head_size = kv_cache.shape
+    gathered = kv_cache[which].index_select(0, blocks).view(num_seqs, -1, num_kv_heads, head_size)
+    out = torch.empty((num_kv_heads, num_seqs, gathered.shape[1], head_size), dtype=torch.float32,
+                      device=kv_cache.device)
+    return out.copy_(gathered.permute(2, 0, 1, 3))
 
 
 class CpuAttentionOps(AttentionOps):
@@ -43,20 +57,34 @@ class CpuAttentionOps(AttentionOps):
         kv_cache[1].view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
     def decode_attention(self, query, kv_cache, meta: DecodeMetadata, scale):
+        """Requests are sorted by context length and attended in a few groups, so that short
+        contexts are not padded to the longest one in the batch."""
+        num_seqs = query.shape[0]
+        ctx = meta.context_lens
+        if num_seqs <= DECODE_GROUP_MIN:
+            return self._decode_group(query, kv_cache, meta.block_tables, ctx, meta.max_context_len, scale)
+        order = torch.argsort(ctx)
+        out = torch.empty_like(query)
+        for rows in order.tensor_split(min(DECODE_GROUPS, num_seqs // DECODE_GROUP_MIN)):
+            group_ctx = ctx.index_select(0, rows)
+            out[rows] = self._decode_group(query.index_select(0, rows), kv_cache,
+                                           meta.block_tables.index_select(0, rows), group_ctx,
+                                           int(group_ctx.max()), scale)
+        return out
+
+    def _decode_group(self, query, kv_cache, block_tables, context_lens, max_context_len, scale):
         num_seqs, num_heads, head_size = query.shape
         _, _, block_size, num_kv_heads, _ = kv_cache.shape
         group = num_heads // num_kv_heads
-        max_blocks = -(-meta.max_context_len // block_size)
-        blocks = meta.block_tables[:, :max_blocks].reshape(-1).long()
-        q = query.view(num_seqs, num_kv_heads, group, head_size).to(kv_cache.dtype)
+        max_blocks = -(-max_context_len // block_size)
+        blocks = block_tables[:, :max_blocks].reshape(-1).long()
+        q = query.view(num_seqs, num_kv_heads, group, head_size).to(kv_cache.dtype).float()
         positions = torch.arange(max_blocks * block_size, device=query.device)
-        hidden = (positions[None, :] >= meta.context_lens[:, None])[:, None, :]  # [D, 1, S]
-        out = torch.empty_like(q)
-        for h in range(num_kv_heads):
-            keys = gather_head(kv_cache, 0, h, blocks).view(num_seqs, -1, head_size)
-            values = gather_head(kv_cache, 1, h, blocks).view(num_seqs, -1, head_size)
-            out[:, h] = attend(q[:, h], keys, values, hidden, scale)
-        return out.view(num_seqs, num_heads, head_size).to(query.dtype)
+        hidden = (positions[None, :] >= context_lens[:, None])[:, None, :]  # [D, 1, S]
+        keys = gather_heads(kv_cache, 0, blocks, num_seqs)  # [KVH, D, S, Dh]
+        values = gather_heads(kv_cache, 1, blocks, num_seqs)
+        out = attend(q.transpose(0, 1), keys, values, hidden, scale, kv_cache.dtype)  # [KVH, D, G, Dh]
+        return out.transpose(0, 1).reshape(num_seqs, num_heads, head_size).to(query.dtype)
 
     def prefill_attention(self, query, kv_cache, meta: PrefillMetadata, scale):
         _, num_heads, head_size = query.shape
@@ -67,17 +95,16 @@ class CpuAttentionOps(AttentionOps):
         for i, (q_len, ctx_len) in enumerate(zip(meta.query_lens, meta.context_lens_list)):
             blocks = meta.block_tables[i, :-(-ctx_len // block_size)].long()
             # [KVH, G * q_len, Dh]: the G query heads that share a KV head, stacked
-            q = query[start:start + q_len].to(kv_cache.dtype).view(q_len, num_kv_heads, group, head_size)
+            q = query[start:start + q_len].to(kv_cache.dtype).float()
+            q = q.view(q_len, num_kv_heads, group, head_size)
             q = q.permute(1, 2, 0, 3).reshape(num_kv_heads, group * q_len, head_size)
             # query j sits at position ctx_len - q_len + j and sees keys up to that position
             q_pos = torch.arange(ctx_len - q_len, ctx_len, device=query.device)
             k_pos = torch.arange(ctx_len, device=query.device)
             hidden = (k_pos[None, :] > q_pos[:, None]).repeat(group, 1)
-            o = torch.empty_like(q)
-            for h in range(num_kv_heads):
-                keys = gather_head(kv_cache, 0, h, blocks)[:ctx_len]
-                values = gather_head(kv_cache, 1, h, blocks)[:ctx_len]
-                o[h] = attend(q[h], keys, values, hidden, scale)
+            keys = gather_heads(kv_cache, 0, blocks, 1)[:, 0, :ctx_len]  # [KVH, ctx, Dh]
+            values = gather_heads(kv_cache, 1, blocks, 1)[:, 0, :ctx_len]
+            o = attend(q, keys, values, hidden, scale, kv_cache.dtype)
             o = o.view(num_kv_heads, group, q_len, head_size).permute(2, 0, 1, 3)
             out[start:start + q_len] = o.reshape(q_len, num_heads, head_size).to(query.dtype)
             start += q_len

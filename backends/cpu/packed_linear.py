@@ -46,14 +46,17 @@ class PackedLinear(nn.Module):
         return _packed_linear(x.contiguous(), self.packed, self.bias)
 
 
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def pack_linear_layers(model: nn.Module) -> int:
-    """Replace every float32 CPU nn.Linear in `model` by a PackedLinear; returns how many."""
+    """Replace every float32/bfloat16 CPU nn.Linear in `model` by a PackedLinear; returns how many."""
     if not packing_available():
         return 0
     targets = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children()
                if type(child) is nn.Linear and child.weight.device.type == "cpu"
-               and child.weight.dtype == torch.float32]
+               and child.weight.dtype in PACKED_DTYPES]
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child))
     return len(targets)
