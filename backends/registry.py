@@ -42,6 +42,24 @@ def resolve(name: str) -> BackendSpec:
     return specs[name]
 
 
+class BackendUnavailable(RuntimeError):
+    pass
+
+
+def check_available(name: str) -> BackendSpec:
+    """Resolve the name and ask the backend whether it can run here (e.g. 'no CUDA device')."""
+    spec = resolve(name)
+    module_name, _, attr = spec.target.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except Exception as e:  # noqa: BLE001 - a plugin that cannot import is unavailable, with why
+        raise BackendUnavailable(f"{name}: cannot be imported: {e}") from e
+    reason = getattr(factory, "unavailable_reason", lambda: None)()
+    if reason:
+        raise BackendUnavailable(f"{name}: {reason}")
+    return spec
+
+
 def load_backend(name: str):
     """Instantiate the backend's AttentionOps."""
     spec = resolve(name)

@@ -85,9 +85,9 @@ def make_case(query_lens: list[int], context_lens: list[int], block_size: int, h
         n = min(ctx, shared * block_size)
         k[:n], v[:n] = shared_k[:n], shared_v[:n]
         k, v = k.to(dtype), v.to(dtype)  # the reference sees what the cache holds
-        for pos in range(ctx):
-            kv[0, table[pos // block_size], pos % block_size] = k[pos]
-            kv[1, table[pos // block_size], pos % block_size] = v[pos]
+        slots = slots_of(table, range(ctx), block_size)
+        kv[0].view(-1, num_kv_heads, head_size)[slots] = k
+        kv[1].view(-1, num_kv_heads, head_size)[slots] = v
         q = torch.randn(q_len, num_heads, head_size, generator=gen).to(dtype)
         queries.append(q)
         expected.append(dense_attention(q, k, v, scale))
@@ -97,6 +97,12 @@ def make_case(query_lens: list[int], context_lens: list[int], block_size: int, h
         table_t[r, :len(t)] = torch.tensor(t, dtype=torch.int32)
     return PagedCase(kv.to(device), torch.cat(queries).to(device), list(query_lens), list(context_lens),
                      table_t.to(device), torch.cat(expected), scale)
+
+
+def slots_of(block_ids: list[int], positions, block_size: int) -> torch.Tensor:
+    """Cache slot of each position of a request with this block table."""
+    pos = torch.as_tensor(list(positions), dtype=torch.long)
+    return torch.as_tensor(block_ids, dtype=torch.long)[pos // block_size] * block_size + pos % block_size
 
 
 def context_lengths(block_size: int, long: int = 1000) -> list[int]:

@@ -126,7 +126,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(gen)
     add_sampling_flags(gen)
     gen.set_defaults(func=cmd_generate)
+
+    conf = sub.add_parser("conformance", help="run the backend conformance suite")
+    conf.add_argument("--backend", required=True)
+    conf.add_argument("--quick", action="store_true", help="a smaller grid (about 2 minutes on CPU)")
+    conf.add_argument("--ops-only", action="store_true", help="op numerics and cache writes only")
+    conf.add_argument("--json", help="also write the results as JSON here")
+    conf.set_defaults(func=cmd_conformance)
     return parser
+
+
+def cmd_conformance(args) -> int:
+    from pagedllm.conformance.suite import main as run
+    return run(args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,13 +148,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     from pagedllm.core.errors import InvalidParameter
-    from pagedllm.backends.registry import UnknownBackend
+    from pagedllm.backends.registry import BackendUnavailable, UnknownBackend
     try:
         return args.func(args)
     except InvalidParameter as e:
         flag = "--" + e.field.replace("_", "-")
         parser.exit(2, f"pagedllm: error: {flag}: {str(e).split(': ', 1)[-1]}\n")
-    except (UnknownBackend, ValueError, FileNotFoundError) as e:
+    except (UnknownBackend, BackendUnavailable, ValueError, FileNotFoundError) as e:
         parser.exit(2, f"pagedllm: error: {e}\n")
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

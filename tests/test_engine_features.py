@@ -99,5 +99,5 @@ def test_bad_input_names_the_field_and_the_engine_keeps_serving(llm):
 
 
 def test_unknown_backend_lists_known_ones():
-    with pytest.raises(ValueError, match="known backends: cpu"):
+    with pytest.raises(ValueError, match=r"known backends: .*\bcpu\b"):
         LLM(backend="tpu")

@@ -1,0 +1,190 @@
+"""Engine-level checks: the backend inside the real engine, against itself under different
+batching, and against transformers."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+from pagedllm.core import shm
+from pagedllm.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from pagedllm.core.protocol import InitCache
+from pagedllm.core.request import EngineRequest
+from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.core.scheduler import Scheduler
+
+from .op_cases import slots_of
+from .results import CheckResult, compare, tolerance_text
+from .tiny_models import ARCHITECTURES, load_hf
+
+
+def _prompts(n: int, seed: int, lo: int = 1, hi: int = 120, vocab: int = 400) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def _greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def _generate(llm, prompts, params):
+    return [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _engine(backend: str, model: str, **kw):
+    from pagedllm.entrypoints.llm import LLM
+    kw.setdefault("max_model_len", 512)
+    kw.setdefault("num_kv_blocks", 512)
+    return LLM(model, backend=backend, dtype="float32", **kw)
+
+
+def _mismatches(name: str, got, want, prompts) -> list[str]:
+    return [f"{name}: request {i} (prompt of {len(prompts[i])} tokens) generated {g[0][:8]}..., "
+            f"expected {w[0][:8]}..." for i, (g, w) in enumerate(zip(got, want)) if g != w]
+
+
+def check_engine_behaviour(backend: str, model: str, quick: bool) -> list[CheckResult]:
+    prompts = _prompts(12 if quick else 24, seed=1)
+    params = [_greedy(8 + (i * 5) % 17) for i in range(len(prompts))]
+    rows = {name: CheckResult(name) for name in (
+        "batching_invariance", "chunked_prefill_equivalence", "preemption_recompute",
+        "preemption_swap", "fork_copy_on_write", "prefix_cache_reuse")}
+
+    with _engine(backend, model, enable_prefix_caching=False) as llm:
+        alone = [_generate(llm, [p], [sp])[0] for p, sp in zip(prompts[:4], params[:4])]
+        batched = _generate(llm, prompts, params)
+        bad = _mismatches("alone vs in a batch", batched[:4], alone, prompts)
+        rows["batching_invariance"].record(not bad, failure="; ".join(bad[:3]) or None)
+        # n=2 at temperature 0: both forks must continue exactly like the single sequence,
+        # after the shared partial block was copied on write
+        forked = _generate(llm, prompts[:6], [_greedy(sp.max_tokens, n=2) for sp in params[:6]])
+        bad = [f"request {i}: sample {j} of 2 differs from the n=1 output"
+               for i, (f, b) in enumerate(zip(forked, batched)) for j in range(2) if f[j] != b[0]]
+        rows["fork_copy_on_write"].record(not bad, failure="; ".join(bad[:3]) or None)
+    reference = batched
+
+    with _engine(backend, model, enable_prefix_caching=False, max_num_batched_tokens=24) as llm:
+        got = _generate(llm, prompts, params)
+        bad = _mismatches("24-token chunks", got, reference, prompts)
+        rows["chunked_prefill_equivalence"].record(not bad, failure="; ".join(bad[:3]) or None)
+
+    for mode in ("recompute", "swap"):
+        with _engine(backend, model, enable_prefix_caching=False, num_kv_blocks=20, max_model_len=256,
+                     preemption_mode=mode, swap_space=0.01) as llm:
+            got = _generate(llm, prompts, params)
+            preempted = llm.last_stats.num_preemptions
+        bad = _mismatches(f"{mode} preemption", got, reference, prompts)
+        if not preempted:
+            bad.append("the KV budget did not force any preemption; nothing was tested")
+        rows[f"preemption_{mode}"].record(not bad, failure="; ".join(bad[:3]) or None)
+
+    with _engine(backend, model, enable_prefix_caching=True) as llm:
+        shared = prompts[0] + prompts[1]
+        family = [shared + p[:20] for p in prompts[2:8]]
+        cold = _generate(llm, family[:1], [_greedy(8)])
+        warm = _generate(llm, family, [_greedy(8)] * len(family))
+        hits = llm.last_stats.prefix_cache_hits
+    with _engine(backend, model, enable_prefix_caching=False) as llm:
+        expected = _generate(llm, family, [_greedy(8)] * len(family))
+    bad = _mismatches("with prefix-cache hits", warm, expected, family)
+    if cold[0] != expected[0]:
+        bad.append("cold run with caching on differs from caching off")
+    if not hits:
+        bad.append("no prefix-cache hits happened; nothing was tested")
+    rows["prefix_cache_reuse"].record(not bad, failure="; ".join(bad[:3]) or None)
+    return list(rows.values())
+
+
+def check_cache_placement(backend: str, model: str) -> CheckResult:
+    """Step by step, every new K/V lands in exactly the slot the core chose — read back through
+    the shared-memory pool where the backend keeps its cache there, not through the backend —
+    and no other slot changes. Values are compared with the cpu reference run in lockstep."""
+    from pagedllm.backends.worker import Worker
+
+    res = CheckResult("cache_placement", tolerance_text((torch.float32,)))
+    num_blocks, bs = 48, 16
+    cfg = EngineConfig(model=model, backend=backend, dtype="float32")
+    worker, ref = Worker(cfg), Worker(EngineConfig(model=model, backend="cpu", dtype="float32"))
+    segment = None
+    if worker.hello().kv_in_shared_memory:
+        segment = shm.segment_name("conformance")
+        spec = worker.hello().kv_spec
+        shm.create_segment(segment, num_blocks * bs * spec.bytes_per_block_slot)
+    try:
+        init = dict(num_blocks=num_blocks, num_swap_blocks=0, block_size=bs, swap_segment=None, max_model_len=512)
+        worker.init_cache(InitCache(kv_segment=segment, **init))
+        ref.init_cache(InitCache(kv_segment=None, **init))
+        if segment is not None:
+            mapping = shm.map_segment(segment)
+            pool = torch.frombuffer(mapping, dtype=torch.float32).view(worker.runner.kv_caches.shape)
+            read_pool = pool.clone
+        else:
+            read_pool = worker.runner.kv_caches.cpu
+        noise = torch.randn(worker.runner.kv_caches.shape, generator=torch.Generator().manual_seed(0))
+        worker.runner.kv_caches.copy_(noise.to(worker.runner.kv_caches.device))
+        ref.runner.kv_caches.copy_(noise)
+        sched = Scheduler(SchedulerConfig(max_num_batched_tokens=40, max_model_len=512),
+                          CacheConfig(block_size=bs, num_blocks=num_blocks, enable_prefix_caching=False))
+        for i, p in enumerate(_prompts(6, seed=3, lo=1, hi=70)):
+            sched.add_request(EngineRequest(request_id=f"r{i}", prompt_token_ids=p, sampling_params=_greedy(6)))
+        _run_placement_steps(res, sched, worker, ref, read_pool, bs)
+    finally:
+        if segment is not None:
+            shm.unlink_segment(segment)
+    return res
+
+
+def _run_placement_steps(res, sched, worker, ref, read_pool, bs) -> None:
+    num_layers = worker.runner.kv_caches.shape[0]
+    while sched.has_unfinished_requests():
+        before = read_pool()
+        plan = sched.schedule()
+        expected = []
+        for rid, n in plan.num_scheduled_tokens.items():
+            end = sched.requests[rid].num_computed_tokens
+            expected += slots_of(sched.kv.block_ids(rid), range(end - n, end), bs).tolist()
+        result = worker.execute(plan)
+        ref_result = ref.execute(plan)
+        after = read_pool()
+        flat_before = before.view(num_layers, 2, -1, before.shape[-2] * before.shape[-1])
+        flat_after = after.view_as(flat_before)
+        flat_ref = ref.runner.kv_caches.view_as(flat_before)
+        changed = set((flat_after != flat_before).any(-1).any(1).any(0).nonzero().flatten().tolist())
+        wanted = set(expected)
+        problems = []
+        if changed - wanted:
+            problems.append(f"step {plan.step_id}: slots no token maps to changed: {sorted(changed - wanted)[:6]}")
+        if wanted - changed:
+            problems.append(f"step {plan.step_id}: slots the core chose were not written: {sorted(wanted - changed)[:6]}")
+        idx = torch.tensor(sorted(wanted))
+        ok, err = compare(flat_after[:, :, idx], flat_ref[:, :, idx], torch.float32)
+        if not ok:
+            problems.append(f"step {plan.step_id}: K/V in the chosen slots differ from the reference by {err:.3g}")
+        res.record(not problems, err, "; ".join(problems) or None)
+        # both workers continue from the reference's tokens
+        sampled = ref_result.sampled_token_ids
+        for rid, tok, mine in zip(plan.num_scheduled_tokens, sampled.tolist(), result.sampled_token_ids.tolist()):
+            if tok >= 0 and mine != tok:
+                worker.states[rid].token_ids[-1] = tok
+        sched.update(plan, {rid: t for rid, t in zip(plan.num_scheduled_tokens, np.asarray(sampled).tolist())
+                            if t >= 0})
+
+
+def check_end_to_end(backend: str, model_dirs: dict[str, str], quick: bool) -> CheckResult:
+    res = CheckResult("end_to_end_vs_transformers")
+    archs = ("llama", "qwen3") if quick else ARCHITECTURES
+    for arch in archs:
+        path = model_dirs[arch]
+        hf = load_hf(path)
+        prompts = _prompts(3, seed=7, lo=1, hi=60)
+        with torch.inference_mode():
+            want = [hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+        with _engine(backend, path) as llm:
+            got = [g[0] for g in _generate(llm, prompts, [_greedy(12)] * len(prompts))]
+        bad = [f"{arch}: prompt of {len(p)} tokens: {g} != transformers {w}"
+               for p, g, w in zip(prompts, got, want) if g != w]
+        res.record(not bad, failure="; ".join(bad) or None)
+    return res

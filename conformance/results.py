@@ -1,0 +1,75 @@
+"""Conformance results: one row per check, and the table the CLI prints."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+# |got - want| <= atol + rtol * |want|, per dtype (in the spirit of torch.testing's defaults)
+TOLERANCES = {
+    torch.float32: (1e-5, 1e-5),
+    torch.bfloat16: (1e-2, 1.6e-2),
+    torch.float16: (5e-3, 5e-3),
+}
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def tolerance_text(dtypes) -> str:
+    return "; ".join(f"{DTYPE_NAMES[d]} atol {TOLERANCES[d][0]:g} rtol {TOLERANCES[d][1]:g}" for d in dtypes)
+
+
+def compare(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> tuple[bool, float]:
+    """(within tolerance, max abs error)."""
+    atol, rtol = TOLERANCES[dtype]
+    got, want = got.detach().double().cpu(), want.detach().double().cpu()
+    diff = (got - want).abs()
+    if not torch.isfinite(got).all():
+        return False, float("inf")
+    return bool((diff <= atol + rtol * want.abs()).all()), float(diff.max()) if diff.numel() else 0.0
+
+
+@dataclass
+class CheckResult:
+    check: str
+    tolerance: str = "exact"
+    cases: int = 0
+    passed: int = 0
+    worst_error: float = 0.0
+    failures: list[str] = field(default_factory=list)
+    skipped: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.skipped is not None or (self.cases > 0 and self.passed == self.cases)
+
+    def record(self, ok: bool, error: float = 0.0, failure: str | None = None) -> None:
+        self.cases += 1
+        self.worst_error = max(self.worst_error, error)
+        if ok:
+            self.passed += 1
+        elif failure:
+            self.failures.append(failure)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "ok": self.ok}
+
+
+def format_table(backend: str, results: list[CheckResult]) -> str:
+    lines = [f"pagedllm conformance — backend {backend}", ""]
+    header = f"{'check':36} {'cases':>6} {'passed':>7} {'worst error':>12}  {'status':6}  tolerance"
+    lines += [header, "-" * len(header)]
+    for r in results:
+        status = "skip" if r.skipped else ("PASS" if r.ok else "FAIL")
+        err = "" if r.skipped else f"{r.worst_error:.3g}"
+        lines.append(f"{r.check:36} {r.cases:>6} {r.passed:>7} {err:>12}  {status:6}  {r.skipped or r.tolerance}")
+    failed = [r for r in results if not r.ok]
+    lines.append("")
+    lines.append(f"{sum(r.ok for r in results)} of {len(results)} checks passed" +
+                 ("" if not failed else f"; FAILED: {', '.join(r.check for r in failed)}"))
+    for r in failed:
+        lines.append(f"\n{r.check}:")
+        lines += [f"  - {f}" for f in r.failures[:8]]
+        if len(r.failures) > 8:
+            lines.append(f"  ... and {len(r.failures) - 8} more")
+    return "\n".join(lines)

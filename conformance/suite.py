@@ -1,0 +1,73 @@
+"""`pagedllm conformance --backend NAME`: the checks a backend must pass to be a pagedllm
+backend, with a table of what passed and what failed and why.
+
+Op numerics against dense attention (block sizes, head sizes, GQA ratios, dtypes, context
+lengths across block edges, shuffled tables, shared blocks); cache placement read back through
+the shared-memory pool; engine behaviour (batching invariance, chunked prefill, preemption by
+recompute and swap, copy-on-write after a fork, prefix-cache reuse); and end-to-end greedy
+agreement with transformers on small models of every supported architecture.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import tempfile
+import time
+import traceback
+
+from .results import CheckResult, format_table
+from .tiny_models import ARCHITECTURES, make_model_dir
+
+
+@functools.lru_cache(maxsize=1)
+def tiny_model_dirs() -> dict[str, str]:
+    root = tempfile.mkdtemp(prefix="pagedllm-conformance-")
+    return {arch: make_model_dir(os.path.join(root, arch), arch) for arch in ARCHITECTURES}
+
+
+def _guarded(name: str, fn) -> list[CheckResult]:
+    """A check that raises is a failed row, not a crashed suite."""
+    try:
+        out = fn()
+        return out if isinstance(out, list) else [out]
+    except Exception as e:  # noqa: BLE001 - report, do not crash
+        row = CheckResult(name)
+        row.record(False, float("inf"), f"raised {type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}")
+        return [row]
+
+
+def run_suite(backend: str, quick: bool = False, ops_only: bool = False) -> list[CheckResult]:
+    from pagedllm.backends.registry import load_backend
+
+    from .engine_checks import check_cache_placement, check_end_to_end, check_engine_behaviour
+    from .op_checks import run_op_checks
+
+    ops = load_backend(backend)
+    results = _guarded("op checks", lambda: run_op_checks(ops, quick))
+    if ops_only:
+        return results
+    models = tiny_model_dirs()
+    results += _guarded("cache_placement", lambda: check_cache_placement(backend, models["llama"]))
+    results += _guarded("engine behaviour", lambda: check_engine_behaviour(backend, models["llama"], quick))
+    results += _guarded("end_to_end_vs_transformers", lambda: check_end_to_end(backend, models, quick))
+    return results
+
+
+def main(args) -> int:
+    """CLI entry: prints the table, writes --json, exits 1 if anything failed."""
+    from pagedllm.backends.registry import check_available
+
+    check_available(args.backend)
+    t0 = time.perf_counter()
+    results = run_suite(args.backend, quick=args.quick, ops_only=args.ops_only)
+    elapsed = time.perf_counter() - t0
+    print(format_table(args.backend, results))
+    print(f"\n({'quick' if args.quick else 'full'}{', ops only' if args.ops_only else ''} suite, {elapsed:.0f} s)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"backend": args.backend, "quick": args.quick, "ops_only": args.ops_only,
+                       "seconds": elapsed, "ok": all(r.ok for r in results),
+                       "checks": [r.to_dict() for r in results]}, f, indent=2)
+    return 0 if all(r.ok for r in results) else 1

@@ -1,0 +1,1 @@
+"""Backends that live outside pagedllm and reach it through the `pagedllm.backends` entry points."""

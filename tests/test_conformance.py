@@ -1,0 +1,88 @@
+"""The conformance suite on the cpu backend, on a third-party backend installed through its entry
+point, and on three deliberately broken backends, each of which must fail the right row."""
+
+import importlib
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pagedllm.backends.registry import UnknownBackend, available_backends, resolve
+from pagedllm.conformance.results import format_table
+from pagedllm.conformance.suite import run_suite
+
+PLUGIN_SRC = os.path.join(os.path.dirname(__file__), "plugins", "pagedllm_test_backends")
+
+
+@pytest.fixture(scope="module")
+def plugins_installed(tmp_path_factory):
+    """pip-installs the plugin package into a folder put on the path, as a user's install would
+    be; engine worker processes inherit it through PYTHONPATH."""
+    target = tmp_path_factory.mktemp("site")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
+                    PLUGIN_SRC], check=True)
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = str(target) + (os.pathsep + old if old else "")
+    sys.path.insert(0, str(target))
+    importlib.invalidate_caches()
+    yield target
+    sys.path.remove(str(target))
+    if old is None:
+        del os.environ["PYTHONPATH"]
+    else:
+        os.environ["PYTHONPATH"] = old
+
+
+def failed_rows(results) -> dict[str, list[str]]:
+    return {r.check: r.failures for r in results if not r.ok}
+
+
+def test_cpu_backend_passes_the_quick_suite():
+    results = run_suite("cpu", quick=True)
+    assert not failed_rows(results), format_table("cpu", results)
+    names = {r.check for r in results}
+    assert {"cache_placement", "preemption_swap", "fork_copy_on_write", "end_to_end_vs_transformers"} <= names
+
+
+def test_plugin_backend_is_found_and_passes(plugins_installed):
+    specs = available_backends()
+    assert "example" in specs and not specs["example"].builtin
+    results = run_suite("example", quick=True)
+    assert not failed_rows(results), format_table("example", results)
+
+
+@pytest.mark.parametrize("backend,rows,clue", [
+    ("broken-slot-off-by-one", {"write_kv"}, "instead"),
+    ("broken-no-softmax-scale", {"decode_attention float32", "prefill_attention float32",
+                                 "chunked_prefill_attention float32", "shared_blocks"}, "off by"),
+    ("broken-first-block-only", {"decode_attention float32", "prefill_attention float32",
+                                 "chunked_prefill_attention float32", "shared_blocks"}, "context"),
+])
+def test_broken_backends_fail_on_the_right_rows(plugins_installed, backend, rows, clue):
+    results = run_suite(backend, quick=True, ops_only=True)
+    failed = failed_rows(results)
+    assert rows <= set(failed), format_table(backend, results)
+    for row in rows:
+        assert failed[row] and clue in failed[row][0], failed[row][0]
+    if backend == "broken-slot-off-by-one":
+        assert set(failed) == {"write_kv"}  # its attention ops are fine
+        assert "should be at slot" in failed["write_kv"][0]
+    if backend == "broken-first-block-only":
+        # contexts within one block are right; longer ones are not
+        assert "context 1," not in failed["decode_attention float32"][0]
+
+
+def test_cli_exits_nonzero_on_failure_and_writes_json(plugins_installed, tmp_path):
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "conformance", "--backend",
+                           "broken-no-softmax-scale", "--quick", "--ops-only", "--json", str(out)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert "FAIL" in proc.stdout and "decode_attention float32" in proc.stdout
+    assert '"ok": false' in out.read_text()
+
+
+def test_unknown_backend_lists_known_ones():
+    with pytest.raises(UnknownBackend, match=r"known backends: .*\bcpu\b"):
+        resolve("nope")
