@@ -3,10 +3,10 @@
 # Absolute imports: pytest imports this file as the root package of the checkout, under the
 # checkout folder's name, when it collects tests/.
 from pagedllm.core.errors import InvalidParameter
-from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.core.sampling_params import BeamSearchParams, SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "InvalidParameter", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "InvalidParameter", "RequestOutput", "CompletionOutput", "__version__"]
 
 
 def __getattr__(name):

@@ -106,6 +106,8 @@ class Worker:
             blocks = states[rid].block_ids
             del blocks[start:]
             blocks.extend(ids)
+        for rid, token in plan.appended_token_ids.items():
+            states[rid].token_ids.append(token)
 
         seqs, order = [], []
         for rid, n in plan.num_scheduled_tokens.items():
@@ -126,7 +128,8 @@ class Worker:
             out = self.sampler(logits, [SamplingRow(st.params, st.token_ids, st.num_prompt_tokens,
                                                           st.eos_token_id) for st in batch])
             for i, st, tok in zip(rows, batch, out.token_ids):
-                st.token_ids.append(tok)
+                if not st.params.beam_width:  # a beam's next token is chosen by the core
+                    st.token_ids.append(tok)
                 sampled[i] = tok
             rids = list(plan.num_scheduled_tokens)
             for i, lp in zip(rows, out.logprobs):

@@ -148,7 +148,7 @@ class EngineCore:
             self._flush_outputs()
             self._take_frontend_messages(0)
             result = self._wait_result()
-            outputs = sched.update(in_flight, _sampled_dict(in_flight, result))
+            outputs = sched.update(in_flight, _sampled_dict(in_flight, result), result.logprobs)
             self._collect(outputs, result)
             self.steps += 1
             self.step_seconds += time.perf_counter() - self._step_start
@@ -185,8 +185,8 @@ class EngineCore:
             req = requests.get(out.request_id)
             self.pending.append(RequestOutputDelta(
                 out.request_id, out.new_token_ids, out.finish_reason, out.stop_reason,
-                [lp] if lp is not None else None,
-                req.num_cached_tokens if req is not None else 0))
+                [lp] if lp is not None and out.beams is None else None,
+                req.num_cached_tokens if req is not None else 0, out.beams))
 
     def _flush_outputs(self) -> None:
         if self.pending:

@@ -125,6 +125,24 @@ class KVCacheManager:
             self._cache_full_blocks(request, table, end)
         return first_changed, [b.block_id for b in table[first_changed:]]
 
+    def blocks_needed(self, requests: list[Request], num_new_tokens: int) -> int:
+        """Free blocks that allocate_slots(r, num_new_tokens) for each of `requests`, in order,
+        would take, counting that a shared block copied for one no longer needs a copy for
+        the last of its holders."""
+        bs = self.block_size
+        copies: dict[int, int] = {}
+        need = 0
+        for request in requests:
+            table = self.tables.get(request.request_id, [])
+            start = request.num_computed_tokens
+            need += max(0, -(-(start + num_new_tokens) // bs) - len(table))
+            if start % bs:
+                block = table[start // bs]
+                if block.ref_cnt - copies.get(block.block_id, 0) > 1:
+                    copies[block.block_id] = copies.get(block.block_id, 0) + 1
+                    need += 1
+        return need
+
     def fork(self, parent: Request, child: Request) -> None:
         """The child shares every block of the parent; the first write into a shared
         partial block copies it (see allocate_slots)."""

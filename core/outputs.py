@@ -34,6 +34,8 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     swap_out: list[tuple[int, int]]  # (device block, swap block), done first
     swap_in: list[tuple[int, int]]  # (swap block, device block), done after swap_out
     finished_request_ids: list[str]  # ended since the last step: drop their state
+    # tokens the core appended itself (beam continuations), to add before computing
+    appended_token_ids: dict[str, int]
     preempted_request_ids: list[str]  # drop their state; they come back as new requests
     total_num_scheduled_tokens: int
 
@@ -42,8 +44,15 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
         return self.total_num_scheduled_tokens == 0
 
 
+class BeamResult(msgspec.Struct, array_like=True):
+    token_ids: list[int]  # generated tokens
+    cum_logprob: float
+    score: float  # cum_logprob / len ** length_penalty
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     request_id: str
     new_token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length" or "abort"
     stop_reason: int | None = None  # the stop token id that ended it
+    beams: list[BeamResult] | None = None  # a finished beam search: best first

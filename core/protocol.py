@@ -18,7 +18,7 @@ from typing import Union
 import msgspec
 import numpy as np
 
-from .outputs import EngineCoreOutput, SchedulerOutput
+from .outputs import BeamResult, SchedulerOutput
 from .request import EngineRequest
 
 _NDARRAY_EXT = 1
@@ -75,6 +75,7 @@ class RequestOutputDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | None = None
     logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0
+    beams: list[BeamResult] | None = None
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs"):

@@ -54,7 +54,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "arrival_time",
         "priority", "all_token_ids", "num_prompt_tokens", "num_computed_tokens", "status",
         "max_tokens", "min_tokens", "stop_ids", "block_hashes", "num_preemptions",
-        "num_cached_tokens", "stop_reason", "forks_pending",
+        "num_cached_tokens", "stop_reason", "forks_pending", "beam_group",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
@@ -80,6 +80,7 @@ class Request:
         # n > 1: the prompt is computed once, up to its last token, then the request forks
         # into n that share those blocks and each compute the last token and sample on
         self.forks_pending = sampling_params.n - 1
+        self.beam_group = None  # core.beam_search.BeamGroup of a beam-search request
 
     @classmethod
     def from_engine_request(cls, req: EngineRequest, max_tokens: int) -> "Request":
@@ -88,8 +89,13 @@ class Request:
 
     @property
     def fork_point(self) -> int:
-        """How many tokens may be computed before the request must fork."""
-        return self.num_prompt_tokens - 1 if self.forks_pending else len(self.all_token_ids)
+        """How many tokens may be computed on the request's own: before it must fork (n > 1),
+        or, for a beam, before its group decodes together."""
+        if self.forks_pending:
+            return self.num_prompt_tokens - 1
+        if self.beam_group is not None:
+            return len(self.all_token_ids) - 1
+        return len(self.all_token_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -26,6 +26,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     ignore_eos: bool = False
     logprobs: int | None = None
     priority: int = 0  # lower runs first under the `priority` policy, as in vLLM
+    beam_width: int = 0  # > 0: beam search with this many beams (see LLM.beam_search)
+    length_penalty: float = 1.0  # beam search: hypotheses score sum_logprobs / len ** length_penalty
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -55,6 +57,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, lo=0, hi=20)
         _check_int("priority", self.priority)
+        _check_int("beam_width", self.beam_width, lo=0, hi=10)
+        _check_float("length_penalty", self.length_penalty)
+        if self.beam_width and self.n != 1:
+            raise InvalidParameter("n", f"must be 1 with beam search (beam_width {self.beam_width}), got {self.n}")
 
     @property
     def greedy(self) -> bool:
@@ -78,3 +84,24 @@ def _check_float(field: str, value, lo: float | None = None, hi: float | None = 
         raise InvalidParameter(field, f"must be {'>' if lo_open else '>='} {lo}, got {value}")
     if hi is not None and value > hi:
         raise InvalidParameter(field, f"must be <= {hi}, got {value}")
+
+
+class BeamSearchParams(msgspec.Struct, kw_only=True):
+    """Parameters of LLM.beam_search, as vLLM names them."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+
+    def __post_init__(self):
+        _check_int("beam_width", self.beam_width, lo=1, hi=10)
+        _check_int("max_tokens", self.max_tokens, lo=1)
+        _check_float("length_penalty", self.length_penalty)
+        if self.temperature != 0.0:
+            raise InvalidParameter("temperature", f"beam search is deterministic: must be 0, got {self.temperature}")
+
+    def to_sampling_params(self) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=self.max_tokens, ignore_eos=self.ignore_eos,
+                              beam_width=self.beam_width, length_penalty=self.length_penalty)

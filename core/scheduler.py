@@ -13,10 +13,11 @@ import itertools
 import msgspec
 import numpy as np
 
+from .beam_search import BeamGroup
 from .config import CacheConfig, SchedulerConfig, check_fits
 from .errors import InvalidParameter
 from .kv_cache_manager import KVCacheManager
-from .outputs import EngineCoreOutput, NewRequestData, SchedulerOutput
+from .outputs import BeamResult, EngineCoreOutput, NewRequestData, SchedulerOutput
 from .request import EngineRequest, Request, RequestStatus
 from .sampling_params import SamplingParams
 
@@ -45,6 +46,10 @@ class Scheduler:
         self.waiting = RequestQueue(by_priority)
         self.swapped = RequestQueue(by_priority)
         self._on_worker: set[str] = set()  # requests whose state the worker holds
+        self.groups: dict[str, BeamGroup] = {}  # beam searches by request id
+        self._appended: dict[str, int] = {}  # beam tokens chosen here, for the worker
+        self._candidates: dict[str, dict[str, list]] = {}  # beam group -> member -> top tokens
+        self._beam_ids = itertools.count(1)
         self._finished_ids: list[str] = []
         self._preempted_ids: list[str] = []
         self._step_ids = itertools.count()
@@ -53,7 +58,7 @@ class Scheduler:
     # --- requests in and out --------------------------------------------------------------
     def add_request(self, engine_request: EngineRequest) -> Request:
         rid = engine_request.request_id
-        if rid in self.requests:
+        if rid in self.requests or rid in self.groups:
             raise InvalidParameter("request_id", f"{rid!r} is already in use")
         prompt = engine_request.prompt_token_ids
         if not prompt:
@@ -67,29 +72,62 @@ class Scheduler:
                 "prompt", f"has {len(prompt)} tokens; max_model_len is {max_len}, "
                           f"which leaves room for at most {max_len - 1} prompt tokens")
         room = max_len - len(prompt)
-        max_tokens = engine_request.sampling_params.max_tokens
-        request = Request.from_engine_request(engine_request, min(max_tokens or room, room))
+        params = engine_request.sampling_params
+        max_tokens = min(params.max_tokens or room, room)
+        if params.beam_width:
+            self._check_beam_fits(params.beam_width, len(prompt) + max_tokens)
+            params = msgspec.structs.replace(params, logprobs=2 * params.beam_width)
+            engine_request = msgspec.structs.replace(engine_request, sampling_params=params)
+        request = Request.from_engine_request(engine_request, max_tokens)
+        if params.beam_width:
+            group = BeamGroup(rid, params.beam_width, max_tokens, params.length_penalty,
+                              None if params.ignore_eos else engine_request.eos_token_id)
+            group.members = [request]
+            request.beam_group = group
+            self.groups[rid] = group
         self.requests[rid] = request
         self.waiting.add(request)
         return request
+
+    def _check_beam_fits(self, width: int, tokens: int) -> None:
+        """After a recompute preemption the beams share nothing: all of them must fit alone."""
+        need = width * -(-tokens // self.block_size)
+        usable = self.kv.pool.num_usable
+        if need > usable:
+            raise InvalidParameter("beam_width", f"{width} beams of {tokens} tokens need up to {need} KV "
+                                                 f"blocks; the cache has {usable}")
 
     def abort_requests(self, request_ids) -> list[EngineCoreOutput]:
         """Abort now: blocks are freed before the next step. Unknown ids are ignored (the
         request may have just finished)."""
         outputs = []
         for rid in request_ids:
+            member = self.requests.get(rid)
+            if member is not None and member.beam_group is not None:
+                rid = member.beam_group.group_id  # a beam is aborted with its whole search
+            group = self.groups.pop(rid, None)
+            if group is not None:
+                for member in group.members:
+                    self._remove(member, RequestStatus.FINISHED_ABORTED)
+                self._candidates.pop(rid, None)
+                outputs.append(EngineCoreOutput(rid, [], "abort"))
+                continue
             request = self.requests.get(rid)
             if request is None:
                 continue
-            if request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
-            elif request.status == RequestStatus.SWAPPED:
-                self.swapped.remove(request)
-            else:
-                self.waiting.remove(request)
-            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            self._remove(request, RequestStatus.FINISHED_ABORTED)
             outputs.append(EngineCoreOutput(rid, [], "abort"))
         return outputs
+
+    def _remove(self, request: Request, status: RequestStatus) -> None:
+        """Take a request out of whichever queue holds it and end it."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status == RequestStatus.SWAPPED:
+            self.swapped.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._finish(request, status)
 
     def fork_request(self, parent_id: str, child_id: str,
                      sampling_params: SamplingParams | None = None) -> Request:
@@ -166,14 +204,38 @@ class Scheduler:
                     if delta is not None:
                         break
                     victim = self._pick_victim(request, scheduled)
-                    self._preempt(victim, swap_out)
+                    self._preempt(victim, swap_out, scheduled)
                     preempted_now = True
-                    if victim is request:
+                    if request.status != RequestStatus.RUNNING:
                         break
-                if delta is None:
+                if request.status != RequestStatus.RUNNING:
                     continue
                 record(request, num_new, delta)
                 budget -= num_new
+        # beam groups decode together: all of a group's beams in one step, or none
+        for group in list(self.groups.values()):
+            if budget <= 0:
+                break
+            members = group.members
+            if not all(m.status == RequestStatus.RUNNING for m in members):
+                if any(m.status == RequestStatus.RUNNING for m in members) and \
+                        not any(m.request_id in scheduled for m in members):
+                    self._preempt_group(group, swap_out)  # half admitted: wait whole, never stall
+                    preempted_now = True
+                continue
+            if any(m.num_computed_tokens != m.num_tokens - 1 for m in members) or len(members) > budget:
+                continue
+            while kv.blocks_needed(members, 1) > kv.pool.num_free:
+                victim = self._pick_victim(members[0], scheduled)
+                self._preempt(victim, swap_out, scheduled)
+                preempted_now = True
+                if victim.beam_group is group:
+                    break
+            if members[0].status != RequestStatus.RUNNING:
+                continue
+            for member in members:
+                record(member, 1, kv.allocate_slots(member, 1))
+            budget -= len(members)
         if preempted_now:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
 
@@ -220,17 +282,22 @@ class Scheduler:
             self.requests[rid].num_computed_tokens += num_tokens
         finished, self._finished_ids = self._finished_ids, []
         preempted, self._preempted_ids = self._preempted_ids, []
+        appended = {rid: tok for rid, tok in self._appended.items() if rid in self._on_worker}
+        self._appended = {}
         return SchedulerOutput(
             step_id=next(self._step_ids), new_requests=new_requests,
             num_scheduled_tokens=scheduled, block_table_deltas=deltas,
             block_copies=kv.take_block_copies(), swap_out=swap_out, swap_in=swap_in,
-            finished_request_ids=finished, preempted_request_ids=preempted,
+            finished_request_ids=finished, preempted_request_ids=preempted, appended_token_ids=appended,
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget)
 
-    def update(self, plan: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[EngineCoreOutput]:
+    def update(self, plan: SchedulerOutput, sampled_token_ids: dict[str, int],
+               logprobs: dict | None = None) -> list[EngineCoreOutput]:
         """Apply the tokens the worker sampled. Requests in the middle of a chunked prefill
-        sampled nothing; requests aborted since `schedule()` are skipped."""
+        sampled nothing; requests aborted since `schedule()` are skipped. Beams append nothing
+        themselves: their group chooses from the top tokens in `logprobs`."""
         outputs = []
+        beam_groups = []
         any_finished = False
         max_model_len = self.config.max_model_len
         requests = self.requests
@@ -243,6 +310,13 @@ class Scheduler:
             if request.num_computed_tokens < len(tokens):
                 if request.forks_pending and request.num_computed_tokens == request.fork_point:
                     self._fork_samples(request)
+                continue
+            if request.beam_group is not None:
+                group = request.beam_group
+                lp = (logprobs or {})[rid]
+                self._candidates.setdefault(group.group_id, {})[rid] = list(zip(lp.top_token_ids, lp.top_logprobs))
+                if group not in beam_groups:
+                    beam_groups.append(group)
                 continue
             token = sampled_token_ids[rid]
             tokens.append(token)
@@ -260,22 +334,81 @@ class Scheduler:
                 self._finish(request, status)
                 any_finished = True
                 outputs.append(EngineCoreOutput(rid, [token], status.finish_reason, request.stop_reason))
+        for group in beam_groups:
+            out = self._advance_beams(group)
+            any_finished = True
+            if out is not None:
+                outputs.append(out)
         if any_finished:
             self.running = [r for r in self.running if r.status == RUNNING]
         return outputs
+
+    def _advance_beams(self, group: BeamGroup) -> EngineCoreOutput | None:
+        """All beams of the group computed a token's logits: choose the continuations, fork
+        beams chosen more than once, drop beams not chosen, and end the search if done."""
+        reported = self._candidates.get(group.group_id, {})
+        members = group.members
+        if any(m.request_id not in reported for m in members):
+            return None
+        del self._candidates[group.group_id]
+        histories = [m.output_token_ids for m in members]
+        step = group.step([reported[m.request_id] for m in members], histories)
+        if step.done:
+            del self.groups[group.group_id]
+            for member in members:
+                self._finish(member, RequestStatus.FINISHED_STOPPED)
+            beams = [BeamResult(h.token_ids, h.cum_logprob, h.score) for h in group.results()]
+            return EngineCoreOutput(group.group_id, [], "stop", None, beams)
+        by_parent: dict[int, list] = {}
+        for cont in step.running:
+            by_parent.setdefault(cont.parent, []).append(cont)
+        new_members = {}
+        for index, member in enumerate(members):
+            conts = by_parent.get(index)
+            if not conts:
+                self._finish(member, RequestStatus.FINISHED_ABORTED)  # frees only what it alone held
+                continue
+            for cont in conts[1:]:
+                child = self.fork_request(member.request_id, f"{group.group_id}#beam{next(self._beam_ids)}")
+                child.beam_group = group
+                child.all_token_ids.append(cont.token)
+                new_members[id(cont)] = child
+            member.all_token_ids.append(conts[0].token)
+            self._appended[member.request_id] = conts[0].token
+            new_members[id(conts[0])] = member
+        group.members = [new_members[id(c)] for c in step.running]
+        return None
 
     # --- preemption -----------------------------------------------------------------------
     def _pick_victim(self, current: Request, scheduled: dict[str, int]) -> Request:
         by_priority = self.config.policy == "priority"
         candidates = [r for r in self.running
-                      if r.status == RequestStatus.RUNNING and r.request_id not in scheduled]
+                      if r.status == RequestStatus.RUNNING and r.request_id not in scheduled
+                      and (r.beam_group is None or r is current or r.beam_group is current.beam_group
+                           or not any(m.request_id in scheduled for m in r.beam_group.members))]
         return max(candidates, key=lambda r: (r.priority if by_priority else 0, r.arrival_time))
 
-    def _preempt(self, request: Request, swap_out: list[tuple[int, int]]) -> None:
+    def _preempt_group(self, group: BeamGroup, swap_out) -> None:
+        """A beam group leaves the running batch whole, by recompute (its beams are forks that
+        share blocks; swapping them one by one would not keep that sharing)."""
+        self._candidates.pop(group.group_id, None)
+        for member in group.members:
+            if member.status == RequestStatus.RUNNING:
+                self._preempt(member, swap_out, group_member=True)
+
+    def _preempt(self, request: Request, swap_out: list[tuple[int, int]], scheduled=(),
+                 group_member: bool = False) -> None:
+        group = request.beam_group
+        if group is not None and not group_member:
+            if not any(m.request_id in scheduled for m in group.members):
+                self._preempt_group(group, swap_out)
+                return
+            group_member = True  # a sibling already runs this step: this beam alone waits
+        request.num_preemptions += 1
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._forget_on_worker(request, self._preempted_ids)
-        if self.config.preemption_mode == "swap":
+        if self.config.preemption_mode == "swap" and not group_member:
             pairs = self.kv.swap_out(request)
             if pairs is not None:
                 swap_out.extend(pairs)
@@ -329,3 +462,7 @@ class Scheduler:
         for request in self.waiting:
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             assert request.num_computed_tokens == 0
+        for gid, group in self.groups.items():
+            assert group.members, f"beam group {gid} has no beams"
+            for member in group.members:
+                assert self.requests.get(member.request_id) is member and member.beam_group is group

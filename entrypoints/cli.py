@@ -13,7 +13,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     """Engine flags, named as vLLM names them."""
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None, help="Hugging Face model folder (default: the built-in demo model)")
-    g.add_argument("--backend", default="cpu", help="cpu, cuda-triton, cuda-native, cuda, or an installed plugin")
+    g.add_argument("--backend", default="cpu", help="cpu (built in) or a backend installed as a plugin")
     g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--max-num-seqs", type=int, default=256)

@@ -19,10 +19,10 @@ from pagedllm.core.config import EngineConfig, parse_size
 from pagedllm.core.errors import InvalidParameter
 from pagedllm.core.protocol import EngineOutputs, EngineStats, RequestRejected
 from pagedllm.core.request import EngineRequest
-from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.core.sampling_params import BeamSearchParams, SamplingParams
 
 from .engine_client import EngineClient, EngineDeadError
-from .outputs import RequestOutput
+from .outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from .request_tracker import RequestTracker
 
 GiB = 1 << 30
@@ -102,6 +102,26 @@ class LLM:
             params = [msgspec.structs.replace(p, priority=pr) for p, pr in zip(params, priority)]
         trackers = [self._tracker(text, ids, p) for (text, ids), p in zip(items, params)]
         return self._run(trackers, use_tqdm)
+
+    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search, as transformers' generate(num_beams=W, do_sample=False) runs it. The beams
+        are forked requests in the engine: they share the prompt's blocks and every common full
+        block, and a beam group is preempted as a whole."""
+        items = self._normalise_prompts(prompts)
+        sampling = params.to_sampling_params()
+        trackers = [self._tracker(text, ids, sampling) for text, ids in items]
+        self._run(trackers, use_tqdm)
+        outputs = []
+        for t in trackers:
+            prompt_ids = t.output.prompt_token_ids
+            outputs.append(BeamSearchOutput([
+                BeamSearchSequence(tokens=prompt_ids + b.token_ids, cum_logprob=b.cum_logprob, score=b.score,
+                                   text=self.tokenizer.decode(b.token_ids, skip_special_tokens=True)
+                                   if self.tokenizer is not None else None,
+                                   finish_reason="stop" if b.token_ids and b.token_ids[-1] == self.eos_token_id
+                                   and not params.ignore_eos else "length")
+                for b in (t.beams or [])]))
+        return outputs
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,

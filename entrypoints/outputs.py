@@ -34,3 +34,17 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+
+
+@dataclass
+class BeamSearchSequence:
+    tokens: list[int]  # prompt and generated token ids
+    text: str | None  # the generated text
+    cum_logprob: float  # sum of the generated tokens' log-probabilities
+    score: float  # cum_logprob / generated_len ** length_penalty: the ranking
+    finish_reason: str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]  # best first

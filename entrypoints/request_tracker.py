@@ -29,6 +29,7 @@ class RequestTracker:
         self._stops = list(params.stop or ())
         self._holdback = max((len(s) for s in self._stops), default=1) - 1
         self._sent = [0] * params.n  # characters of each completion already handed out as deltas
+        self.beams = None  # a finished beam search: core.outputs.BeamResult list, best first
 
     def _decode_one(self, token: int) -> str | None:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else None
@@ -46,6 +47,11 @@ class RequestTracker:
         string ended it before the engine knew)."""
         i = self._index[delta.request_id]
         comp = self.output.outputs[i]
+        if delta.beams is not None or (self.params.beam_width and delta.finish_reason is not None):
+            self.beams = delta.beams or []
+            comp.finish_reason = delta.finish_reason
+            self.output.finished = True
+            return i, "", True, False
         if comp.finish_reason is not None:
             return i, "", False, False  # e.g. the abort that follows a stop string
         self.output.num_cached_tokens = max(self.output.num_cached_tokens, delta.num_cached_tokens)

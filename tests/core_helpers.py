@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import random
 import zlib
 
 from pagedllm.core import CacheConfig, EngineRequest, SamplingParams, Scheduler, SchedulerConfig
 from pagedllm.core.outputs import SchedulerOutput
+from pagedllm.core.protocol import TokenLogprobs
 
 
 def make_scheduler(block_size=4, num_blocks=64, budget=64, max_num_seqs=16, max_model_len=64,
@@ -30,6 +32,15 @@ def fake_token(rid: str, position: int, vocab: int = 50) -> int:
     return zlib.crc32(f"{rid}:{position}".encode()) % vocab + 1
 
 
+def fake_top_tokens(tokens: list[int], k: int, vocab: int) -> TokenLogprobs:
+    """k distinct 'most likely' next tokens with descending log-probabilities, a function of
+    the sequence so far (so equal beams agree)."""
+    rng = random.Random(zlib.crc32(repr(tokens).encode()))
+    ids = rng.sample(range(1, vocab + 1), min(k, vocab))
+    lps = sorted((-rng.random() * 3 for _ in ids), reverse=True)
+    return TokenLogprobs(lps[0], 1, ids, lps)
+
+
 class FakeWorker:
     """Plays a backend worker: keeps per-request state from the plans' differences alone, writes
     each token id into the KV slot the plan chose, performs swaps and copies, and before
@@ -42,6 +53,7 @@ class FakeWorker:
         self.swap = [None] * (num_swap_blocks * block_size)
         self.state: dict[str, dict] = {}
         self.vocab = vocab
+        self.logprobs: dict[str, TokenLogprobs] = {}
 
     def _copy_block(self, src_mem, src, dst_mem, dst):
         bs = self.bs
@@ -59,11 +71,15 @@ class FakeWorker:
         for new in plan.new_requests:
             assert new.request_id not in self.state, f"{new.request_id} sent twice as new"
             self.state[new.request_id] = {"tokens": list(new.token_ids), "blocks": list(new.block_ids),
-                                          "computed": new.num_computed_tokens}
+                                          "computed": new.num_computed_tokens,
+                                          "top": new.sampling_params.logprobs,
+                                          "beam": new.sampling_params.beam_width > 0}
         for rid, (start, ids) in plan.block_table_deltas.items():
             blocks = self.state[rid]["blocks"]
             del blocks[start:]
             blocks.extend(ids)
+        for rid, token in plan.appended_token_ids.items():
+            self.state[rid]["tokens"].append(token)
         bs = self.bs
         for rid, n in plan.num_scheduled_tokens.items():
             st = self.state[rid]
@@ -71,6 +87,7 @@ class FakeWorker:
             for pos in range(st["computed"], st["computed"] + n):
                 self.kv[st["blocks"][pos // bs] * bs + pos % bs] = (st["tokens"][pos], pos)
         sampled = {}
+        self.logprobs = {}
         for rid, n in plan.num_scheduled_tokens.items():
             st = self.state[rid]
             st["computed"] += n
@@ -79,7 +96,12 @@ class FakeWorker:
                 assert got == (st["tokens"][pos], pos), f"{rid} pos {pos}: KV holds {got}"
             if st["computed"] == len(st["tokens"]):
                 token = fake_token(rid, len(st["tokens"]), self.vocab)
-                st["tokens"].append(token)
+                if st["top"]:
+                    self.logprobs[rid] = fake_top_tokens(st["tokens"], st["top"], self.vocab)
+                if st["beam"]:
+                    token = self.logprobs[rid].top_token_ids[0]
+                else:
+                    st["tokens"].append(token)
                 sampled[rid] = token
         return sampled
 
@@ -97,7 +119,8 @@ def run_to_completion(sched: Scheduler, worker: FakeWorker | None = None, max_st
             return outputs, reasons, plans
         plan = sched.schedule()
         plans.append(plan)
-        for out in sched.update(plan, worker.execute(plan)):
+        sampled = worker.execute(plan)
+        for out in sched.update(plan, sampled, worker.logprobs):
             outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
             if out.finish_reason:
                 reasons[out.request_id] = out.finish_reason

@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from pagedllm.core import EngineRequest, RequestStatus, SamplingParams
+from pagedllm.core import EngineRequest, InvalidParameter, RequestStatus, SamplingParams
 
 MAX_MODEL_LEN = 32
 EOS = 1
@@ -43,17 +43,29 @@ class SchedulerMachine(RuleBasedStateMachine):
             sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos,
                                            priority=priority, n=min(n, self.sched.config.max_num_seqs))))
 
+    @rule(prompt_len=st.integers(1, 20), width=st.integers(1, 3), max_tokens=st.integers(1, 8),
+          ignore_eos=st.booleans())
+    def add_beam_search(self, prompt_len, width, max_tokens, ignore_eos):
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        try:
+            self.sched.add_request(EngineRequest(
+                request_id=rid, prompt_token_ids=PREFIXES[0][:prompt_len], eos_token_id=EOS,
+                sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, beam_width=width)))
+        except InvalidParameter as e:
+            assert e.field == "beam_width"  # too many beams for this tiny cache
+
     @precondition(lambda self: self.sched.requests)
     @rule(data=st.data())
     def abort(self, data):
-        rid = data.draw(st.sampled_from(sorted(self.sched.requests)))
+        rid = data.draw(st.sampled_from(sorted(set(self.sched.requests) | set(self.sched.groups))))
         self.sched.abort_requests([rid])
-        assert rid not in self.sched.requests
+        assert rid not in self.sched.requests and rid not in self.sched.groups
 
-    @precondition(lambda self: self.sched.running)
+    @precondition(lambda self: any(r.beam_group is None for r in self.sched.running))
     @rule(data=st.data())
     def fork(self, data):
-        parent = data.draw(st.sampled_from([r.request_id for r in self.sched.running]))
+        parent = data.draw(st.sampled_from([r.request_id for r in self.sched.running if r.beam_group is None]))
         child = f"r{self.next_id}"
         self.next_id += 1
         self.sched.fork_request(parent, child)
@@ -66,10 +78,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert plan.total_num_scheduled_tokens <= sched.config.max_num_batched_tokens
         assert all(n > 0 for n in plan.num_scheduled_tokens.values())
         sched.check_invariants()
-        for kind in ("block_copies", "swap_out", "swap_in", "preempted_request_ids"):
+        for kind in ("block_copies", "swap_out", "swap_in", "preempted_request_ids", "appended_token_ids"):
             if getattr(plan, kind):
                 event(kind)
-        outputs = sched.update(plan, self.worker.execute(plan))
+        sampled = self.worker.execute(plan)
+        outputs = sched.update(plan, sampled, self.worker.logprobs)
         for out in outputs:
             if out.finish_reason == "length":
                 assert out.request_id not in sched.requests
@@ -87,7 +100,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             if not sched.has_unfinished_requests():
                 break
             self.step()
-        assert not sched.has_unfinished_requests(), "requests never finished: livelock"
+        assert not sched.has_unfinished_requests() and not sched.groups, \
+            f"livelock: {list(sched.requests.values())} groups {list(sched.groups)} free {sched.kv.pool.num_free}"
         sched.check_invariants()
         pool = sched.kv.pool
         assert pool.num_used == 0, "blocks still held after every request ended"
