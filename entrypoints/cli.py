@@ -45,6 +45,8 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--logprobs", type=int, default=None)
+    g.add_argument("--beam-width", type=int, default=0, help="> 0: beam search with this many beams")
+    g.add_argument("--length-penalty", type=float, default=1.0, help="beam search length penalty")
 
 
 def engine_kwargs(args) -> dict:
@@ -94,6 +96,13 @@ def cmd_generate(args) -> int:
         prompts = list(args.prompts)
     else:
         raise ValueError("give prompts as arguments or --input prompts.jsonl")
+    if args.beam_width:
+        from pagedllm.core.sampling_params import BeamSearchParams
+        beam_params = BeamSearchParams(beam_width=args.beam_width, max_tokens=args.max_tokens,
+                                       ignore_eos=args.ignore_eos, length_penalty=args.length_penalty)
+        with LLM(**engine_kwargs(args)) as llm:
+            return write_beams(llm.beam_search(prompts, beam_params, use_tqdm=not args.no_progress),
+                               prompts, args.output)
     params = sampling_params(args)
     with LLM(**engine_kwargs(args)) as llm:
         outputs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
@@ -111,6 +120,23 @@ def cmd_generate(args) -> int:
         finally:
             if out is not None:
                 out.close()
+    return 0
+
+
+def write_beams(outputs, prompts, path: str | None) -> int:
+    out = open(path, "w") if path else None
+    try:
+        for prompt, o in zip(prompts, outputs):
+            if out is not None:
+                out.write(json.dumps({"prompt": prompt, "beams": [
+                    {"text": b.text, "token_ids": b.tokens, "cum_logprob": b.cum_logprob, "score": b.score}
+                    for b in o.sequences]}) + "\n")
+            else:
+                for rank, b in enumerate(o.sequences):
+                    print(f"{prompt!r} beam {rank} (score {b.score:.3f}) -> {b.text!r}")
+    finally:
+        if out is not None:
+            out.close()
     return 0
 
 

@@ -44,3 +44,11 @@ def test_bad_flags_name_the_flag(tiny_model, args, needle):
     proc = pagedllm("generate", "x", "--model", tiny_model("llama"), *args)
     assert proc.returncode == 2
     assert needle in proc.stderr, proc.stderr
+
+
+def test_generate_with_beam_search(tiny_model):
+    proc = pagedllm("generate", "paged attention", "--model", tiny_model("llama"), "--beam-width", "3",
+                    "--max-tokens", "6", "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert [line.split(" (")[0] for line in lines] == [f"'paged attention' beam {i}" for i in range(3)]
