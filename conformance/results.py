@@ -9,7 +9,7 @@ import torch
 # |got - want| <= atol + rtol * |want|, per dtype (in the spirit of torch.testing's defaults)
 TOLERANCES = {
     torch.float32: (1e-5, 1e-5),
-    torch.bfloat16: (1e-2, 1.6e-2),
+    torch.bfloat16: (2e-2, 1.6e-2),
     torch.float16: (5e-3, 5e-3),
 }
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}

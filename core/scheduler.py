@@ -183,6 +183,7 @@ class Scheduler:
                     request.num_computed_tokens, request.eos_token_id))
             elif delta[1]:
                 deltas[request.request_id] = delta
+            request.num_computed_tokens += num_tokens  # scheduled requests are never preempted later
 
         # 1. running: decodes first, then unfinished prefills
         prefills = []
@@ -223,7 +224,8 @@ class Scheduler:
                     self._preempt_group(group, swap_out)  # half admitted: wait whole, never stall
                     preempted_now = True
                 continue
-            if any(m.num_computed_tokens != m.num_tokens - 1 for m in members) or len(members) > budget:
+            if (any(m.num_computed_tokens != m.num_tokens - 1 or m.request_id in scheduled for m in members)
+                    or len(members) > budget):
                 continue
             while kv.blocks_needed(members, 1) > kv.pool.num_free:
                 victim = self._pick_victim(members[0], scheduled)
@@ -278,8 +280,6 @@ class Scheduler:
             record(request, num_new, delta)
             budget -= num_new
 
-        for rid, num_tokens in scheduled.items():
-            self.requests[rid].num_computed_tokens += num_tokens
         finished, self._finished_ids = self._finished_ids, []
         preempted, self._preempted_ids = self._preempted_ids, []
         appended = {rid: tok for rid, tok in self._appended.items() if rid in self._on_worker}
