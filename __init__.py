@@ -6,7 +6,8 @@ from pagedllm.core.errors import InvalidParameter
 from pagedllm.core.sampling_params import BeamSearchParams, SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "InvalidParameter", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "InvalidParameter", "RequestOutput", "CompletionOutput",
+           "BeamSearchOutput", "BeamSearchSequence", "EngineDeadError", "__version__"]
 
 
 def __getattr__(name):
@@ -14,7 +15,10 @@ def __getattr__(name):
     if name == "LLM":
         from pagedllm.entrypoints.llm import LLM
         return LLM
-    if name in ("RequestOutput", "CompletionOutput"):
+    if name == "EngineDeadError":
+        from pagedllm.entrypoints.engine_client import EngineDeadError
+        return EngineDeadError
+    if name in ("RequestOutput", "CompletionOutput", "BeamSearchOutput", "BeamSearchSequence"):
         from pagedllm.entrypoints import outputs
         return getattr(outputs, name)
     raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")

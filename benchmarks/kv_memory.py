@@ -54,7 +54,7 @@ def main():
     r = measure_kv_utilisation()
     print(f"trace: {r['requests']} requests, mean prompt {r['mean_prompt']:.0f}, mean output "
           f"{r['mean_output']:.0f} tokens, {r['steps']} steps, {r['preemptions']} preemptions")
-    print(f"share of allocated KV slots holding live tokens:")
+    print("share of allocated KV slots holding live tokens:")
     print(f"  paged (block size {r['block_size']}):             {r['paged']:.1%}")
     print(f"  contiguous, max_model_len per request: {r['contiguous_max_model_len']:.1%}")
     print(f"  contiguous, exact final length:        {r['contiguous_exact_length']:.1%}")

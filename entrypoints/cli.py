@@ -87,7 +87,6 @@ def read_jsonl(path: str) -> list:
 
 
 def cmd_generate(args) -> int:
-    from pagedllm.core.errors import InvalidParameter
     from pagedllm.entrypoints.llm import LLM
 
     if args.input:

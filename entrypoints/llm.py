@@ -21,7 +21,7 @@ from pagedllm.core.protocol import EngineOutputs, EngineStats, RequestRejected
 from pagedllm.core.request import EngineRequest
 from pagedllm.core.sampling_params import BeamSearchParams, SamplingParams
 
-from .engine_client import EngineClient, EngineDeadError
+from .engine_client import EngineClient
 from .outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from .request_tracker import RequestTracker
 
