@@ -1,7 +1,9 @@
-"""The model used when none is given: made deterministically on first use, then cached.
+"""The model used when none is given.
 
-It is a tiny random-weight Llama with a real byte-level BPE tokenizer: it runs everywhere
-(no model hub needed) and shows the whole engine working, though its text is not meaningful.
+The package ships a small trained demo model (assets/demo-model, made by
+tools/train_demo_model.py). If that folder is missing — a trimmed install — a tiny
+random-weight Llama with a real tokenizer is made deterministically on first use and cached
+instead: it runs everywhere, though its text is not meaningful.
 """
 
 from __future__ import annotations
@@ -21,7 +23,14 @@ def cache_root() -> str:
     return root
 
 
+def shipped_model_dir() -> str:
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "demo-model")
+
+
 def default_model_dir() -> str:
+    shipped = shipped_model_dir()
+    if os.path.isfile(os.path.join(shipped, "config.json")):
+        return shipped
     root = cache_root()
     path = os.path.join(root, DEFAULT_MODEL_NAME)
     if os.path.isfile(os.path.join(path, "config.json")):

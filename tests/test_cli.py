@@ -16,7 +16,15 @@ def test_generate_with_the_default_model(tmp_path):
                     env={"PAGEDLLM_CACHE": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("'Hello' -> ")
-    assert os.path.isfile(tmp_path / "pagedllm-tiny-random-llama-v1" / "config.json")
+
+
+def test_fallback_default_model_is_made_when_none_ships(tmp_path, monkeypatch):
+    from pagedllm.entrypoints import default_model
+    monkeypatch.setenv("PAGEDLLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(default_model, "shipped_model_dir", lambda: str(tmp_path / "absent"))
+    path = default_model.default_model_dir()
+    assert path == str(tmp_path / "pagedllm-tiny-random-llama-v1")
+    assert os.path.isfile(os.path.join(path, "config.json"))
 
 
 def test_generate_jsonl_in_and_out(tiny_model, tmp_path):
