@@ -149,11 +149,11 @@ class EngineCore:
             self._take_frontend_messages(0)
             result = self._wait_result()
             outputs = sched.update(in_flight, _sampled_dict(in_flight, result), result.logprobs)
-            self._collect(outputs, result)
             self.steps += 1
             self.step_seconds += time.perf_counter() - self._step_start
             self.forward_seconds += result.forward_seconds
             in_flight = self._send_step() if sched.has_unfinished_requests() and not self.stopping else None
+            self._collect(outputs, result)  # after the next step is on its way
             if in_flight is None:
                 self._flush_outputs()
 
