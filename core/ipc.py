@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import tempfile
 
 import zmq
@@ -50,3 +51,10 @@ def remove_ipc_dir(path: str) -> None:
 
 def ipc_endpoint(folder: str, name: str) -> str:
     return f"ipc://{os.path.join(folder, name)}"
+
+
+def free_tcp_endpoint(host: str = "127.0.0.1") -> str:
+    """A loopback tcp:// endpoint on a port that is free now (the engine core binds it next)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return f"tcp://{host}:{s.getsockname()[1]}"

@@ -13,7 +13,7 @@ import zmq
 
 from pagedllm.core import shm
 from pagedllm.core.config import EngineConfig
-from pagedllm.core.ipc import Channel, ipc_endpoint, make_ipc_dir, remove_ipc_dir
+from pagedllm.core.ipc import Channel, free_tcp_endpoint, ipc_endpoint, make_ipc_dir, remove_ipc_dir
 from pagedllm.core.protocol import (AbortRequests, AddRequest, CoreMessage, EngineDead, EngineReady,
                                     Shutdown)
 from pagedllm.core.request import EngineRequest
@@ -26,11 +26,15 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineClient:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, transport: str = "ipc"):
+        """transport: "ipc" (socket files in a private folder, the default) or "tcp" (loopback ports)."""
+        if transport not in ("ipc", "tcp"):
+            raise ValueError(f"transport: must be 'ipc' or 'tcp', got {transport!r}")
         self.config = config
         self.ipc_dir = make_ipc_dir()
         names = ("input", "output", "worker-input", "worker-output")
-        self.endpoints = {n: ipc_endpoint(self.ipc_dir, n) for n in names}
+        self.endpoints = {n: ipc_endpoint(self.ipc_dir, n) if transport == "ipc" else free_tcp_endpoint()
+                          for n in names}
         self.ctx = zmq.Context()
         self.to_core = Channel(self.ctx, zmq.PUSH, self.endpoints["input"], bind=False)
         self.from_core = Channel(self.ctx, zmq.PULL, self.endpoints["output"], bind=False,

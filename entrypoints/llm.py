@@ -36,7 +36,7 @@ class LLM:
                  kv_cache_memory: int | str = "1GiB", swap_space: float | str | None = None,
                  tensor_parallel_size: int = 1, num_kv_blocks: int | None = None,
                  gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
-                 tokenizer: str | None = None, skip_tokenizer_init: bool = False):
+                 tokenizer: str | None = None, skip_tokenizer_init: bool = False, transport: str = "ipc"):
         resolve(backend)  # an unknown backend fails here, listing the known ones
         if model is None:
             from .default_model import default_model_dir
@@ -57,7 +57,7 @@ class LLM:
             kv_cache_memory=parse_size(kv_cache_memory, "kv_cache_memory"), num_kv_blocks=num_kv_blocks,
             swap_space=swap, gpu_memory_utilization=gpu_memory_utilization,
             tensor_parallel_size=tensor_parallel_size, enforce_eager=enforce_eager)
-        self.engine = EngineClient(self.config)
+        self.engine = EngineClient(self.config, transport)
         try:
             # the tokenizer loads while the engine starts
             self.tokenizer = None

@@ -101,3 +101,10 @@ def test_bad_input_names_the_field_and_the_engine_keeps_serving(llm):
 def test_unknown_backend_lists_known_ones():
     with pytest.raises(ValueError, match=r"known backends: .*\bcpu\b"):
         LLM(backend="tpu")
+
+
+def test_tcp_transport(tiny_model):
+    with LLM(tiny_model("llama"), num_kv_blocks=64, max_model_len=256, transport="tcp") as engine:
+        assert all(e.startswith("tcp://127.0.0.1:") for e in engine.engine.endpoints.values())
+        out = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
