@@ -30,10 +30,10 @@ def make_workload(kind: str, num: int, seed: int, vocab: int):
     return synthetic_prompts(lengths, vocab, seed), [o for _, o in lengths]
 
 
-def run_pagedllm(model_dir, prompts, max_tokens, dtype, kv_cache_memory):
+def run_pagedllm(model_dir, prompts, max_tokens, dtype, kv_cache_memory, backend="cpu"):
     from pagedllm import LLM, SamplingParams
     t0 = time.perf_counter()
-    llm = LLM(model_dir, dtype=dtype, skip_tokenizer_init=True, kv_cache_memory=kv_cache_memory)
+    llm = LLM(model_dir, backend=backend, dtype=dtype, skip_tokenizer_init=True, kv_cache_memory=kv_cache_memory)
     startup = time.perf_counter() - t0
     try:
         params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]

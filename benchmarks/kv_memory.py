@@ -30,15 +30,18 @@ def measure_kv_utilisation(num_requests: int = 1000, block_size: int = 16, num_b
         final_len[str(i)] = len(prompt) + out_len
     live = paged = contiguous_max = contiguous_exact = 0
     steps = 0
+    series = []  # per step: (live tokens, paged slots, contiguous max_model_len slots)
     while sched.has_unfinished_requests():
         plan = sched.schedule()
         sched.update(plan, {rid: 11 for rid in plan.num_scheduled_tokens})
         steps += 1
         running = sched.running
-        live += sum(r.num_computed_tokens for r in running)
+        step_live = sum(r.num_computed_tokens for r in running)
+        live += step_live
         paged += sched.kv.pool.num_used * block_size
         contiguous_max += len(running) * max_model_len
         contiguous_exact += sum(final_len[r.request_id] for r in running)
+        series.append((step_live, sched.kv.pool.num_used * block_size, len(running) * max_model_len))
     return {
         "requests": num_requests, "steps": steps, "block_size": block_size,
         "mean_prompt": sum(p for p, _ in lengths) / num_requests,
@@ -47,6 +50,7 @@ def measure_kv_utilisation(num_requests: int = 1000, block_size: int = 16, num_b
         "contiguous_max_model_len": live / contiguous_max,
         "contiguous_exact_length": live / contiguous_exact,
         "preemptions": sched.num_preemptions,
+        "series": series,
     }
 
 

@@ -152,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_flags(gen)
     gen.set_defaults(func=cmd_generate)
 
+    from .bench import add_bench_parser
+    add_bench_parser(sub)
+
     conf = sub.add_parser("conformance", help="run the backend conformance suite")
     conf.add_argument("--backend", required=True)
     conf.add_argument("--quick", action="store_true", help="a smaller grid (about 2 minutes on CPU)")

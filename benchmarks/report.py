@@ -1,0 +1,98 @@
+"""Results of `pagedllm bench`: token accounting, the terminal table, JSON and PNG plots."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class SystemResult:
+    name: str
+    seconds: float
+    requested_tokens: int
+    useful_tokens: int  # per request, at most what it asked for
+    short_requests: int  # requests that returned fewer tokens than asked: flagged, not rewarded
+    prompt_tokens: int
+    agreement: float | None = None  # share of requests whose tokens equal pagedllm's
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.useful_tokens / self.seconds
+
+    @property
+    def total_tok_s(self) -> float:
+        return (self.useful_tokens + self.prompt_tokens) / self.seconds
+
+
+def account(name: str, seconds: float, prompts: list[list[int]], max_tokens: list[int],
+            outputs: list[list[int]]) -> SystemResult:
+    """Count only the tokens each request asked for; a request that came back short counts
+    what it returned and is flagged."""
+    useful = sum(min(len(o), m) for o, m in zip(outputs, max_tokens))
+    short = sum(len(o) < m for o, m in zip(outputs, max_tokens)) + max(0, len(max_tokens) - len(outputs))
+    return SystemResult(name, seconds, sum(max_tokens), useful, short, sum(map(len, prompts)))
+
+
+def agreement(reference: list[list[int]], other: list[list[int]]) -> float:
+    return sum(a == b for a, b in zip(reference, other)) / max(len(reference), 1)
+
+
+def format_table(results: list[SystemResult]) -> str:
+    base = results[0]
+    head = f"{'system':42} {'out tok/s':>10} {'total tok/s':>12} {'pagedllm is':>12} {'greedy agreement':>17}  notes"
+    lines = [head, "-" * len(head)]
+    for r in results:
+        ratio = "" if r is base else f"{base.output_tok_s / r.output_tok_s:.2f}x"
+        agree = "" if r.agreement is None else f"{r.agreement:.0%}"
+        note = f"FLAGGED: {r.short_requests} requests returned fewer tokens than asked" if r.short_requests else ""
+        lines.append(f"{r.name:42} {r.output_tok_s:10.0f} {r.total_tok_s:12.0f} {ratio:>12} {agree:>17}  {note}")
+    return "\n".join(lines)
+
+
+def write_json(path: str, payload: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o))
+
+
+def plot_throughput(path: str, results: list[SystemResult], title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    names = [r.name for r in results]
+    rates = [r.output_tok_s for r in results]
+    bars = ax.barh(names[::-1], rates[::-1], color=["#4C72B0"] * (len(names) - 1) + ["#DD8452"])
+    ax.bar_label(bars, fmt="%.0f", padding=3)
+    ax.set_xlabel("output tokens / s (requested tokens only)")
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_kv_usage(path: str, series: list[tuple[int, int, int]], block_size: int) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    steps = range(len(series))
+    ax.plot(steps, [s[0] for s in series], label="live tokens", lw=1.2)
+    ax.plot(steps, [s[1] for s in series], label=f"paged: slots in held blocks (block {block_size})", lw=1.2)
+    ax.plot(steps, [s[2] for s in series], label="contiguous: max_model_len per request", lw=1.2)
+    ax.set_xlabel("scheduler step")
+    ax.set_ylabel("KV slots")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def ensure_dir(path: str) -> str:
+    os.makedirs(path, exist_ok=True)
+    return path

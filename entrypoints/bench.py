@@ -1,0 +1,124 @@
+"""`pagedllm bench throughput|memory`: one workload through pagedllm and its peers, side by side,
+with a table on the terminal, a JSON file and PNG plots in --out."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+
+def load_dataset(spec: str, num: int, seed: int, tokenizer, vocab_size: int, max_len: int = 2048):
+    """('synthetic' | a JSONL path) -> (prompt token ids, requested output lengths). Synthetic
+    prompt and output lengths are each clipped to half the model's context."""
+    if spec == "synthetic":
+        from pagedllm.benchmarks.workload import synthetic_lengths, synthetic_prompts
+        lengths = synthetic_lengths(num, seed=seed, max_len=min(1000, max_len // 2 - 1))
+        return synthetic_prompts(lengths, vocab_size, seed), [o for _, o in lengths]
+    prompts, outs = [], []
+    with open(spec) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if "prompt_token_ids" in row:
+                ids = [int(t) for t in row["prompt_token_ids"]]
+            elif "prompt" in row and tokenizer is not None:
+                ids = tokenizer.encode(row["prompt"])
+            else:
+                raise ValueError(f"--dataset: line {lineno} needs 'prompt' or 'prompt_token_ids'")
+            out = row.get("output_len", row.get("max_tokens"))
+            if not isinstance(out, int) or out < 1:
+                raise ValueError(f"--dataset: line {lineno} needs a positive 'output_len'")
+            prompts.append(ids)
+            outs.append(out)
+            if len(prompts) == num:
+                break
+    if not prompts:
+        raise ValueError(f"--dataset: no requests in {spec}")
+    return prompts, outs
+
+
+def cmd_bench(args) -> int:
+    from pagedllm.benchmarks import report
+
+    out_dir = report.ensure_dir(args.out)
+    if args.mode == "memory":
+        from pagedllm.benchmarks.kv_memory import measure_kv_utilisation
+        r = measure_kv_utilisation(num_requests=args.num_prompts, seed=args.seed)
+        print(f"{r['requests']} requests, {r['steps']} steps: live share of allocated KV slots — paged "
+              f"{r['paged']:.1%}, contiguous max_model_len {r['contiguous_max_model_len']:.1%}, "
+              f"contiguous exact length {r['contiguous_exact_length']:.1%}")
+        report.write_json(os.path.join(out_dir, "memory.json"), {k: v for k, v in r.items() if k != "series"})
+        report.plot_kv_usage(os.path.join(out_dir, "kv_usage.png"), r["series"], r["block_size"])
+        return 0
+    return _throughput(args, out_dir)
+
+
+def _throughput(args, out_dir: str) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm.benchmarks import report
+    from pagedllm.benchmarks.bench_throughput import run_pagedllm
+    from pagedllm.benchmarks.peers import hf_continuous, hf_static
+
+    from .default_model import default_model_dir
+
+    peers = [p for p in args.vs.split(",") if p and p != "none"]
+    unknown = set(peers) - {"hf-static", "hf-cb"}
+    if unknown:
+        raise ValueError(f"--vs: unknown peer(s) {sorted(unknown)}; available: hf-static, hf-cb")
+    model_dir = args.model or default_model_dir()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
+    tokenizer = None
+    if args.dataset != "synthetic":
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts, max_tokens = load_dataset(args.dataset, args.num_prompts, args.seed, tokenizer, hf.config.vocab_size,
+                                       hf.config.max_position_embeddings)
+    print(f"{len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {sum(max_tokens)} output tokens "
+          f"requested; model {model_dir}; dtype {args.dtype}")
+    secs, _, ours, startup, stats = run_pagedllm(model_dir, prompts, max_tokens, args.dtype,
+                                                 args.kv_cache_memory, backend=args.backend)
+    results = [report.account(f"pagedllm ({args.backend})", secs, prompts, max_tokens, ours)]
+    results[0].extra = {"startup_seconds": startup, "steps": stats.steps}
+    outputs = {"pagedllm": ours}
+    if "hf-static" in peers:
+        s, _, toks = hf_static(hf, prompts, max_tokens, args.batch_size)
+        results.append(report.account(f"transformers static batch {args.batch_size}", s, prompts, max_tokens, toks))
+        outputs["hf-static"] = toks
+    if "hf-cb" in peers:
+        s, _, toks = hf_continuous(hf, prompts, max_tokens)
+        results.append(report.account("transformers continuous batching", s, prompts, max_tokens, toks))
+        outputs["hf-cb"] = toks
+    for r, toks in zip(results[1:], list(outputs.values())[1:]):
+        r.agreement = report.agreement(ours, toks)
+    print(report.format_table(results))
+    import transformers
+    report.write_json(os.path.join(out_dir, "throughput.json"), {
+        "date": time.strftime("%Y-%m-%d"), "model": model_dir, "dtype": args.dtype, "dataset": args.dataset,
+        "requests": len(prompts), "transformers": transformers.__version__, "torch": torch.__version__,
+        "results": [{**r.__dict__, "output_tok_s": r.output_tok_s, "total_tok_s": r.total_tok_s}
+                    for r in results]})
+    report.plot_throughput(os.path.join(out_dir, "throughput.png"), results,
+                           f"{len(prompts)} requests, {args.dtype}, {os.path.basename(model_dir.rstrip('/'))}")
+    print(f"wrote {out_dir}/throughput.json and throughput.png")
+    return 0
+
+
+def add_bench_parser(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmark pagedllm against transformers on one workload")
+    bench.add_argument("mode", choices=["throughput", "memory"])
+    bench.add_argument("--model", default=None, help="model folder (default: the demo model)")
+    bench.add_argument("--backend", default="cpu")
+    bench.add_argument("--dtype", default="float32")
+    bench.add_argument("--num-prompts", type=int, default=200)
+    bench.add_argument("--dataset", default="synthetic",
+                       help="synthetic (seeded, long-tailed) or a JSONL file of {prompt|prompt_token_ids, output_len}")
+    bench.add_argument("--vs", default="hf-static,hf-cb", help="comma-separated peers: hf-static, hf-cb, or none")
+    bench.add_argument("--batch-size", type=int, default=16, help="transformers static batch size")
+    bench.add_argument("--kv-cache-memory", default="2GiB")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--out", default="bench-results")
+    bench.set_defaults(func=cmd_bench)
