@@ -93,6 +93,25 @@ def plot_kv_usage(path: str, series: list[tuple[int, int, int]], block_size: int
     plt.close(fig)
 
 
+def plot_latency(path: str, rows: list[dict]) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
+    rates = [r["rate"] for r in rows]
+    for ax, key, title in ((axes[0], "ttft_ms", "time to first token"), (axes[1], "itl_ms", "inter-token latency")):
+        for q in ("p50", "p90", "p99"):
+            ax.plot(rates, [r[key][q] for r in rows], marker="o", label=q)
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel("ms")
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def ensure_dir(path: str) -> str:
     os.makedirs(path, exist_ok=True)
     return path

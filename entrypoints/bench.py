@@ -1,4 +1,4 @@
-"""`pagedllm bench throughput|memory`: one workload through pagedllm and its peers, side by side,
+"""`pagedllm bench throughput|latency|memory`: one workload through pagedllm and its peers, side by side,
 with a table on the terminal, a JSON file and PNG plots in --out."""
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ def cmd_bench(args) -> int:
     from pagedllm.benchmarks import report
 
     out_dir = report.ensure_dir(args.out)
+    if args.mode == "latency":
+        return _latency(args, out_dir)
     if args.mode == "memory":
         from pagedllm.benchmarks.kv_memory import measure_kv_utilisation
         r = measure_kv_utilisation(num_requests=args.num_prompts, seed=args.seed)
@@ -107,9 +109,67 @@ def _throughput(args, out_dir: str) -> int:
     return 0
 
 
+def _percentiles(values: list[float]) -> dict[str, float]:
+    import numpy as np
+    if not values:
+        return {"p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
+    p50, p90, p99 = np.percentile(np.asarray(values) * 1e3, [50, 90, 99])
+    return {"p50": float(p50), "p90": float(p90), "p99": float(p99)}
+
+
+def _latency(args, out_dir: str) -> int:
+    """Requests arrive as a Poisson process at each rate; time to first token and the gaps
+    between tokens are measured where the caller receives them."""
+    import json as _json
+    import random
+
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.benchmarks import report
+
+    from .default_model import default_model_dir
+
+    model_dir = args.model or default_model_dir()
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = _json.load(f)
+    prompts, max_tokens = load_dataset(args.dataset, args.num_prompts, args.seed, None, cfg["vocab_size"],
+                                       cfg.get("max_position_embeddings", 2048))
+    rates = [float(r) for r in args.rates.split(",")]
+    rows = []
+    with LLM(model_dir, backend=args.backend, dtype=args.dtype, skip_tokenizer_init=True,
+             kv_cache_memory=args.kv_cache_memory) as llm:
+        for rate in rates:
+            rng = random.Random(args.seed)
+            arrivals, t = [], 0.0
+            for _ in prompts:
+                arrivals.append(t)
+                t += rng.expovariate(rate)
+            # the LLM's own submit-and-collect loop, with arrival times; it records token times
+            trackers = [llm._tracker(None, p, SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))
+                        for p, m in zip(prompts, max_tokens)]
+            start = time.monotonic()
+            llm._run(trackers, use_tqdm=False, arrivals=arrivals)
+            seconds = time.monotonic() - start
+            ttft = [tr.token_times[0] - tr.submitted_at for tr in trackers if tr.token_times]
+            itl = [b - a for tr in trackers for a, b in zip(tr.token_times, tr.token_times[1:])]
+            tokens = sum(len(tr.token_times) for tr in trackers)
+            rows.append({"rate": rate, "ttft_ms": _percentiles(ttft), "itl_ms": _percentiles(itl),
+                         "output_tok_s": tokens / seconds})
+    head = f"{'req/s':>7} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'ITL p50':>9} {'p90':>8} {'p99':>8} {'out tok/s':>10}"
+    print(head + "\n" + "-" * len(head))
+    for r in rows:
+        t, i = r["ttft_ms"], r["itl_ms"]
+        print(f"{r['rate']:7.1f} {t['p50']:9.1f} {t['p90']:8.1f} {t['p99']:8.1f} {i['p50']:9.1f} {i['p90']:8.1f} "
+              f"{i['p99']:8.1f} {r['output_tok_s']:10.0f}")
+    print("(milliseconds)")
+    report.write_json(os.path.join(out_dir, "latency.json"), {"model": model_dir, "requests": len(prompts),
+                                                              "rows": rows})
+    report.plot_latency(os.path.join(out_dir, "latency.png"), rows)
+    return 0
+
+
 def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="benchmark pagedllm against transformers on one workload")
-    bench.add_argument("mode", choices=["throughput", "memory"])
+    bench.add_argument("mode", choices=["throughput", "latency", "memory"])
     bench.add_argument("--model", default=None, help="model folder (default: the demo model)")
     bench.add_argument("--backend", default="cpu")
     bench.add_argument("--dtype", default="float32")
@@ -119,6 +179,7 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--vs", default="hf-static,hf-cb", help="comma-separated peers: hf-static, hf-cb, or none")
     bench.add_argument("--batch-size", type=int, default=16, help="transformers static batch size")
     bench.add_argument("--kv-cache-memory", default="2GiB")
+    bench.add_argument("--rates", default="1,2,4,8", help="latency: request rates (req/s) to sweep")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--out", default="bench-results")
     bench.set_defaults(func=cmd_bench)

@@ -147,24 +147,36 @@ class LLM:
             raise InvalidParameter("stop", "stop strings need a tokenizer (skip_tokenizer_init is set)")
         return RequestTracker(str(next(self._ids)), text, ids, params, self.tokenizer)
 
-    def _run(self, trackers: list[RequestTracker], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, trackers: list[RequestTracker], use_tqdm: bool,
+             arrivals: list[float] | None = None) -> list[RequestOutput]:
+        """Submit the requests — all at once, or each `arrivals[i]` seconds after the start — and
+        fold the engine's outputs in until all are finished. Each tracker records when it was
+        submitted and when each of its tokens arrived (for latency figures)."""
         route = {rid: t for t in trackers for rid in t.engine_ids}
-        for t in trackers:
-            self.engine.add_request(EngineRequest(
-                request_id=t.request_id, prompt_token_ids=t.output.prompt_token_ids,
-                sampling_params=t.params, eos_token_id=self.eos_token_id, arrival_time=time.monotonic()))
+        schedule = sorted(zip(arrivals or [0.0] * len(trackers), range(len(trackers))))
+        start = time.monotonic()
         bar = _progress(len(trackers)) if use_tqdm else None
         remaining = len(trackers)
         try:
             while remaining:
-                msg = self.engine.recv()
+                now = time.monotonic()
+                while schedule and schedule[0][0] <= now - start:
+                    t = trackers[schedule.pop(0)[1]]
+                    t.submitted_at = now
+                    self.engine.add_request(EngineRequest(
+                        request_id=t.request_id, prompt_token_ids=t.output.prompt_token_ids,
+                        sampling_params=t.params, eos_token_id=self.eos_token_id, arrival_time=now))
+                wait_ms = 100 if not schedule else max(0, int((schedule[0][0] - (now - start)) * 1000))
+                msg = self.engine.recv(min(wait_ms, 100))
                 if isinstance(msg, EngineOutputs):
                     self.last_stats = msg.stats
+                    arrived = time.monotonic()
                     aborts = []
                     for delta in msg.outputs:
                         tracker = route.get(delta.request_id)
                         if tracker is None or tracker.finished:
                             continue
+                        tracker.token_times += [arrived] * len(delta.new_token_ids)
                         _, _, _, abort = tracker.apply(delta)
                         if abort:
                             aborts.append(delta.request_id)

@@ -30,6 +30,8 @@ class RequestTracker:
         self._holdback = max((len(s) for s in self._stops), default=1) - 1
         self._sent = [0] * params.n  # characters of each completion already handed out as deltas
         self.beams = None  # a finished beam search: core.outputs.BeamResult list, best first
+        self.submitted_at = 0.0  # time.monotonic() when sent to the engine
+        self.token_times: list[float] = []  # when each output token (of any sample) arrived
 
     def _decode_one(self, token: int) -> str | None:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else None

@@ -48,3 +48,15 @@ def test_memory_writes_json_and_plot(tmp_path):
 def test_bad_peer_is_named():
     proc = run_bench("throughput", "--vs", "vllm-gpu", "--num-prompts", "2")
     assert proc.returncode == 2 and "--vs" in proc.stderr
+
+
+def test_latency_sweep_writes_percentiles_and_plot(tiny_model, tmp_path):
+    proc = run_bench("latency", "--model", tiny_model("llama"), "--num-prompts", "6", "--rates", "4,16",
+                     "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads((tmp_path / "latency.json").read_text())["rows"]
+    assert [r["rate"] for r in rows] == [4.0, 16.0]
+    for r in rows:
+        assert 0 < r["ttft_ms"]["p50"] <= r["ttft_ms"]["p99"]
+        assert 0 <= r["itl_ms"]["p50"] <= r["itl_ms"]["p99"]
+    assert (tmp_path / "latency.png").read_bytes()[:4] == b"\x89PNG"
