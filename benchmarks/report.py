@@ -112,6 +112,21 @@ def plot_latency(path: str, rows: list[dict]) -> None:
     plt.close(fig)
 
 
+def plot_scaling(path: str, rows: list[dict]) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    ax.plot([r["concurrency"] for r in rows], [r["output_tok_s"] for r in rows], marker="o")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent requests (max_num_seqs)")
+    ax.set_ylabel("output tokens / s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def ensure_dir(path: str) -> str:
     os.makedirs(path, exist_ok=True)
     return path

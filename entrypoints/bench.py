@@ -1,4 +1,4 @@
-"""`pagedllm bench throughput|latency|memory`: one workload through pagedllm and its peers, side by side,
+"""`pagedllm bench throughput|latency|scaling|memory`: one workload through pagedllm and its peers, side by side,
 with a table on the terminal, a JSON file and PNG plots in --out."""
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ def cmd_bench(args) -> int:
     out_dir = report.ensure_dir(args.out)
     if args.mode == "latency":
         return _latency(args, out_dir)
+    if args.mode == "scaling":
+        return _scaling(args, out_dir)
     if args.mode == "memory":
         from pagedllm.benchmarks.kv_memory import measure_kv_utilisation
         r = measure_kv_utilisation(num_requests=args.num_prompts, seed=args.seed)
@@ -167,9 +169,41 @@ def _latency(args, out_dir: str) -> int:
     return 0
 
 
+def _scaling(args, out_dir: str) -> int:
+    """Throughput of the same workload as the number of concurrently running requests
+    (max_num_seqs) grows."""
+    import json as _json
+
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.benchmarks import report
+
+    from .default_model import default_model_dir
+
+    model_dir = args.model or default_model_dir()
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = _json.load(f)
+    prompts, max_tokens = load_dataset(args.dataset, args.num_prompts, args.seed, None, cfg["vocab_size"],
+                                       cfg.get("max_position_embeddings", 2048))
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    rows = []
+    for concurrency in (int(c) for c in args.concurrency.split(",")):
+        with LLM(model_dir, backend=args.backend, dtype=args.dtype, skip_tokenizer_init=True,
+                 kv_cache_memory=args.kv_cache_memory, max_num_seqs=concurrency) as llm:
+            start = time.monotonic()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            seconds = time.monotonic() - start
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        rows.append({"concurrency": concurrency, "output_tok_s": tokens / seconds, "seconds": seconds})
+        print(f"max_num_seqs {concurrency:4d}: {tokens / seconds:8.0f} output tok/s", flush=True)
+    report.write_json(os.path.join(out_dir, "scaling.json"), {"model": model_dir, "requests": len(prompts),
+                                                              "rows": rows})
+    report.plot_scaling(os.path.join(out_dir, "scaling.png"), rows)
+    return 0
+
+
 def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="benchmark pagedllm against transformers on one workload")
-    bench.add_argument("mode", choices=["throughput", "latency", "memory"])
+    bench.add_argument("mode", choices=["throughput", "latency", "scaling", "memory"])
     bench.add_argument("--model", default=None, help="model folder (default: the demo model)")
     bench.add_argument("--backend", default="cpu")
     bench.add_argument("--dtype", default="float32")
@@ -180,6 +214,7 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--batch-size", type=int, default=16, help="transformers static batch size")
     bench.add_argument("--kv-cache-memory", default="2GiB")
     bench.add_argument("--rates", default="1,2,4,8", help="latency: request rates (req/s) to sweep")
+    bench.add_argument("--concurrency", default="1,4,16,64,256", help="scaling: max_num_seqs values to sweep")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--out", default="bench-results")
     bench.set_defaults(func=cmd_bench)

@@ -60,3 +60,13 @@ def test_latency_sweep_writes_percentiles_and_plot(tiny_model, tmp_path):
         assert 0 < r["ttft_ms"]["p50"] <= r["ttft_ms"]["p99"]
         assert 0 <= r["itl_ms"]["p50"] <= r["itl_ms"]["p99"]
     assert (tmp_path / "latency.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_scaling_sweep(tiny_model, tmp_path):
+    proc = run_bench("scaling", "--model", tiny_model("llama"), "--num-prompts", "8", "--concurrency", "1,8",
+                     "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads((tmp_path / "scaling.json").read_text())["rows"]
+    assert [r["concurrency"] for r in rows] == [1, 8]
+    assert all(r["output_tok_s"] > 0 and r["seconds"] > 0 for r in rows)
+    assert (tmp_path / "scaling.png").read_bytes()[:4] == b"\x89PNG"
