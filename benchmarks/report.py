@@ -57,29 +57,34 @@ def write_json(path: str, payload: dict) -> None:
         json.dump(payload, f, indent=2, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o))
 
 
-def plot_throughput(path: str, results: list[SystemResult], title: str) -> None:
+def _figure(ncols: int = 1, figsize=(7, 3.5)):
     import matplotlib
-    matplotlib.use("Agg")
+    matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, ncols, figsize=figsize)
+    return fig, axes
 
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+
+def _save(fig, path: str) -> None:
+    import matplotlib.pyplot as plt
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_throughput(path: str, results: list[SystemResult], title: str) -> None:
+    fig, ax = _figure()
     names = [r.name for r in results]
     rates = [r.output_tok_s for r in results]
     bars = ax.barh(names[::-1], rates[::-1], color=["#4C72B0"] * (len(names) - 1) + ["#DD8452"])
     ax.bar_label(bars, fmt="%.0f", padding=3)
     ax.set_xlabel("output tokens / s (requested tokens only)")
     ax.set_title(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_kv_usage(path: str, series: list[tuple[int, int, int]], block_size: int) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, ax = _figure()
     steps = range(len(series))
     ax.plot(steps, [s[0] for s in series], label="live tokens", lw=1.2)
     ax.plot(steps, [s[1] for s in series], label=f"paged: slots in held blocks (block {block_size})", lw=1.2)
@@ -88,17 +93,11 @@ def plot_kv_usage(path: str, series: list[tuple[int, int, int]], block_size: int
     ax.set_ylabel("KV slots")
     ax.set_yscale("log")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_latency(path: str, rows: list[dict]) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
+    fig, axes = _figure(2, figsize=(8, 3.2))
     rates = [r["rate"] for r in rows]
     for ax, key, title in ((axes[0], "ttft_ms", "time to first token"), (axes[1], "itl_ms", "inter-token latency")):
         for q in ("p50", "p90", "p99"):
@@ -107,24 +106,16 @@ def plot_latency(path: str, rows: list[dict]) -> None:
         ax.set_ylabel("ms")
         ax.set_title(title, fontsize=10)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_scaling(path: str, rows: list[dict]) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.2))
+    fig, ax = _figure(figsize=(6, 3.2))
     ax.plot([r["concurrency"] for r in rows], [r["output_tok_s"] for r in rows], marker="o")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrent requests (max_num_seqs)")
     ax.set_ylabel("output tokens / s")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def ensure_dir(path: str) -> str:
