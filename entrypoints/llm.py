@@ -83,7 +83,10 @@ class LLM:
     def __del__(self):
         engine = getattr(self, "engine", None)
         if engine is not None:
-            engine.shutdown()
+            try:
+                engine.shutdown()
+            except Exception:  # noqa: BLE001 - interpreter teardown: modules may be half gone
+                pass
 
     def shutdown(self) -> None:
         self.engine.shutdown()
