@@ -14,7 +14,7 @@ import time
 
 import msgspec
 
-from pagedllm.backends.registry import resolve
+from pagedllm.backends.registry import check_available
 from pagedllm.core.config import EngineConfig, parse_size
 from pagedllm.core.errors import InvalidParameter
 from pagedllm.core.protocol import EngineOutputs, EngineStats, RequestRejected
@@ -37,7 +37,7 @@ class LLM:
                  tensor_parallel_size: int = 1, num_kv_blocks: int | None = None,
                  gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
                  tokenizer: str | None = None, skip_tokenizer_init: bool = False, transport: str = "ipc"):
-        resolve(backend)  # an unknown backend fails here, listing the known ones
+        check_available(backend)  # unknown or unusable here: fails now, saying why
         if model is None:
             from .default_model import default_model_dir
             model = default_model_dir()

@@ -86,3 +86,13 @@ def test_cli_exits_nonzero_on_failure_and_writes_json(plugins_installed, tmp_pat
 def test_unknown_backend_lists_known_ones():
     with pytest.raises(UnknownBackend, match=r"known backends: .*\bcpu\b"):
         resolve("nope")
+
+
+def test_unavailable_backend_says_why(plugins_installed):
+    from pagedllm import LLM
+    from pagedllm.backends.registry import BackendUnavailable
+    with pytest.raises(BackendUnavailable, match="needs-hardware: no XPU device"):
+        LLM(backend="needs-hardware")
+    proc = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "conformance", "--backend",
+                           "needs-hardware", "--ops-only"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "needs-hardware: no XPU device" in proc.stderr

@@ -45,3 +45,13 @@ class FirstBlockOnly(CpuAttentionOps):
     def prefill_attention(self, query, kv_cache, meta, scale):
         return super().prefill_attention(query, kv_cache,
                                          replace(meta, block_tables=_first_block_everywhere(meta.block_tables)), scale)
+
+
+class NeedsHardware(CpuAttentionOps):
+    """A backend for hardware this machine does not have."""
+
+    name = "needs-hardware"
+
+    @staticmethod
+    def unavailable_reason():
+        return "no XPU device"
