@@ -138,7 +138,7 @@ class LLM:
                             "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _tracker(self, text, ids, params) -> RequestTracker:
+    def _tracker(self, text, ids, params, request_id: str | None = None) -> RequestTracker:
         if len(ids) >= self.max_model_len:
             raise InvalidParameter("prompt", f"has {len(ids)} tokens; max_model_len is {self.max_model_len}, "
                                              f"which leaves room for at most {self.max_model_len - 1}")
@@ -148,7 +148,7 @@ class LLM:
                                    f"token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
         if self.tokenizer is None and params.stop:
             raise InvalidParameter("stop", "stop strings need a tokenizer (skip_tokenizer_init is set)")
-        return RequestTracker(str(next(self._ids)), text, ids, params, self.tokenizer)
+        return RequestTracker(request_id or str(next(self._ids)), text, ids, params, self.tokenizer)
 
     def _run(self, trackers: list[RequestTracker], use_tqdm: bool,
              arrivals: list[float] | None = None) -> list[RequestOutput]:
