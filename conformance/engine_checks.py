@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import random
 
-import numpy as np
 import torch
 
 from pagedllm.core import shm
 from pagedllm.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from pagedllm.core.engine import sampled_by_request
 from pagedllm.core.protocol import InitCache
 from pagedllm.core.request import EngineRequest
 from pagedllm.core.sampling_params import SamplingParams
@@ -164,12 +164,12 @@ def _run_placement_steps(res, sched, worker, ref, read_pool, bs) -> None:
             problems.append(f"step {plan.step_id}: K/V in the chosen slots differ from the reference by {err:.3g}")
         res.record(not problems, err, "; ".join(problems) or None)
         # both workers continue from the reference's tokens
-        sampled = ref_result.sampled_token_ids
-        for rid, tok, mine in zip(plan.num_scheduled_tokens, sampled.tolist(), result.sampled_token_ids.tolist()):
-            if tok >= 0 and mine != tok:
+        ref_tokens = sampled_by_request(plan, ref_result)
+        own_tokens = sampled_by_request(plan, result)
+        for rid, tok in ref_tokens.items():
+            if own_tokens.get(rid) != tok:
                 worker.states[rid].token_ids[-1] = tok
-        sched.update(plan, {rid: t for rid, t in zip(plan.num_scheduled_tokens, np.asarray(sampled).tolist())
-                            if t >= 0})
+        sched.update(plan, ref_tokens)
 
 
 def check_end_to_end(backend: str, model_dirs: dict[str, str], quick: bool) -> CheckResult:

@@ -70,11 +70,10 @@ class _LRUList:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int):
         if num_blocks < 2:
             raise ValueError("num_blocks must be >= 2: block 0 is reserved")
         self.num_blocks = num_blocks
-        self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         # Popped from the end: low ids first, which keeps early allocations compact.
         self._free_ids: list[int] = list(range(num_blocks - 1, 0, -1))

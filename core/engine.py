@@ -12,7 +12,6 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import zmq
 
 from . import shm
@@ -148,7 +147,7 @@ class EngineCore:
             self._flush_outputs()
             self._take_frontend_messages(0)
             result = self._wait_result()
-            outputs = sched.update(in_flight, _sampled_dict(in_flight, result), result.logprobs)
+            outputs = sched.update(in_flight, sampled_by_request(in_flight, result), result.logprobs)
             self.steps += 1
             self.step_seconds += time.perf_counter() - self._step_start
             self.forward_seconds += result.forward_seconds
@@ -246,10 +245,9 @@ class EngineCore:
             pass
 
 
-def _sampled_dict(plan, result: StepResult) -> dict[str, int]:
-    tokens = result.sampled_token_ids.tolist() if isinstance(result.sampled_token_ids, np.ndarray) \
-        else result.sampled_token_ids
-    return {rid: tok for rid, tok in zip(plan.num_scheduled_tokens, tokens) if tok >= 0}
+def sampled_by_request(plan, result: StepResult) -> dict[str, int]:
+    """The worker's sampled tokens by request id (prefill chunks that sampled nothing left out)."""
+    return {rid: tok for rid, tok in zip(plan.num_scheduled_tokens, result.sampled_token_ids.tolist()) if tok >= 0}
 
 
 def _json(config: EngineConfig) -> str:

@@ -19,7 +19,7 @@ class KVCacheManager:
                  num_swap_blocks: int = 0):
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = BlockPool(num_blocks)
         self.tables: dict[str, list[KVBlock]] = {}
         self._num_hashed: dict[str, int] = {}  # leading blocks already registered in the cache
         self.num_swap_blocks = num_swap_blocks
