@@ -43,8 +43,7 @@ def run_pagedllm(model_dir, prompts, max_tokens, dtype, kv_cache_memory, backend
         stats = llm.last_stats
     finally:
         llm.shutdown()
-    tokens = [o.outputs[0].token_ids for o in outs]
-    return seconds, sum(map(len, tokens)), tokens, startup, stats
+    return seconds, [o.outputs[0].token_ids for o in outs], startup, stats
 
 
 def main(argv=None):
@@ -63,35 +62,30 @@ def main(argv=None):
     from transformers import AutoModelForCausalLM
 
     from .peers import hf_continuous, hf_static
+    from .report import account, agreement, format_table
 
     model_dir = args.model or small_llama_dir(tempfile.mkdtemp(prefix="pagedllm-bench-"), args.dtype)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
     prompts, max_tokens = make_workload(args.workload, args.num_prompts, args.seed, hf.config.vocab_size)
-    prompt_tokens = sum(map(len, prompts))
-    print(f"workload: {args.workload}, {len(prompts)} requests, {prompt_tokens} prompt tokens, "
+    print(f"workload: {args.workload}, {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, "
           f"{sum(max_tokens)} output tokens requested; dtype {args.dtype}")
 
-    rows = []
-    secs, n, ours, startup, stats = run_pagedllm(model_dir, prompts, max_tokens, args.dtype, args.kv_cache_memory)
-    rows.append(("pagedllm (cpu backend)", secs, n, None))
+    secs, ours, startup, stats = run_pagedllm(model_dir, prompts, max_tokens, args.dtype, args.kv_cache_memory)
+    results = [account("pagedllm (cpu backend)", secs, prompts, max_tokens, ours)]
     print(f"pagedllm start-up {startup:.2f} s; {stats.steps} steps, engine overhead "
           f"{(stats.step_seconds - stats.forward_seconds) / max(stats.steps, 1) * 1e3:.2f} ms/step")
     peers = [p for p in args.vs.split(",") if p and p != "none"]
     if "hf-static" in peers:
-        secs, n, toks = hf_static(hf, prompts, max_tokens, args.batch_size)
-        rows.append((f"transformers generate, static batch {args.batch_size}", secs, n, toks))
+        secs, toks = hf_static(hf, prompts, max_tokens, args.batch_size)
+        results.append(account(f"transformers generate, static batch {args.batch_size}", secs, prompts,
+                               max_tokens, toks))
+        results[-1].agreement = agreement(ours, toks)
     if "hf-cb" in peers:
-        secs, n, toks = hf_continuous(hf, prompts, max_tokens)
-        rows.append(("transformers continuous batching", secs, n, toks))
-
-    base = rows[0][2] / rows[0][1]
-    print(f"\n{'system':42} {'out tok/s':>10} {'total tok/s':>12} {'pagedllm is':>12} {'greedy agreement':>17}")
-    for name, secs, n, toks in rows:
-        rate = n / secs
-        ratio = "" if toks is None else f"{base / rate:.2f}x"
-        agree = "" if toks is None else f"{sum(a == b for a, b in zip(ours, toks)) / len(ours):.0%}"
-        print(f"{name:42} {rate:10.0f} {(n + prompt_tokens) / secs:12.0f} {ratio:>12} {agree:>17}")
-
+        secs, toks = hf_continuous(hf, prompts, max_tokens)
+        results.append(account("transformers continuous batching", secs, prompts, max_tokens, toks))
+        results[-1].agreement = agreement(ours, toks)
+    print()
+    print(format_table(results))
 
 if __name__ == "__main__":
     main()

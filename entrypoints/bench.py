@@ -83,17 +83,17 @@ def _throughput(args, out_dir: str) -> int:
                                        hf.config.max_position_embeddings)
     print(f"{len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {sum(max_tokens)} output tokens "
           f"requested; model {model_dir}; dtype {args.dtype}")
-    secs, _, ours, startup, stats = run_pagedllm(model_dir, prompts, max_tokens, args.dtype,
+    secs, ours, startup, stats = run_pagedllm(model_dir, prompts, max_tokens, args.dtype,
                                                  args.kv_cache_memory, backend=args.backend)
     results = [report.account(f"pagedllm ({args.backend})", secs, prompts, max_tokens, ours)]
     results[0].extra = {"startup_seconds": startup, "steps": stats.steps}
     outputs = {"pagedllm": ours}
     if "hf-static" in peers:
-        s, _, toks = hf_static(hf, prompts, max_tokens, args.batch_size)
+        s, toks = hf_static(hf, prompts, max_tokens, args.batch_size)
         results.append(report.account(f"transformers static batch {args.batch_size}", s, prompts, max_tokens, toks))
         outputs["hf-static"] = toks
     if "hf-cb" in peers:
-        s, _, toks = hf_continuous(hf, prompts, max_tokens)
+        s, toks = hf_continuous(hf, prompts, max_tokens)
         results.append(report.account("transformers continuous batching", s, prompts, max_tokens, toks))
         outputs["hf-cb"] = toks
     for r, toks in zip(results[1:], list(outputs.values())[1:]):
