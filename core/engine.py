@@ -55,6 +55,8 @@ class EngineCore:
         self.step_seconds = 0.0
         self.forward_seconds = 0.0
         self._step_start = 0.0
+        self._batch_sizes: list[int] = []
+        self._batch_tokens: list[int] = []
         self.stopping = False
 
     # --- start-up -------------------------------------------------------------------------
@@ -136,6 +138,7 @@ class EngineCore:
                 busy = sched.has_unfinished_requests()
                 self._take_frontend_messages(0 if busy else POLL_MS)
                 if not busy:
+                    self._flush_outputs()  # e.g. aborts that emptied the engine, with fresh stats
                     self._check_peers()
                     continue
                 if self.stopping:
@@ -149,6 +152,8 @@ class EngineCore:
             result = self._wait_result()
             outputs = sched.update(in_flight, sampled_by_request(in_flight, result), result.logprobs)
             self.steps += 1
+            self._batch_sizes.append(len(in_flight.num_scheduled_tokens))
+            self._batch_tokens.append(in_flight.total_num_scheduled_tokens)
             self.step_seconds += time.perf_counter() - self._step_start
             self.forward_seconds += result.forward_seconds
             in_flight = self._send_step() if sched.has_unfinished_requests() and not self.stopping else None
@@ -185,7 +190,7 @@ class EngineCore:
             self.pending.append(RequestOutputDelta(
                 out.request_id, out.new_token_ids, out.finish_reason, out.stop_reason,
                 [lp] if lp is not None and out.beams is None else None,
-                req.num_cached_tokens if req is not None else 0, out.beams))
+                req.num_cached_tokens if req is not None else 0, out.beams, out.queued_seconds))
 
     def _flush_outputs(self) -> None:
         if self.pending:
@@ -194,6 +199,8 @@ class EngineCore:
 
     def _stats(self) -> EngineStats:
         s = self.scheduler.stats()
+        sizes, tokens = self._batch_sizes, self._batch_tokens
+        self._batch_sizes, self._batch_tokens = [], []
         pool = self.scheduler.kv.pool
         return EngineStats(num_running=s["num_running"], num_waiting=s["num_waiting"],
                            num_swapped=s["num_swapped"], kv_cache_usage=s["kv_cache_usage"],
@@ -201,7 +208,7 @@ class EngineCore:
                            prefix_cache_hits=s["prefix_cache_hits"],
                            num_preemptions=s["num_preemptions"], peak_blocks_used=pool.peak_used,
                            num_blocks=pool.num_blocks, steps=self.steps, step_seconds=self.step_seconds,
-                           forward_seconds=self.forward_seconds)
+                           forward_seconds=self.forward_seconds, batch_sizes=sizes, batch_tokens=tokens)
 
     def _take_frontend_messages(self, timeout_ms: int) -> None:
         sock = self.from_frontend

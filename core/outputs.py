@@ -56,3 +56,4 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: str | None = None  # "stop", "length" or "abort"
     stop_reason: int | None = None  # the stop token id that ended it
     beams: list[BeamResult] | None = None  # a finished beam search: best first
+    queued_seconds: float | None = None  # on a request's first token: arrival to first scheduled

@@ -50,6 +50,9 @@ class EngineStats(msgspec.Struct):
     steps: int
     step_seconds: float  # core wall time over all steps: schedule to update
     forward_seconds: float  # of which the worker's model forward and sampling
+    # the steps since the previous stats: requests in each step's batch, and tokens computed
+    batch_sizes: list[int] = []
+    batch_tokens: list[int] = []
 
 
 class EngineReady(msgspec.Struct, tag="ready"):
@@ -76,6 +79,7 @@ class RequestOutputDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0
     beams: list[BeamResult] | None = None
+    queued_seconds: float | None = None  # on the first token: arrival to first scheduled
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs"):

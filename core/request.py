@@ -54,7 +54,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "arrival_time",
         "priority", "all_token_ids", "num_prompt_tokens", "num_computed_tokens", "status",
         "max_tokens", "min_tokens", "stop_ids", "block_hashes", "num_preemptions",
-        "num_cached_tokens", "stop_reason", "forks_pending", "beam_group",
+        "num_cached_tokens", "stop_reason", "forks_pending", "beam_group", "queued_seconds",
     )
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
@@ -81,6 +81,7 @@ class Request:
         # into n that share those blocks and each compute the last token and sample on
         self.forks_pending = sampling_params.n - 1
         self.beam_group = None  # core.beam_search.BeamGroup of a beam-search request
+        self.queued_seconds: float | None = None  # arrival to first scheduled, set on first admission
 
     @classmethod
     def from_engine_request(cls, req: EngineRequest, max_tokens: int) -> "Request":

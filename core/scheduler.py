@@ -9,6 +9,7 @@ request not yet scheduled in this step (possibly itself), preempted by recompute
 from __future__ import annotations
 
 import itertools
+import time
 
 import msgspec
 import numpy as np
@@ -271,6 +272,7 @@ class Scheduler:
                 kv.pool.record_lookup(request.num_tokens, num_hit)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
+                request.queued_seconds = time.monotonic() - request.arrival_time
             request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -328,12 +330,14 @@ class Scheduler:
                 request.stop_reason = token if token in request.stop_ids else None
             elif num_output >= request.max_tokens or len(tokens) >= max_model_len:
                 status = RequestStatus.FINISHED_LENGTH
+            queued = request.queued_seconds if num_output == 1 else None
             if status is None:
-                outputs.append(EngineCoreOutput(rid, [token]))
+                outputs.append(EngineCoreOutput(rid, [token], queued_seconds=queued))
             else:
                 self._finish(request, status)
                 any_finished = True
-                outputs.append(EngineCoreOutput(rid, [token], status.finish_reason, request.stop_reason))
+                outputs.append(EngineCoreOutput(rid, [token], status.finish_reason, request.stop_reason,
+                                                queued_seconds=queued))
         for group in beam_groups:
             out = self._advance_beams(group)
             any_finished = True

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from pagedllm import __version__
@@ -24,6 +25,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     g.add_argument("--swap-space", type=float, default=None, help="GiB of host swap space")
     g.add_argument("--kv-cache-memory", default="1GiB", help="KV pool size, e.g. 512MiB or 4GiB")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides the above)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--tensor-parallel-size", type=int, default=1)
@@ -56,6 +58,7 @@ def engine_kwargs(args) -> dict:
                 scheduler_policy=args.scheduler_policy, preemption_mode=args.preemption_mode,
                 swap_space=args.swap_space, kv_cache_memory=args.kv_cache_memory,
                 gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
+                num_kv_blocks=args.num_kv_blocks,
                 tensor_parallel_size=args.tensor_parallel_size)
 
 
@@ -152,6 +155,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_flags(gen)
     gen.set_defaults(func=cmd_generate)
 
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API and the ZMQ entrypoint")
+    srv.add_argument("--host", default="127.0.0.1", help="HTTP address (loopback unless told otherwise)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--zmq-endpoint", default="tcp://127.0.0.1:5555",
+                     help="where the ZMQ entrypoint binds (tcp:// or ipc://); 'none' turns it off")
+    srv.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY"),
+                     help="require 'Authorization: Bearer KEY' on /v1 (default: $PAGEDLLM_API_KEY)")
+    srv.add_argument("--served-model-name", default=None, help="the model's name in the API (default: --model)")
+    srv.add_argument("--max-queue-len", type=int, default=1024,
+                     help="requests waiting for a first token beyond which new ones get 503")
+    srv.add_argument("--log-level", default="warning", help="uvicorn's log level")
+    add_engine_flags(srv)
+    srv.set_defaults(func=cmd_serve)
+
     from .bench import add_bench_parser
     add_bench_parser(sub)
 
@@ -162,6 +179,17 @@ def build_parser() -> argparse.ArgumentParser:
     conf.add_argument("--json", help="also write the results as JSON here")
     conf.set_defaults(func=cmd_conformance)
     return parser
+
+
+def cmd_serve(args) -> int:
+    from .serve import run_server
+    if args.max_queue_len < 0:
+        raise ValueError(f"--max-queue-len: must be >= 0, got {args.max_queue_len}")
+    run_server(engine_kwargs(args), host=args.host, port=args.port,
+               zmq_endpoint=None if args.zmq_endpoint == "none" else args.zmq_endpoint,
+               api_key=args.api_key, model_name=args.served_model_name, max_queue_len=args.max_queue_len,
+               log_level=args.log_level)
+    return 0
 
 
 def cmd_conformance(args) -> int:

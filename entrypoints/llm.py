@@ -130,13 +130,19 @@ class LLM:
              use_tqdm: bool = True, chat_template: str | None = None,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = []
-        for conv in conversations:
-            text = self.tokenizer.apply_chat_template(conv, tokenize=False, chat_template=chat_template,
-                                                      add_generation_prompt=add_generation_prompt)
-            prompts.append({"prompt": text,
-                            "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+        prompts = [self.render_chat(conv, chat_template, add_generation_prompt) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def render_chat(self, conversation: list[dict], chat_template: str | None = None,
+                    add_generation_prompt: bool = True) -> dict:
+        """A conversation as a prompt dict (text and token ids), through the tokenizer's template."""
+        if self.tokenizer is None:
+            raise InvalidParameter("messages", "chat needs a tokenizer (skip_tokenizer_init is set)")
+        if getattr(self.tokenizer, "chat_template", None) is None and chat_template is None:
+            raise InvalidParameter("messages", "the model's tokenizer has no chat template")
+        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=chat_template,
+                                                  add_generation_prompt=add_generation_prompt)
+        return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
 
     def _tracker(self, text, ids, params, request_id: str | None = None) -> RequestTracker:
         if len(ids) >= self.max_model_len:

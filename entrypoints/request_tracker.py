@@ -52,6 +52,10 @@ class RequestTracker:
         if delta.beams is not None or (self.params.beam_width and delta.finish_reason is not None):
             self.beams = delta.beams or []
             comp.finish_reason = delta.finish_reason
+            if self.beams:  # the completion is the best beam
+                comp.token_ids = list(self.beams[0].token_ids)
+                if self.tokenizer is not None:
+                    comp.text = self.tokenizer.decode(comp.token_ids, skip_special_tokens=True)
             self.output.finished = True
             return i, "", True, False
         if comp.finish_reason is not None:

@@ -45,7 +45,7 @@ def test_concurrent_streams_equal_offline(engine, offline):
 
 def test_a_caller_that_stops_listening_frees_its_blocks(engine):
     async def main():
-        gen = engine.generate([7] * 40, SamplingParams(max_tokens=500, ignore_eos=True))
+        gen = engine.generate([7] * 40, SamplingParams(max_tokens=200, ignore_eos=True))
         async for out in gen:
             if len(out.output.outputs[0].token_ids) >= 3:
                 break

@@ -1,0 +1,90 @@
+"""Prometheus metrics of a serving engine, named like vLLM's (`vllm:` becomes `pagedllm:`) and
+labelled with the served model's name. Engine-wide figures come from the stats on every
+engine message; per-request figures from each request's timing when it ends."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from pagedllm.core.protocol import EngineStats
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                    120.0, 240.0, 480.0, 960.0)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        self.model_name = model_name
+        label = {"model_name": model_name}
+
+        def metric(kind, name, doc, **kw):
+            return kind(f"pagedllm:{name}", doc, list(label), registry=self.registry, **kw).labels(**label)
+
+        self.running = metric(Gauge, "num_requests_running", "Requests in the running batch.")
+        self.waiting = metric(Gauge, "num_requests_waiting", "Requests waiting to be scheduled.")
+        self.swapped = metric(Gauge, "num_requests_swapped", "Requests whose KV cache is swapped out.")
+        self.kv_usage = metric(Gauge, "kv_cache_usage_perc",
+                               "Fraction of KV-cache blocks held by requests (1 = full).")
+        self.prefix_queries = metric(Counter, "prefix_cache_queries",
+                                     "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = metric(Counter, "prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.preemptions = metric(Counter, "num_preemptions", "Preemptions of running requests.")
+        self.prompt_tokens = metric(Counter, "prompt_tokens", "Prompt tokens of requests that started.")
+        self.generation_tokens = metric(Counter, "generation_tokens", "Generated tokens.")
+        self.batch_size = metric(Histogram, "batch_size", "Requests in each step's batch.",
+                                 buckets=_BATCH_BUCKETS)
+        self.iteration_tokens = metric(Histogram, "iteration_tokens_total", "Tokens computed in each step.",
+                                       buckets=_TOKEN_BUCKETS)
+        self.ttft = metric(Histogram, "time_to_first_token_seconds", "Time to first token.",
+                           buckets=_LATENCY_BUCKETS)
+        self.itl = metric(Histogram, "inter_token_latency_seconds", "Time between successive tokens.",
+                          buckets=_LATENCY_BUCKETS)
+        self.e2e = metric(Histogram, "e2e_request_latency_seconds", "Request latency, arrival to end.",
+                          buckets=_REQUEST_BUCKETS)
+        self.queue_time = metric(Histogram, "request_queue_time_seconds",
+                                 "Time from arrival to first being scheduled.", buckets=_REQUEST_BUCKETS)
+        self._success = Counter("pagedllm:request_success", "Finished requests by finish reason.",
+                                ["model_name", "finished_reason"], registry=self.registry)
+        self._last: EngineStats | None = None
+
+    def observe_stats(self, stats: EngineStats) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.swapped.set(stats.num_swapped)
+        self.kv_usage.set(stats.kv_cache_usage)
+        last = self._last
+        # the engine's counts are cumulative; the counters take the increments
+        self.prefix_queries.inc(stats.prefix_cache_queries - (last.prefix_cache_queries if last else 0))
+        self.prefix_hits.inc(stats.prefix_cache_hits - (last.prefix_cache_hits if last else 0))
+        self.preemptions.inc(stats.num_preemptions - (last.num_preemptions if last else 0))
+        self._last = stats
+        for size, tokens in zip(stats.batch_sizes, stats.batch_tokens):
+            self.batch_size.observe(size)
+            self.iteration_tokens.observe(tokens)
+
+    def observe_request(self, timing, output) -> None:
+        """timing: async_engine.RequestTiming; output: the RequestOutput as it ended."""
+        generated = sum(len(c.token_ids) for c in output.outputs)
+        if timing.first_token is not None:
+            self.prompt_tokens.inc(len(output.prompt_token_ids))
+            self.ttft.observe(timing.first_token - timing.submitted)
+            self.e2e.observe(timing.last_token - timing.submitted)
+        self.generation_tokens.inc(generated)
+        for gap in timing.token_gaps:
+            self.itl.observe(gap)
+        if timing.queued_seconds is not None:
+            self.queue_time.observe(timing.queued_seconds)
+        for completion in output.outputs:
+            reason = completion.finish_reason or "abort"  # unfinished: the client went away
+            self._success.labels(self.model_name, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,164 @@
+"""The ZMQ entrypoint: a ROUTER socket that many DEALER clients talk to at once
+(protocol: entrypoints/zmq_protocol.py, docs/zmq-protocol.md). Request ids are the client's,
+scoped to its connection. A frame that cannot be read gets an error reply and touches no
+other request; a client that disconnects has its requests aborted when the next message to
+it cannot be routed."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import itertools
+import re
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from pagedllm.core.errors import InvalidParameter
+
+from .async_engine import AsyncEngine, EngineOverloaded, RequestStream
+from .engine_client import EngineDeadError
+from .zmq_protocol import (Abort, ClientMessage, Completion, Delta, Error, Final, Generate, Usage,
+                           sampling_params)
+
+_AT_PATH = re.compile(r" - at `\$\.?([^`]*)`")
+
+
+class ClientGone(Exception):
+    pass
+
+
+class ZmqServer:
+    def __init__(self, engine: AsyncEngine, endpoint: str):
+        self.engine = engine
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished client raises
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(endpoint)
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.decoder = msgspec.msgpack.Decoder(ClientMessage)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.tasks: dict[tuple[bytes, str], asyncio.Task] = {}
+        self._ids = itertools.count()
+
+    async def serve(self) -> None:
+        """Answer clients until cancelled."""
+        try:
+            while True:
+                frames = await self.sock.recv_multipart()
+                self._handle(frames[0], frames[1:])
+        finally:
+            for task in list(self.tasks.values()):
+                task.cancel()
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+    # --- requests ---------------------------------------------------------------------------
+    def _handle(self, identity: bytes, payload: list[bytes]) -> None:
+        if len(payload) != 1:
+            self._reply_soon(identity, Error(None, 400, None, f"expected one frame per message, got {len(payload)}"))
+            return
+        try:
+            msg = self.decoder.decode(payload[0])
+        except msgspec.ValidationError as e:
+            match = _AT_PATH.search(str(e))
+            self._reply_soon(identity, Error(None, 400, match.group(1) if match else None,
+                                             f"not a valid message: {_AT_PATH.sub('', str(e))}"))
+            return
+        except (msgspec.DecodeError, UnicodeDecodeError) as e:
+            self._reply_soon(identity, Error(None, 400, None, f"not a msgpack message: {e}"))
+            return
+        key = (identity, msg.request_id)
+        if isinstance(msg, Abort):
+            task = self.tasks.get(key)
+            if task is not None:  # an id that already finished is no error: the two crossed
+                task.cancel()
+            return
+        if key in self.tasks:
+            self._reply_soon(identity, Error(msg.request_id, 409, "request_id",
+                                             f"request {msg.request_id!r} is still running"))
+            return
+        try:
+            stream = self.engine.add_request(self._prompt(msg), sampling_params(msg.params),
+                                             request_id=f"zmq-{next(self._ids)}")
+        except InvalidParameter as e:
+            self._reply_soon(identity, Error(msg.request_id, 400, e.field, str(e)))
+            return
+        except EngineOverloaded as e:
+            self._reply_soon(identity, Error(msg.request_id, 503, None, str(e)))
+            return
+        except EngineDeadError as e:
+            self._reply_soon(identity, Error(msg.request_id, 500, None, str(e)))
+            return
+        self.tasks[key] = asyncio.create_task(self._run(identity, msg, stream))
+
+    @staticmethod
+    def _prompt(msg: Generate):
+        if (msg.prompt is None) == (msg.prompt_token_ids is None):
+            raise InvalidParameter("prompt", "give exactly one of prompt and prompt_token_ids")
+        return msg.prompt if msg.prompt is not None else msg.prompt_token_ids
+
+    async def _run(self, identity: bytes, msg: Generate, stream: RequestStream) -> None:
+        rid = msg.request_id
+        output = stream.tracker.output
+        try:
+            try:
+                async for out in stream:
+                    if msg.stream and out.delta_token_ids:
+                        comp = out.output.outputs[out.index]
+                        lps = ([e[t].logprob for t, e in zip(out.delta_token_ids,
+                                                              comp.logprobs[-len(out.delta_token_ids):])]
+                               if comp.logprobs is not None and not stream.tracker.beams else None)
+                        await self._send(identity, Delta(rid, out.index, out.delta_text,
+                                                         out.delta_token_ids, lps))
+            except asyncio.CancelledError:  # the client aborted, or the server is stopping
+                stream.close()
+                await self._send(identity, self._final(rid, output))
+                return
+            except EngineDeadError as e:
+                await self._send(identity, Error(rid, 500, None, str(e)))
+                return
+            await self._send(identity, self._final(rid, output))
+        except ClientGone:
+            self._forget_client(identity)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            stream.close()
+            if self.tasks.get((identity, rid)) is asyncio.current_task():
+                del self.tasks[(identity, rid)]
+
+    @staticmethod
+    def _final(rid: str, output) -> Final:
+        return Final(rid, [Completion(c.index, c.text, c.token_ids, c.finish_reason or "abort", c.stop_reason,
+                                      c.cumulative_logprob) for c in output.outputs],
+                     Usage(len(output.prompt_token_ids), sum(len(c.token_ids) for c in output.outputs)))
+
+    # --- sending ----------------------------------------------------------------------------
+    async def _send(self, identity: bytes, msg) -> None:
+        try:
+            await self.sock.send_multipart([identity, self.encoder.encode(msg)])
+        except zmq.ZMQError as e:
+            if e.errno == errno.EHOSTUNREACH:
+                raise ClientGone() from None
+            raise
+
+    def _reply_soon(self, identity: bytes, msg) -> None:
+        async def reply():
+            try:
+                await self._send(identity, msg)
+            except ClientGone:
+                pass
+        asyncio.ensure_future(reply())
+
+    def _forget_client(self, identity: bytes) -> None:
+        """The client vanished: abort all its requests."""
+        for (who, _), task in list(self.tasks.items()):
+            if who == identity and task is not asyncio.current_task():
+                task.cancel()

@@ -1,0 +1,88 @@
+"""A real `pagedllm serve` process for tests: free ports, wait until it answers, stop it and
+check that it left no process or shared-memory segment behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+from proc_helpers import children_of, segments_of, wait_until
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, model: str, *flags: str):
+        self.port = free_port()
+        self.zmq_endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--model", model,
+             "--port", str(self.port), "--zmq-endpoint", self.zmq_endpoint, *flags],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.banner = self.proc.stdout.readline()
+        if "serving" not in self.banner:
+            rest = self.proc.stdout.read() if self.proc.poll() is not None else ""
+            self.proc.kill()
+            raise RuntimeError(f"server did not start: {self.banner}{rest}")
+        self.engine_pids = children_of(self.proc.pid)
+
+    def get(self, path: str) -> tuple[int, bytes]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=10) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    def metrics(self) -> dict[str, float]:
+        """Sample name (with labels other than model_name folded in) -> value."""
+        status, body = self.get("/metrics")
+        assert status == 200
+        values = {}
+        for family in text_string_to_metric_families(body.decode()):
+            for s in family.samples:
+                extra = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+                values[s.name + (f"{{{extra}}}" if extra else "")] = s.value
+        return values
+
+    def stop(self) -> None:
+        """SIGINT, as Ctrl-C would; then everything it started must be gone."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise AssertionError("server did not stop on SIGINT")
+        assert wait_until(lambda: not any(os.path.exists(f"/proc/{p}") and _alive(p) for p in self.engine_pids),
+                          timeout_s=10), "engine processes outlived the server"
+        for pid in self.engine_pids:
+            assert not segments_of(pid), f"shared-memory segments of {pid} left behind"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_for(predicate, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return predicate()

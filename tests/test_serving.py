@@ -1,0 +1,294 @@
+"""`pagedllm serve` as users meet it: the real openai client over HTTP, the ZMQ client, many
+at once, clients that vanish, malformed input, metrics, keys and limits."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import urllib.request
+
+import msgspec
+import openai
+import pytest
+from serve_helpers import ServerProcess, wait_for
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.entrypoints.zmq_client import AsyncZmqClient, ZmqClient, ZmqRequestError
+from pagedllm.entrypoints.zmq_protocol import Error, Final
+
+MAX_MODEL_LEN = 512
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    srv = ServerProcess(model, "--num-kv-blocks", "400", "--max-model-len", str(MAX_MODEL_LEN),
+                        "--max-num-seqs", "64")
+    yield srv
+    srv.stop()
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_openai_client_completions_chat_streaming_and_n(server, model):
+    c = client(server)
+    assert [m.id for m in c.models.list().data] == [model]
+    full = c.completions.create(model=model, prompt="The quick brown fox", max_tokens=12, temperature=0)
+    assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 12
+    streamed = list(c.completions.create(model=model, prompt="The quick brown fox", max_tokens=12,
+                                         temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert len(streamed) > 2  # token by token
+    assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == full.choices[0].text
+    assert streamed[-1].usage.completion_tokens == 12 and streamed[-1].choices == []
+
+    chat = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi there"}],
+                                     max_tokens=6, temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 6
+    chunks = list(c.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi there"}],
+                                            max_tokens=6, temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == chat.choices[0].message.content
+
+    two = c.completions.create(model=model, prompt="Once upon", max_tokens=8, n=2, temperature=1.0, seed=7,
+                               logprobs=2)
+    assert sorted(ch.index for ch in two.choices) == [0, 1] and two.usage.completion_tokens == 16
+    assert all(len(ch.logprobs.token_logprobs) == 8 and len(ch.logprobs.top_logprobs[0]) == 2
+               for ch in two.choices)
+    again = c.completions.create(model=model, prompt="Once upon", max_tokens=8, n=2, temperature=1.0, seed=7)
+    assert [ch.text for ch in again.choices] == [ch.text for ch in two.choices]  # seeded
+
+    beam = c.completions.create(model=model, prompt="Once upon", max_tokens=5, temperature=0, best_of=3,
+                                extra_body={"use_beam_search": True})
+    assert beam.usage.completion_tokens == 5
+
+
+async def _http_stream(aclient, model, ids, max_tokens, leave_after=None):
+    text, n = "", 0
+    stream = await aclient.completions.create(model=model, prompt=ids, max_tokens=max_tokens, temperature=0,
+                                              stream=True, extra_body={"ignore_eos": leave_after is not None})
+    async for chunk in stream:
+        text += chunk.choices[0].text
+        n += 1
+        if leave_after is not None and n >= leave_after:
+            await stream.close()  # the client goes away mid-stream
+            return None
+    return text
+
+
+async def _zmq_stream(endpoint, ids, max_tokens, leave_after=None):
+    zc = AsyncZmqClient(endpoint)
+    tokens, n = [], 0
+    try:
+        async for msg in zc.stream(prompt_token_ids=ids, max_tokens=max_tokens, temperature=0.0,
+                                   ignore_eos=leave_after is not None):
+            if isinstance(msg, Final):
+                assert msg.completions[0].token_ids == tokens
+                return tokens
+            tokens += msg.token_ids
+            n += 1
+            if leave_after is not None and n >= leave_after:
+                return None
+    finally:
+        # a vanishing client: no abort message, the connection just drops
+        await zc.close(abort=leave_after is None)
+
+
+def test_64_concurrent_clients_match_offline_and_leavers_free_their_blocks(server, model):
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 400) for _ in range(rng.randint(4, 60))] for _ in range(48)]
+    max_tokens = [rng.randint(4, 24) for _ in prompts]
+    with LLM(model, num_kv_blocks=400, max_model_len=MAX_MODEL_LEN) as llm:
+        offline = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                               [SamplingParams(temperature=0, max_tokens=m) for m in max_tokens], use_tqdm=False)
+    before = server.metrics()
+    aborts_before = before.get("pagedllm:request_success_total{finished_reason=abort}", 0)
+
+    async def main():
+        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        jobs = []
+        for i, (ids, m) in enumerate(zip(prompts, max_tokens)):
+            jobs.append(_http_stream(aclient, model, ids, m) if i % 2 == 0
+                        else _zmq_stream(server.zmq_endpoint, ids, m))
+        for i in range(16):  # 8 over each protocol leave after a few chunks of a long answer
+            ids = [rng.randrange(3, 400) for _ in range(30)]
+            jobs.append(_http_stream(aclient, model, ids, 400, leave_after=3) if i % 2 == 0
+                        else _zmq_stream(server.zmq_endpoint, ids, 400, leave_after=3))
+        results = await asyncio.gather(*jobs)
+        await aclient.close()
+        return results
+
+    results = asyncio.run(main())
+    for i, (got, want) in enumerate(zip(results[:48], offline)):
+        if i % 2 == 0:
+            assert got == want.outputs[0].text, f"HTTP client {i}"
+        else:
+            assert got == want.outputs[0].token_ids, f"ZMQ client {i}"
+    assert results[48:] == [None] * 16
+    assert wait_for(lambda: server.metrics()["pagedllm:num_requests_running"] == 0), "requests still running"
+    after = server.metrics()
+    assert after["pagedllm:kv_cache_usage_perc"] == 0.0  # every block back (cached ones count as free)
+    assert after["pagedllm:request_success_total{finished_reason=abort}"] - aborts_before == 16
+    assert after["pagedllm:num_requests_waiting"] == 0
+
+
+def _fuzz_bodies(rng: random.Random, model: str) -> list[bytes]:
+    valid = {"model": model, "prompt": "hello", "max_tokens": 4}
+    wrong_type = ["x", [], {}, [[]], [1.5], {"a": 1}]
+    out_of_range = {  # field -> values that are the right type but outside the allowed range
+        "max_tokens": [-1, 0, 10 ** 30, -(10 ** 30)], "temperature": [-0.5, 1e308 * 10, -1e308],
+        "top_p": [0, 1.5, -1], "n": [0, -1, 10 ** 20], "logprobs": [-1, 21, 10 ** 9],
+        "seed": [2 ** 64, -(2 ** 70)], "presence_penalty": [3, -2.5], "frequency_penalty": [9e9],
+        "top_k": [-2, -(10 ** 25)], "min_p": [1.5, -0.1], "min_tokens": [-4, 10 ** 6],
+        "best_of": [3, -1], "logit_bias": [{"5": 1.0}], "stop_token_ids": [[-5]],
+        "repetition_penalty": [0, -1], "stop": [[""], ["ok", ""]],
+    }
+    bodies = []
+    fields = sorted(out_of_range)
+    while len(bodies) < 70:
+        field = rng.choice(fields)
+        value = rng.choice(out_of_range[field] + wrong_type)
+        if (field, json.dumps(value)) in {("logit_bias", "{}"), ("stop", "[]"), ("stop", '"x"'),
+                                          ("stop_token_ids", "[]")}:
+            continue  # these happen to be valid
+        bodies.append(json.dumps({**valid, field: value}).encode())
+    bodies += [
+        b"", b"{", b"[]", b"null", b"\xff\xfe\x00garbage", b'{"prompt": "\xff\xfe"}', b'{"max_tokens": 4}',
+        json.dumps({"model": model, "prompt": "x " * 2000, "max_tokens": 4}).encode(),  # over max_model_len
+        json.dumps({"model": model, "prompt": [7] * MAX_MODEL_LEN}).encode(),
+        json.dumps({"model": model, "prompt": [100000]}).encode(),  # token id outside the vocabulary
+        json.dumps({"model": model, "prompt": "hi", "max_tokens": 10 ** 9}).encode(),
+        json.dumps({"model": model, "prompt": "hi", "n": 0}).encode(),
+        json.dumps({"model": model, "prompt": "hi", "logprobs": 1000}).encode(),
+        json.dumps({"model": model, "prompt": [[1, 2], "x", 3]}).encode(),
+        json.dumps({"model": model, "prompt": []}).encode(),
+        json.dumps({"model": model, "prompt": "hi", "stop": [""]}).encode(),
+        json.dumps({"model": "no-such-model", "prompt": "hi"}).encode(),
+        bytes(rng.randrange(256) for _ in range(64)),
+        b'{"model": "m", "prompt": "hi", "max_tokens": 99999999999999999999999999}',
+        b'{"prompt": "hi", "temperature": NaN}',
+    ]
+    while len(bodies) < 100:
+        bodies.append(bytes(rng.randrange(256) for _ in range(rng.randint(1, 200))))
+    return bodies
+
+
+def _fuzz_frames(rng: random.Random) -> list[list[bytes]]:
+    enc = msgspec.msgpack.encode
+    valid = {"type": "generate", "request_id": "r", "prompt": "hi", "params": {"max_tokens": 4}}
+    frames = []
+    mutations = [("request_id", 5), ("request_id", None), ("prompt", 3), ("prompt_token_ids", "abc"),
+                 ("prompt_token_ids", [-1]), ("prompt_token_ids", [10 ** 12]), ("params", []),
+                 ("params", {"max_tokens": -3}), ("params", {"n": "two"}), ("params", {"temperature": -1}),
+                 ("params", {"max_tokens": 10 ** 9}), ("params", {"bogus": 1}), ("params", {"logprobs": 99}),
+                 ("stream", "yes"), ("type", "launch"), ("type", 7), ("extra", 1),
+                 ("params", {"max_tokens": 2 ** 63}), ("params", {"stop": 5}), ("params", {"seed": 1.5}), ("params", {"max_tokens": 2 ** 64 - 1}), ("params", {"top_p": 1e308})]
+    for key, value in mutations:
+        frames.append([enc({**valid, key: value})])
+    frames += [
+        [enc({k: v for k, v in valid.items() if k != "request_id"})],
+        [enc({k: v for k, v in valid.items() if k != "type"})],
+        [enc({**valid, "prompt": None})],  # neither prompt nor ids
+        [enc({**valid, "prompt_token_ids": [1, 2]})],  # both
+        [enc({**valid, "prompt": "x " * 2000})],  # over max_model_len
+        [enc({**valid, "prompt_token_ids": []})],
+        [b""], [b"\xc1"], [b"\x81\xa4type\xa8generat\xff"],  # invalid utf-8 inside a string
+        [enc(valid), enc(valid)],  # two frames
+        [enc([1, 2, 3])], [enc("generate")], [enc(None)],
+    ]
+    while len(frames) < 100:
+        frames.append([bytes(rng.randrange(256) for _ in range(rng.randint(1, 100)))])
+    return frames
+
+
+def test_200_malformed_inputs_get_clear_errors_and_the_server_keeps_serving(server, model):
+    rng = random.Random(11)
+    zc = ZmqClient(server.zmq_endpoint, timeout_s=20)
+    # a request in flight throughout must finish untouched
+    survivor = zc.stream(prompt_token_ids=[5, 6, 7], max_tokens=60, temperature=0.0, ignore_eos=True)
+    first = next(survivor)
+
+    for body in _fuzz_bodies(rng, model):
+        req = urllib.request.Request(server.url + "/v1/completions", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(req, timeout=20)
+            raise AssertionError(f"accepted a malformed body: {body[-120:]!r}")
+        except urllib.error.HTTPError as e:
+            assert 400 <= e.code < 500, (e.code, body[:80])
+            error = json.loads(e.read())["error"]
+            assert error["message"] and error["type"], body[:80]
+            if e.code == 400 and body.startswith(b"{\"model\""):
+                assert error["param"], (error, body[:80])
+
+    for frames in _fuzz_frames(rng):
+        zc.send_raw(*frames)
+        reply = zc.receive_any()
+        while not isinstance(reply, Error):  # the survivor's deltas interleave
+            assert reply.request_id == first.request_id, reply
+            zc._inbox[reply.request_id].append(reply)
+            reply = zc.receive_any()
+        assert 400 <= reply.code < 500 and reply.message, (frames, reply)
+
+    rest = list(survivor)
+    assert isinstance(rest[-1], Final) and rest[-1].completions[0].finish_reason == "length"
+    assert len(rest[-1].completions[0].token_ids) == 60
+    assert zc.generate(prompt="hello", max_tokens=3).usage.completion_tokens == 3
+    assert client(server).completions.create(model=model, prompt="hello", max_tokens=3).usage.completion_tokens == 3
+    zc.close()
+
+
+def test_zmq_errors_name_the_field_and_ids_are_per_client(server):
+    with ZmqClient(server.zmq_endpoint) as a, ZmqClient(server.zmq_endpoint) as b:
+        with pytest.raises(ZmqRequestError) as err:
+            a.generate(prompt="hi", max_tokens=-2)
+        assert err.value.code == 400 and err.value.field == "params.max_tokens"
+        with pytest.raises(ZmqRequestError) as err:
+            a.generate(prompt="hi", max_tokens=10 ** 6)
+        assert err.value.field == "max_tokens" and "maximum context length" in str(err.value)
+        # the same id from two clients is two requests
+        sa = a.stream(prompt="one", request_id="same", max_tokens=3, temperature=0.0)
+        sb = b.stream(prompt="two", request_id="same", max_tokens=5, temperature=0.0)
+        assert list(sa)[-1].usage.completion_tokens == 3 and list(sb)[-1].usage.completion_tokens == 5
+
+
+def test_metrics_parse_and_move(server, model):
+    before = server.metrics()
+    client(server).completions.create(model=model, prompt="count me", max_tokens=5, temperature=0)
+    after = server.metrics()
+    assert after["pagedllm:generation_tokens_total"] - before["pagedllm:generation_tokens_total"] == 5
+    assert after["pagedllm:prompt_tokens_total"] > before["pagedllm:prompt_tokens_total"]
+    assert after["pagedllm:request_success_total{finished_reason=length}"] == \
+        before.get("pagedllm:request_success_total{finished_reason=length}", 0) + 1
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
+        assert after[f"pagedllm:{name}_count"] == before[f"pagedllm:{name}_count"] + 1, name
+    assert after["pagedllm:inter_token_latency_seconds_count"] - before["pagedllm:inter_token_latency_seconds_count"] == 4
+    assert after["pagedllm:batch_size_count"] > before["pagedllm:batch_size_count"]
+    assert after["pagedllm:prefix_cache_queries_total"] > before["pagedllm:prefix_cache_queries_total"]
+    assert "pagedllm:num_preemptions_total" in after and "pagedllm:num_requests_swapped" in after
+    assert server.get("/health")[0] == 200
+
+
+def test_api_key_unknown_model_and_a_full_queue(model):
+    srv = ServerProcess(model, "--num-kv-blocks", "64", "--api-key", "sesame", "--max-queue-len", "0")
+    try:
+        wrong = openai.OpenAI(base_url=srv.url + "/v1", api_key="nope", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            wrong.models.list()
+        right = openai.OpenAI(base_url=srv.url + "/v1", api_key="sesame", max_retries=0)
+        assert right.models.list().data[0].id == model
+        with pytest.raises(openai.NotFoundError) as err:
+            right.completions.create(model="gpt-17", prompt="hi", max_tokens=2)
+        assert err.value.body["code"] == "model_not_found"
+        with pytest.raises(openai.InternalServerError) as err:  # 503: no room in the queue
+            right.completions.create(model=model, prompt="hi", max_tokens=2)
+        assert err.value.status_code == 503
+        assert srv.get("/health")[0] == 200 and srv.get("/metrics")[0] == 200  # no key needed
+    finally:
+        srv.stop()
