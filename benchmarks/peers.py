@@ -1,8 +1,12 @@
-"""The same workload through transformers, for comparison: static batches (padding) and
-transformers' own continuous batching. Only the tokens each request asked for count."""
+"""The same workload through the peers, for comparison: transformers with static batches
+(padding), transformers' own continuous batching, and vLLM in its own Python environment.
+Only the tokens each request asked for count."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import time
 
 import torch
@@ -51,3 +55,32 @@ def hf_continuous(model, prompts: list[list[int]], max_tokens: list[int]):
     seconds = time.perf_counter() - t0
     ordered = [outputs.get(f"r{i}", [])[:m] for i, m in enumerate(max_tokens)]
     return seconds, ordered
+
+
+def vllm_subprocess(python: str, model_dir: str, prompts: list[list[int]], max_tokens: list[int], dtype: str,
+                    work_dir: str, kv_cache_gib: int = 2, max_num_seqs: int = 256, timeout_s: float = 1800):
+    """vLLM's LLM.generate on the same token ids, run by `python` (an interpreter with vllm
+    installed) through benchmarks/vllm_peer.py. Returns (seconds, outputs, startup seconds,
+    vLLM version). Its caches go under work_dir."""
+    os.makedirs(work_dir, exist_ok=True)
+    job, result = os.path.join(work_dir, "vllm_job.json"), os.path.join(work_dir, "vllm_result.json")
+    with open(os.path.join(model_dir, "config.json")) as f:
+        context = json.load(f).get("max_position_embeddings", 2048)
+    with open(job, "w") as f:
+        json.dump({"model": os.path.abspath(model_dir), "dtype": dtype, "prompts": prompts, "max_tokens": max_tokens,
+                   "max_num_seqs": max_num_seqs, "max_model_len": context}, f)
+    env = {**os.environ,
+           "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}",  # all cores (it keeps one back by default)
+           "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),  # GiB, allocated at start-up
+           "VLLM_CACHE_ROOT": os.path.join(work_dir, "vllm-cache"),
+           "TORCHINDUCTOR_CACHE_DIR": os.path.join(work_dir, "inductor-cache"),
+           "VLLM_LOGGING_LEVEL": "WARNING"}
+    env.pop("PYTHONPATH", None)  # nothing of this environment may leak into vLLM's
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_peer.py")
+    proc = subprocess.run([python, script, job, result], env=env, capture_output=True, text=True,
+                          timeout=timeout_s, cwd=work_dir)
+    if proc.returncode != 0:
+        raise RuntimeError(f"vLLM ({python}) failed with code {proc.returncode}:\n{proc.stderr[-3000:]}")
+    with open(result) as f:
+        out = json.load(f)
+    return out["seconds"], out["outputs"], out["startup_seconds"], out["vllm_version"]

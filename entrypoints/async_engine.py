@@ -102,6 +102,11 @@ class RequestStream:
             self.engine._forget(self)
 
 
+def _put_all(pairs) -> None:
+    for queue, item in pairs:
+        queue.put_nowait(item)
+
+
 class EngineOverloaded(RuntimeError):
     """More requests are queued than the server accepts; the client should retry later."""
 
@@ -139,17 +144,21 @@ class AsyncEngine:
                 self.last_stats = msg.stats
                 if self.metrics is not None and msg.stats is not None:
                     self.metrics.observe_stats(msg.stats)
-                for delta in msg.outputs:
-                    self._deliver(delta.request_id, delta)
+                self._deliver([(delta.request_id, delta) for delta in msg.outputs])
             elif isinstance(msg, RequestRejected):
-                self._deliver(msg.request_id, InvalidParameter(msg.field, msg.message))
+                self._deliver([(msg.request_id, InvalidParameter(msg.field, msg.message))])
 
-    def _deliver(self, request_id: str, item) -> None:
+    def _deliver(self, items: list) -> None:
+        """Hand each item to its request's queue: one wake-up of each event loop per message,
+        not one per request."""
+        by_loop: dict = {}
         with self._lock:
-            target = self._queues.get(request_id)
-        if target is not None:
-            loop, queue = target
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+            for request_id, item in items:
+                target = self._queues.get(request_id)
+                if target is not None:
+                    by_loop.setdefault(target[0], []).append((target[1], item))
+        for loop, pairs in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, pairs)
 
     def _broadcast(self, item) -> None:
         with self._lock:

@@ -1,4 +1,4 @@
-"""`pagedllm bench throughput|latency|scaling|memory`: one workload through pagedllm and its peers, side by side,
+"""`pagedllm bench throughput|latency|serving|scaling|memory`: one workload through pagedllm and its peers, side by side,
 with a table on the terminal, a JSON file and PNG plots in --out."""
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ def cmd_bench(args) -> int:
         return _latency(args, out_dir)
     if args.mode == "scaling":
         return _scaling(args, out_dir)
+    if args.mode == "serving":
+        return _serving(args, out_dir)
     if args.mode == "memory":
         from pagedllm.benchmarks.kv_memory import measure_kv_utilisation
         r = measure_kv_utilisation(num_requests=args.num_prompts, seed=args.seed)
@@ -65,14 +67,20 @@ def _throughput(args, out_dir: str) -> int:
 
     from pagedllm.benchmarks import report
     from pagedllm.benchmarks.bench_throughput import run_pagedllm
-    from pagedllm.benchmarks.peers import hf_continuous, hf_static
+    from pagedllm.benchmarks.peers import hf_continuous, hf_static, vllm_subprocess
 
     from .default_model import default_model_dir
 
     peers = [p for p in args.vs.split(",") if p and p != "none"]
-    unknown = set(peers) - {"hf-static", "hf-cb"}
+    unknown = set(peers) - {"hf-static", "hf-cb", "vllm"}
     if unknown:
-        raise ValueError(f"--vs: unknown peer(s) {sorted(unknown)}; available: hf-static, hf-cb")
+        raise ValueError(f"--vs: unknown peer(s) {sorted(unknown)}; available: hf-static, hf-cb, vllm")
+    if args.vllm_python and "vllm" not in peers:
+        peers.append("vllm")
+    if "vllm" in peers and not args.vllm_python:
+        raise ValueError("--vs vllm needs --vllm-python: the interpreter of an environment with vLLM installed")
+    if args.vllm_python and not os.access(args.vllm_python, os.X_OK):
+        raise ValueError(f"--vllm-python: {args.vllm_python} is not an executable")
     model_dir = args.model or default_model_dir()
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
     tokenizer = None
@@ -96,13 +104,25 @@ def _throughput(args, out_dir: str) -> int:
         s, toks = hf_continuous(hf, prompts, max_tokens)
         results.append(report.account("transformers continuous batching", s, prompts, max_tokens, toks))
         outputs["hf-cb"] = toks
+    versions = {}
+    if "vllm" in peers:
+        print("running vLLM in its own environment (its start-up takes a minute or so)...", flush=True)
+        s, toks, vllm_startup, versions["vllm"] = vllm_subprocess(
+            args.vllm_python, model_dir, prompts, max_tokens, args.dtype, os.path.join(out_dir, "vllm-work"))
+        results.append(report.account(f"vLLM {versions['vllm']} (CPU)", s, prompts, max_tokens, toks))
+        results[-1].extra = {"startup_seconds": vllm_startup}
+        outputs["vllm"] = toks
     for r, toks in zip(results[1:], list(outputs.values())[1:]):
         r.agreement = report.agreement(ours, toks)
     print(report.format_table(results))
+    if "vllm" in peers:
+        print(f"start-up: pagedllm {startup:.1f} s, vLLM {vllm_startup:.1f} s "
+              f"({vllm_startup / startup:.1f}x faster)")
     import transformers
     report.write_json(os.path.join(out_dir, "throughput.json"), {
         "date": time.strftime("%Y-%m-%d"), "model": model_dir, "dtype": args.dtype, "dataset": args.dataset,
         "requests": len(prompts), "transformers": transformers.__version__, "torch": torch.__version__,
+        "peer_versions": versions,
         "results": [{**r.__dict__, "output_tok_s": r.output_tok_s, "total_tok_s": r.total_tok_s}
                     for r in results]})
     report.plot_throughput(os.path.join(out_dir, "throughput.png"), results,
@@ -169,6 +189,34 @@ def _latency(args, out_dir: str) -> int:
     return 0
 
 
+def _serving(args, out_dir: str) -> int:
+    """The workload against a running `pagedllm serve` at each request rate, and offline."""
+    import json as _json
+
+    from pagedllm.benchmarks import report
+    from pagedllm.benchmarks.bench_serving import print_report, serving_benchmark
+
+    from .default_model import default_model_dir
+
+    model_dir = args.model or default_model_dir()
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = _json.load(f)
+    prompts, max_tokens = load_dataset(args.dataset, args.num_prompts, args.seed, None, cfg["vocab_size"],
+                                       cfg.get("max_position_embeddings", 2048))
+    rates = [float(r) for r in args.rates.split(",")]
+    if float("inf") not in rates:
+        rates.append(float("inf"))  # saturation, for the served / offline ratio
+    result = serving_benchmark(model_dir, prompts, max_tokens, rates, args.backend, args.dtype,
+                               args.kv_cache_memory, args.seed)
+    print_report(result)
+    report.write_json(os.path.join(out_dir, "serving.json"), {"model": model_dir, "requests": len(prompts),
+                                                              **result})
+    report.plot_latency(os.path.join(out_dir, "serving_latency.png"),
+                        [r for r in result["rows"] if r["rate"] != float("inf")])
+    print(f"wrote {out_dir}/serving.json and serving_latency.png")
+    return 0
+
+
 def _scaling(args, out_dir: str) -> int:
     """Throughput of the same workload as the number of concurrently running requests
     (max_num_seqs) grows."""
@@ -203,17 +251,21 @@ def _scaling(args, out_dir: str) -> int:
 
 def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="benchmark pagedllm against transformers on one workload")
-    bench.add_argument("mode", choices=["throughput", "latency", "scaling", "memory"])
+    bench.add_argument("mode", choices=["throughput", "latency", "serving", "scaling", "memory"])
     bench.add_argument("--model", default=None, help="model folder (default: the demo model)")
     bench.add_argument("--backend", default="cpu")
     bench.add_argument("--dtype", default="float32")
     bench.add_argument("--num-prompts", type=int, default=200)
     bench.add_argument("--dataset", default="synthetic",
                        help="synthetic (seeded, long-tailed) or a JSONL file of {prompt|prompt_token_ids, output_len}")
-    bench.add_argument("--vs", default="hf-static,hf-cb", help="comma-separated peers: hf-static, hf-cb, or none")
+    bench.add_argument("--vs", default="hf-static,hf-cb",
+                       help="comma-separated peers: hf-static, hf-cb, vllm (needs --vllm-python), or none")
+    bench.add_argument("--vllm-python", default=None,
+                       help="python of an environment with vLLM installed; vLLM then joins the throughput table")
     bench.add_argument("--batch-size", type=int, default=16, help="transformers static batch size")
     bench.add_argument("--kv-cache-memory", default="2GiB")
-    bench.add_argument("--rates", default="1,2,4,8", help="latency: request rates (req/s) to sweep")
+    bench.add_argument("--rates", default="1,2,4,8",
+                       help="latency and serving: request rates (req/s) to sweep; serving adds inf (all at once)")
     bench.add_argument("--concurrency", default="1,4,16,64,256", help="scaling: max_num_seqs values to sweep")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--out", default="bench-results")

@@ -71,6 +71,13 @@ def _json(obj) -> bytes:
 
 async def merged(streams: list[RequestStream]):
     """(stream index, StreamOutput) from several request streams as they come; closes them all."""
+    if len(streams) == 1:  # the common case: no extra task and queue
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            streams[0].close()
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, stream: RequestStream) -> None:

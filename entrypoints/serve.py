@@ -31,9 +31,18 @@ def run_server(engine_kwargs: dict, host: str = "127.0.0.1", port: int = 8000,
     metrics = EngineMetrics(name)
     engine = AsyncEngine(max_queue_len=max_queue_len, metrics=metrics, **engine_kwargs)
     try:
-        asyncio.run(_serve(engine, name, host, port, zmq_endpoint, api_key, metrics, log_level))
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            runner.run(_serve(engine, name, host, port, zmq_endpoint, api_key, metrics, log_level))
     finally:
         engine.shutdown()
+
+
+def _loop_factory():
+    try:
+        import uvloop
+        return uvloop.new_event_loop
+    except ImportError:
+        return None
 
 
 async def _serve(engine, name, host, port, zmq_endpoint, api_key, metrics, log_level) -> None:

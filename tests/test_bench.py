@@ -70,3 +70,51 @@ def test_scaling_sweep(tiny_model, tmp_path):
     assert [r["concurrency"] for r in rows] == [1, 8]
     assert all(r["output_tok_s"] > 0 and r["seconds"] > 0 for r in rows)
     assert (tmp_path / "scaling.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_serving_mode_runs_against_a_real_server(tiny_model, tmp_path):
+    proc = run_bench("serving", "--model", tiny_model("llama"), "--num-prompts", "6", "--rates", "8",
+                     "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads((tmp_path / "serving.json").read_text())
+    assert [r["rate"] for r in data["rows"]] == [8.0, float("inf")]
+    requested = data["offline"]["output_tokens"]
+    assert requested > 0 and all(r["output_tokens"] == requested for r in data["rows"])  # nothing lost
+    assert data["served_over_offline"] > 0 and "served / best offline" in proc.stdout
+    assert (tmp_path / "serving_latency.png").read_bytes()[:4] == b"\x89PNG"
+
+
+FAKE_VLLM = '''
+__version__ = "0.0-fake"
+class SamplingParams:
+    def __init__(self, temperature, max_tokens, ignore_eos):
+        self.max_tokens = max_tokens
+class _Completion:
+    def __init__(self, ids): self.token_ids = ids
+class _Output:
+    def __init__(self, ids): self.outputs = [_Completion(ids)]
+class LLM:
+    def __init__(self, **kw): pass
+    def generate(self, prompts, params, use_tqdm=False):
+        # a lazy engine: every request gets one token fewer than it asked for
+        return [_Output([7] * (p.max_tokens - 1)) for p in params]
+'''
+
+
+def test_vllm_peer_runs_through_its_own_interpreter_and_short_outputs_are_flagged(tiny_model, tmp_path):
+    pkg = tmp_path / "fake" / "vllm"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(FAKE_VLLM)
+    (pkg / "inputs.py").write_text("def TokensPrompt(prompt_token_ids): return prompt_token_ids\n")
+    python = tmp_path / "vllm-python"
+    python.write_text(f"#!/bin/sh\nPYTHONPATH={tmp_path / 'fake'} exec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    proc = run_bench("throughput", "--model", tiny_model("llama"), "--num-prompts", "3", "--vs", "none",
+                     "--vllm-python", str(python), "--out", str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stderr
+    assert "vLLM 0.0-fake (CPU)" in proc.stdout and "FLAGGED: 3 requests returned fewer tokens" in proc.stdout
+    assert "start-up: pagedllm" in proc.stdout
+    data = json.loads((tmp_path / "out" / "throughput.json").read_text())
+    assert data["peer_versions"] == {"vllm": "0.0-fake"} and data["results"][1]["short_requests"] == 3
+    missing = run_bench("throughput", "--vs", "vllm", "--num-prompts", "2")
+    assert missing.returncode == 2 and "--vllm-python" in missing.stderr
