@@ -13,6 +13,8 @@ ENTRY_POINT_GROUP = "pagedllm.backends"
 # name -> "module:attribute" of a callable returning an AttentionOps
 BUILTIN_BACKENDS = {
     "cpu": "pagedllm.backends.cpu:CpuAttentionOps",
+    "cuda-triton": "pagedllm.backends.triton:TritonAttentionOps",
+    "cuda-native": "pagedllm.backends.cuda_native:NativeCudaAttentionOps",
 }
 
 

@@ -1,0 +1,187 @@
+"""Triton kernels for paged attention. Every kernel reads K/V in place through the block table:
+token position p of a request lives in block table[p // block_size], slot p % block_size.
+
+- write_kv: one program per (token, KV head) stores that token's K and V at its slot.
+- decode: one program per (request, KV head, context partition) handles all the query heads
+  that share the KV head (GQA), so K/V are read once for the group; long contexts are split
+  into partitions whose partial results a second kernel combines (vLLM's "v2").
+- prefill: one program per (request, block of queries, query head), flash-attention style
+  online softmax over the cached prefix and the new tokens, causal with the prefix offset.
+- copy_blocks: one program per (block pair, layer x K/V).
+
+Scores and softmax are in float32; float32 dots ask for IEEE precision (not TF32); 16-bit
+caches use 16-bit tensor-core dots with float32 accumulation.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                    stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
+                    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < HEAD_DIM
+        dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + h * stride_ch + d
+        k = tl.load(key_ptr + t * stride_kt + h * stride_kh + d, mask=dmask)
+        v = tl.load(value_ptr + t * stride_vt + h * stride_vh + d, mask=dmask)
+        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=dmask)
+        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=dmask)
+
+
+@triton.jit
+def _scores(q, k, scale, FP32: tl.constexpr):
+    # FP32: float32 operands at IEEE precision. Set for float32 caches, and under Triton's
+    # interpreter, whose dot mishandles 16-bit floats (triton 3.9).
+    if FP32:
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    return s * scale
+
+
+@triton.jit
+def _weighted(p, v, FP32: tl.constexpr):
+    if FP32:
+        out = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        out = tl.dot(p.to(v.dtype), v)
+    return out
+
+
+@triton.jit
+def decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, ctx_ptr,
+                  out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, scale,
+                  stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_os, stride_oh,
+                  num_heads, num_splits,
+                  GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PARTITION: tl.constexpr,
+                  SPLIT: tl.constexpr, FP32: tl.constexpr):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(ctx_ptr + seq)
+    start = split * PARTITION
+    end = tl.minimum(start + PARTITION, ctx)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    gmask = g < GROUP
+    dmask = d < HEAD_DIM
+    heads = kvh * GROUP + g
+    q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + d[None, :],
+                mask=gmask[:, None] & dmask[None, :], other=0.0)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for t in range(start, end, TILE):
+        pos = t + tl.arange(0, TILE)
+        pmask = pos < end
+        block = tl.load(tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=pmask, other=0).to(tl.int64)
+        off = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kvh * stride_kh
+        kv_mask = pmask[:, None] & dmask[None, :]
+        k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = _scores(q, k, scale, FP32)
+        s = tl.where(pmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + _weighted(p, v, FP32)
+        m_i = m_new
+    if SPLIT:
+        # partials, unnormalised; a partition past the context leaves max -inf and sum 0
+        base = (seq * num_heads + heads) * num_splits + split  # partials: [seqs, heads, splits, (D)]
+        tl.store(part_max_ptr + base, m_i, mask=gmask)
+        tl.store(part_sum_ptr + base, l_i, mask=gmask)
+        tl.store(part_acc_ptr + base[:, None] * BLOCK_D + d[None, :], acc, mask=gmask[:, None] & dmask[None, :])
+    else:
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
+
+
+@triton.jit
+def decode_reduce_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, stride_os, stride_oh,
+                         num_heads, num_splits,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    seq = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    smask = s < num_splits
+    base = (seq * num_heads + h) * num_splits
+    m = tl.load(part_max_ptr + base + s, mask=smask, other=float("-inf"))
+    total_max = tl.max(m, 0)
+    w = tl.where(smask, tl.exp(m - total_max), 0.0)
+    l = tl.load(part_sum_ptr + base + s, mask=smask, other=0.0)
+    acc = tl.load(part_acc_ptr + (base + s)[:, None] * BLOCK_D + d[None, :], mask=smask[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+    tl.store(out_ptr + seq * stride_os + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+@triton.jit
+def prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, qsl_ptr, ctx_ptr, out_ptr, scale,
+                   stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
+                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr, FP32: tl.constexpr):
+    req = tl.program_id(0)
+    qblock = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + req)
+    q_len = tl.load(qsl_ptr + req + 1) - q_start
+    if qblock * BLOCK_M < q_len:
+        ctx = tl.load(ctx_ptr + req)
+        prefix = ctx - q_len
+        m_offs = qblock * BLOCK_M + tl.arange(0, BLOCK_M)
+        mmask = m_offs < q_len
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < HEAD_DIM
+        q = tl.load(q_ptr + (q_start + m_offs)[:, None] * stride_qt + head * stride_qh + d[None, :],
+                    mask=mmask[:, None] & dmask[None, :], other=0.0)
+        q_pos = prefix + m_offs
+        kvh = head // GROUP
+        hi = tl.minimum(ctx, prefix + (qblock + 1) * BLOCK_M)  # no query of this block looks further
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for t in range(0, hi, TILE):
+            pos = t + tl.arange(0, TILE)
+            pmask = pos < hi
+            block = tl.load(tables_ptr + req * stride_bt + pos // BLOCK_SIZE, mask=pmask, other=0).to(tl.int64)
+            off = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kvh * stride_kh
+            kv_mask = pmask[:, None] & dmask[None, :]
+            k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            s = _scores(q, k, scale, FP32)
+            # position 0 is visible to every row, so no row's maximum stays -inf after the first tile
+            s = tl.where((pos[None, :] <= q_pos[:, None]) & pmask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + _weighted(p, v, FP32)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + (q_start + m_offs)[:, None] * stride_ot + head * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
+
+
+@triton.jit
+def copy_blocks_kernel(cache_ptr, pairs_ptr, stride_layer, BLOCK_ELEMS: tl.constexpr, CHUNK: tl.constexpr):
+    pair = tl.program_id(0)
+    layer = tl.program_id(1).to(tl.int64)
+    src = tl.load(pairs_ptr + 2 * pair).to(tl.int64)
+    dst = tl.load(pairs_ptr + 2 * pair + 1).to(tl.int64)
+    base = cache_ptr + layer * stride_layer
+    for i in range(0, BLOCK_ELEMS, CHUNK):
+        offs = i + tl.arange(0, CHUNK)
+        mask = offs < BLOCK_ELEMS
+        tl.store(base + dst * BLOCK_ELEMS + offs, tl.load(base + src * BLOCK_ELEMS + offs, mask=mask), mask=mask)

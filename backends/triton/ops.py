@@ -1,0 +1,130 @@
+"""The `cuda-triton` backend: the attention ops as Triton kernels (kernels.py).
+
+On a CUDA device the kernels are compiled by Triton; with TRITON_INTERPRET=1 they run on the
+CPU through Triton's interpreter (slowly), which is how CI without a GPU checks them."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from pagedllm.backends.attention import AttentionOps, DecodeMetadata, PrefillMetadata
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class TritonAttentionOps(AttentionOps):
+    name = "cuda-triton"
+    supported_dtypes = (torch.float32, torch.bfloat16, torch.float16)
+
+    def __init__(self):
+        reason = self.unavailable_reason()
+        if reason:
+            raise RuntimeError(f"{self.name}: {reason}")
+        from . import kernels
+        self.k = kernels
+        self.interpret = _interpreting()
+        self.device = "cpu" if self.interpret else "cuda"
+        self.kv_in_shared_memory = self.interpret  # on a GPU the pool lives in device memory
+        # the interpreter runs one Python step per tile: big tiles and short partitions (so the
+        # split-and-reduce path is exercised by small tests) keep it quick
+        self.tile = 64 if self.interpret else 32
+        self.block_m = 64 if self.interpret else 32
+        self.partition = 128 if self.interpret else 512
+
+    @staticmethod
+    def unavailable_reason() -> str | None:
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "triton is not installed (pip install 'pagedllm[triton]')"
+        if not _interpreting() and not torch.cuda.is_available():
+            return "no CUDA device (set TRITON_INTERPRET=1 to run its kernels on the CPU, slowly)"
+        return None
+
+    def _fp32_dots(self, kv_cache) -> bool:
+        return kv_cache.dtype == torch.float32 or self.interpret
+
+    # --- ops --------------------------------------------------------------------------------
+    def write_kv(self, key, value, kv_cache, slot_mapping):
+        tokens, kv_heads, head_size = key.shape
+        if tokens == 0:
+            return
+        key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        self.k.write_kv_kernel[(tokens, kv_heads)](
+            key, value, k_cache, v_cache, slot_mapping,
+            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_size, BLOCK_D=_next_pow2(head_size))
+
+    def decode_attention(self, query, kv_cache, meta: DecodeMetadata, scale):
+        num_seqs, num_heads, head_size = query.shape
+        _, _, block_size, kv_heads, _ = kv_cache.shape
+        group = num_heads // kv_heads
+        query = _last_dim_contiguous(query).to(kv_cache.dtype)
+        out = torch.empty(num_seqs, num_heads, head_size, dtype=kv_cache.dtype, device=query.device)
+        if num_seqs == 0:
+            return out
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        block_d = _next_pow2(head_size)
+        splits = -(-meta.max_context_len // self.partition)
+        split = splits > 1
+        if split:
+            part_acc = torch.empty(num_seqs, num_heads, splits, block_d, dtype=torch.float32, device=query.device)
+            part_max = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=query.device)
+            part_sum = torch.empty_like(part_max)
+        else:
+            part_acc = part_max = part_sum = out  # unused
+        tables = meta.block_tables
+        self.k.decode_kernel[(num_seqs, kv_heads, splits)](
+            query, k_cache, v_cache, tables, meta.context_lens, out, part_acc, part_max, part_sum, scale,
+            query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            tables.stride(0), out.stride(0), out.stride(1), num_heads, splits,
+            GROUP=group, BLOCK_G=max(16, _next_pow2(group)), HEAD_DIM=head_size, BLOCK_D=block_d,
+            BLOCK_SIZE=block_size, TILE=self.tile, PARTITION=self.partition, SPLIT=split,
+            FP32=self._fp32_dots(kv_cache))
+        if split:
+            self.k.decode_reduce_kernel[(num_seqs, num_heads)](
+                part_acc, part_max, part_sum, out, out.stride(0), out.stride(1), num_heads, splits,
+                HEAD_DIM=head_size, BLOCK_D=block_d, BLOCK_S=max(2, _next_pow2(splits)))
+        return out
+
+    def prefill_attention(self, query, kv_cache, meta: PrefillMetadata, scale):
+        num_tokens, num_heads, head_size = query.shape
+        _, _, block_size, kv_heads, _ = kv_cache.shape
+        query = _last_dim_contiguous(query).to(kv_cache.dtype)
+        out = torch.empty(num_tokens, num_heads, head_size, dtype=kv_cache.dtype, device=query.device)
+        num_reqs = len(meta.query_lens)
+        if num_tokens == 0:
+            return out
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        tables = meta.block_tables
+        grid = (num_reqs, -(-meta.max_query_len // self.block_m), num_heads)
+        self.k.prefill_kernel[grid](
+            query, k_cache, v_cache, tables, meta.query_start_loc, meta.context_lens, out, scale,
+            query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            tables.stride(0), out.stride(0), out.stride(1),
+            GROUP=num_heads // kv_heads, HEAD_DIM=head_size, BLOCK_D=_next_pow2(head_size),
+            BLOCK_SIZE=block_size, BLOCK_M=self.block_m, TILE=self.tile, FP32=self._fp32_dots(kv_cache))
+        return out
+
+    def copy_blocks(self, kv_caches, pairs):
+        if not pairs:
+            return
+        layers = kv_caches.shape[0] * kv_caches.shape[1]
+        flat = kv_caches.view(layers, kv_caches.shape[2], -1)
+        pair_t = torch.tensor(pairs, dtype=torch.int64, device=kv_caches.device)
+        self.k.copy_blocks_kernel[(len(pairs), layers)](
+            flat, pair_t, flat.stride(0), BLOCK_ELEMS=flat.shape[2], CHUNK=min(1024, _next_pow2(flat.shape[2])))
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
