@@ -18,6 +18,14 @@ BUILTIN_BACKENDS = {
 }
 
 
+# aliases: the first of these that can run here is used
+ALIASES = {
+    # Triton's prefill uses tensor cores (flash-attention tiles); cuda-native's kernels do not,
+    # and need a compiler. Either passes the same conformance suite.
+    "cuda": ("cuda-triton", "cuda-native"),
+}
+
+
 @dataclass
 class BackendSpec:
     name: str
@@ -40,8 +48,24 @@ def available_backends() -> dict[str, BackendSpec]:
 def resolve(name: str) -> BackendSpec:
     specs = available_backends()
     if name not in specs:
-        raise UnknownBackend(f"backend: unknown backend {name!r}; known backends: {', '.join(sorted(specs))}")
+        known = sorted(specs) + sorted(ALIASES)
+        raise UnknownBackend(f"backend: unknown backend {name!r}; known backends: {', '.join(known)}")
     return specs[name]
+
+
+def resolve_alias(name: str) -> tuple[str, str | None]:
+    """(concrete backend name, a line saying what an alias picked, or None)."""
+    if name not in ALIASES:
+        return name, None
+    reasons = []
+    for candidate in ALIASES[name]:
+        try:
+            check_available(candidate)
+        except (BackendUnavailable, UnknownBackend) as e:
+            reasons.append(str(e))
+            continue
+        return candidate, f"backend {name}: using {candidate}"
+    raise BackendUnavailable(f"{name}: no backend for it can run here: {'; '.join(reasons)}")
 
 
 class BackendUnavailable(RuntimeError):

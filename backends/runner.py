@@ -79,10 +79,13 @@ class ModelRunner:
         self.kv_caches = kv_caches  # [L, 2, num_blocks, block_size, KVH, D]
         self.block_size = block_size
         self.device = device
+        self.decode_graphs = None  # gpu.DecodeGraphs, when CUDA graphs are on
 
     @torch.inference_mode()
     def execute(self, seqs: list[SeqInput]) -> torch.Tensor:
         """Float32 logits [len(seqs), vocab], row i for seqs[i]'s last token."""
+        if self.decode_graphs is not None and self.decode_graphs.fits(seqs):
+            return self.model.compute_logits(self.decode_graphs.run(seqs))
         batch = prepare_batch(seqs, self.block_size, self.device)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.ops)
         return self.model.compute_logits(hidden[batch.logits_indices])

@@ -28,6 +28,7 @@ from pagedllm.core.protocol import (InitCache, KVSpec, Shutdown, Step, StepResul
                                     WorkerFailed, WorkerHello, WorkerReady)
 from pagedllm.core.sampling_params import SamplingParams
 
+from . import gpu
 from .models.config import DTYPES
 from .models.loader import load_model
 from .registry import load_backend
@@ -55,7 +56,9 @@ class Worker:
         torch.manual_seed(config.seed)
         self.ops = load_backend(config.backend)
         self.device = getattr(self.ops, "device", "cpu")
-        self.model = load_model(config.model, dtype=config.dtype, device=self.device)
+        self.on_gpu = str(self.device).startswith("cuda")
+        dtype = gpu.default_dtype(config.model, config.dtype) if self.on_gpu else config.dtype
+        self.model = load_model(config.model, dtype=dtype, device=self.device)
         self.model_config = self.model.config
         self.states: dict[str, RequestState] = {}
         self.runner: ModelRunner | None = None
@@ -70,7 +73,16 @@ class Worker:
                            head_size=cfg.head_dim, dtype=DTYPE_NAMES[cfg.dtype]),
             max_position_embeddings=cfg.max_position_embeddings, sliding_window=cfg.sliding_window,
             kv_in_shared_memory=getattr(self.ops, "kv_in_shared_memory", True),
-            num_device_blocks=None)
+            num_device_blocks=self._profile_num_blocks())
+
+    def _profile_num_blocks(self) -> int | None:
+        cfg = self.config
+        if not self.on_gpu or cfg.num_kv_blocks:
+            return None
+        max_len = cfg.max_model_len or self.model_config.max_position_embeddings
+        return gpu.profile_num_blocks(self.model, self.ops, cfg.block_size,
+                                      cfg.max_num_batched_tokens or max(2048, max_len), max_len,
+                                      cfg.gpu_memory_utilization, self.device)
 
     def _cache_tensor(self, segment: str | None, num_blocks: int, block_size: int) -> torch.Tensor:
         cfg = self.model_config
@@ -86,6 +98,17 @@ class Worker:
         self.swap = self._cache_tensor(msg.swap_segment, msg.num_swap_blocks, msg.block_size) \
             if msg.num_swap_blocks else None
         self.runner = ModelRunner(self.model, self.ops, kv, msg.block_size, self.device)
+        if self.on_gpu:
+            if self.swap is not None and not gpu.pin(self.swap):
+                gpu.warn("could not pin the swap space; swapping will be slower")
+            if not self.config.enforce_eager:
+                graphs = gpu.DecodeGraphs(self.model, self.ops, kv, msg.block_size,
+                                          min(self.config.max_num_seqs, gpu.GRAPH_BATCH_SIZES[-1]), msg.max_model_len)
+                try:
+                    graphs.capture()
+                    self.runner.decode_graphs = graphs
+                except Exception as e:  # noqa: BLE001 - eager mode still works
+                    gpu.warn(f"CUDA graph capture failed, running eagerly: {e}")
         return WorkerReady(rank=self.rank)
 
     def execute(self, plan: SchedulerOutput) -> StepResult:

@@ -33,7 +33,8 @@ def hf_static(model, prompts: list[list[int]], max_tokens: list[int], batch_size
         for i, p in enumerate(batch):  # left padding
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
-        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=_greedy_config(model, max(wants)))
+        out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                             generation_config=_greedy_config(model, max(wants)))
         for i, want in enumerate(wants):
             outputs.append(out[i, width:width + want].tolist())
     return time.perf_counter() - t0, outputs

@@ -57,8 +57,11 @@ def run_suite(backend: str, quick: bool = False, ops_only: bool = False) -> list
 
 def main(args) -> int:
     """CLI entry: prints the table, writes --json, exits 1 if anything failed."""
-    from pagedllm.backends.registry import check_available
+    from pagedllm.backends.registry import check_available, resolve_alias
 
+    args.backend, picked = resolve_alias(args.backend)
+    if picked:
+        print(f"pagedllm: {picked}")
     check_available(args.backend)
     t0 = time.perf_counter()
     results = run_suite(args.backend, quick=args.quick, ops_only=args.ops_only)

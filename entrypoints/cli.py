@@ -14,7 +14,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     """Engine flags, named as vLLM names them."""
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None, help="Hugging Face model folder (default: the built-in demo model)")
-    g.add_argument("--backend", default="cpu", help="cpu (built in) or a backend installed as a plugin")
+    g.add_argument("--backend", default="cpu",
+                   help="cpu, cuda (the best CUDA backend here), cuda-triton, cuda-native, or a plugin")
     g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--max-num-seqs", type=int, default=256)
@@ -26,7 +27,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--swap-space", type=float, default=None, help="GiB of host swap space")
     g.add_argument("--kv-cache-memory", default="1GiB", help="KV pool size, e.g. 512MiB or 4GiB")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides the above)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="GPU: fraction of device memory for weights, activations and the KV pool")
+    g.add_argument("--enforce-eager", action="store_true", help="GPU: no CUDA graphs for decode steps")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--tensor-parallel-size", type=int, default=1)
 
@@ -58,7 +61,7 @@ def engine_kwargs(args) -> dict:
                 scheduler_policy=args.scheduler_policy, preemption_mode=args.preemption_mode,
                 swap_space=args.swap_space, kv_cache_memory=args.kv_cache_memory,
                 gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
-                num_kv_blocks=args.num_kv_blocks,
+                num_kv_blocks=args.num_kv_blocks, enforce_eager=args.enforce_eager,
                 tensor_parallel_size=args.tensor_parallel_size)
 
 

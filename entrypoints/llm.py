@@ -10,11 +10,12 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import sys
 import time
 
 import msgspec
 
-from pagedllm.backends.registry import check_available
+from pagedllm.backends.registry import check_available, resolve_alias
 from pagedllm.core.config import EngineConfig, parse_size
 from pagedllm.core.errors import InvalidParameter
 from pagedllm.core.protocol import EngineOutputs, EngineStats, RequestRejected
@@ -37,6 +38,9 @@ class LLM:
                  tensor_parallel_size: int = 1, num_kv_blocks: int | None = None,
                  gpu_memory_utilization: float = 0.9, enforce_eager: bool = False,
                  tokenizer: str | None = None, skip_tokenizer_init: bool = False, transport: str = "ipc"):
+        backend, picked = resolve_alias(backend)  # "cuda" -> the best CUDA backend that can run here
+        if picked:
+            print(f"pagedllm: {picked}", file=sys.stderr)
         check_available(backend)  # unknown or unusable here: fails now, saying why
         if model is None:
             from .default_model import default_model_dir

@@ -63,7 +63,7 @@ def load_model(model_dir: str, dtype: str | None = None, max_positions: int | No
     model = model.to_empty(device=device).to(cfg.dtype)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.rope = type(model.rope)(cfg.head_dim, cfg.rope, max_positions or cfg.max_position_embeddings)
+    model.rope = type(model.rope)(cfg.head_dim, cfg.rope, max_positions or cfg.max_position_embeddings).to(device)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     unexpected: list[str] = []

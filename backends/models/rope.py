@@ -45,6 +45,10 @@ class RotaryEmbedding:
         self.cos = emb.cos()  # [max_positions, head_dim], float32 like transformers
         self.sin = emb.sin()
 
+    def to(self, device) -> "RotaryEmbedding":
+        self.cos, self.sin = self.cos.to(device), self.sin.to(device)
+        return self
+
     def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, H, D], k: [T, KVH, D]; rotated in float32, returned in their dtype."""
         cos = self.cos[positions].unsqueeze(1)

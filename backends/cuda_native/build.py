@@ -1,0 +1,53 @@
+"""Builds the cuda-native extension on first use with torch's C++/CUDA extension builder and
+caches it under ~/.cache/pagedllm (or $PAGEDLLM_CACHE), keyed by the sources and torch version."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+
+CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+SOURCES = ("binding.cpp", "kernels.cu")
+HEADERS = ("kernels.h",)
+
+
+def find_nvcc() -> str | None:
+    """nvcc from CUDA_HOME / CUDA_PATH, then PATH, then /usr/local/cuda."""
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root and os.access(os.path.join(root, "bin", "nvcc"), os.X_OK):
+            return os.path.join(root, "bin", "nvcc")
+    return shutil.which("nvcc")
+
+
+def _fingerprint() -> str:
+    import torch
+    h = hashlib.sha256(torch.__version__.encode())
+    for name in SOURCES + HEADERS:
+        with open(os.path.join(CSRC, name), "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+def load_extension():
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise RuntimeError("cuda-native: no CUDA compiler found (nvcc): install the CUDA toolkit or set CUDA_HOME")
+    os.environ.setdefault("CUDA_HOME", os.path.dirname(os.path.dirname(nvcc)))
+    from torch.utils.cpp_extension import load
+
+    key = _fingerprint()
+    build_dir = os.path.join(os.environ.get("PAGEDLLM_CACHE", os.path.expanduser("~/.cache/pagedllm")),
+                             "cuda_native", key)
+    os.makedirs(build_dir, exist_ok=True)
+    return load(name=f"pagedllm_cuda_native_{key}", sources=[os.path.join(CSRC, s) for s in SOURCES],
+                extra_include_paths=[CSRC], extra_cflags=["-O3"],
+                extra_cuda_cflags=["-O3", "--use_fast_math"], build_directory=build_dir,
+                verbose=False)
+
+
+def nvcc_compile_only(out_dir: str, arch: str = "sm_90") -> list[str]:
+    """The nvcc command that compiles the kernels alone (no torch headers), for checks on
+    machines without a GPU."""
+    return [find_nvcc() or "nvcc", "-std=c++17", "-O3", "-c", os.path.join(CSRC, "kernels.cu"),
+            "-o", os.path.join(out_dir, "kernels.o"), "-gencode", f"arch=compute_{arch[3:]},code={arch}"]

@@ -1,0 +1,83 @@
+"""The `cuda-native` backend: the attention ops as CUDA C++ kernels (csrc/), compiled on first
+use. One attention kernel serves decode and prefill: each row is one query token attending to
+positions 0..its own of its request, so the ops only build two small index tensors."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.backends.attention import AttentionOps, DecodeMetadata, PrefillMetadata
+
+from .build import find_nvcc, load_extension
+
+PARTITION = 512  # context positions per program in decode; longer contexts split and reduce
+
+
+class NativeCudaAttentionOps(AttentionOps):
+    name = "cuda-native"
+    supported_dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    device = "cuda"
+    kv_in_shared_memory = False
+
+    def __init__(self):
+        reason = self.unavailable_reason()
+        if reason:
+            raise RuntimeError(f"{self.name}: {reason}")
+        self.ext = load_extension()
+        self._empty = torch.empty(0, dtype=torch.float32, device="cuda")
+
+    @staticmethod
+    def unavailable_reason() -> str | None:
+        if not torch.cuda.is_available():
+            return "no CUDA device"
+        if find_nvcc() is None:
+            return "no CUDA compiler (nvcc) to build its kernels: install the CUDA toolkit or set CUDA_HOME"
+        return None
+
+    @staticmethod
+    def _stream() -> int:
+        return torch.cuda.current_stream().cuda_stream
+
+    def write_kv(self, key, value, kv_cache, slot_mapping):
+        self.ext.write_kv(_dense_last(key).to(kv_cache.dtype), _dense_last(value).to(kv_cache.dtype),
+                          kv_cache[0], kv_cache[1], slot_mapping, self._stream())
+
+    def _attend(self, query, kv_cache, tables, row_request, row_position, max_context_len, scale, partitions):
+        rows, heads, head_size = query.shape
+        query = _dense_last(query).to(kv_cache.dtype)
+        out = torch.empty(rows, heads, head_size, dtype=kv_cache.dtype, device=query.device)
+        if partitions > 1:
+            part_out = torch.empty(rows, heads, partitions, head_size, dtype=torch.float32, device=query.device)
+            part_max = torch.empty(rows, heads, partitions, dtype=torch.float32, device=query.device)
+            part_sum = torch.empty_like(part_max)
+        else:
+            part_out = part_max = part_sum = self._empty
+        self.ext.paged_attention(out, query, kv_cache[0], kv_cache[1], tables, row_request, row_position, scale,
+                                 PARTITION, part_out, part_max, part_sum, self._stream())
+        return out
+
+    def decode_attention(self, query, kv_cache, meta: DecodeMetadata, scale):
+        n = query.shape[0]
+        rows = torch.arange(n, dtype=torch.int32, device=query.device)
+        return self._attend(query, kv_cache, meta.block_tables, rows, meta.context_lens - 1, meta.max_context_len,
+                            scale, -(-meta.max_context_len // PARTITION))
+
+    def prefill_attention(self, query, kv_cache, meta: PrefillMetadata, scale):
+        device = query.device
+        q_lens = torch.tensor(meta.query_lens, dtype=torch.int64, device=device)
+        request = torch.repeat_interleave(torch.arange(len(meta.query_lens), device=device), q_lens)
+        starts = meta.query_start_loc.long()[request]
+        prefix = (meta.context_lens.long() - q_lens)[request]
+        position = prefix + torch.arange(query.shape[0], device=device) - starts
+        return self._attend(query, kv_cache, meta.block_tables, request.int(), position.int(),
+                            meta.max_context_len, scale, 1)
+
+    def copy_blocks(self, kv_caches, pairs):
+        if not pairs:
+            return
+        flat = kv_caches.view(kv_caches.shape[0] * kv_caches.shape[1], kv_caches.shape[2], -1)
+        self.ext.copy_blocks(flat, torch.tensor(pairs, dtype=torch.int64, device=kv_caches.device), self._stream())
+
+
+def _dense_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()

@@ -1,0 +1,123 @@
+"""The CUDA backends on a machine without a GPU: the Triton kernels through Triton's
+interpreter, the CUDA C++ sources through nvcc (compile only), and clear refusals. On a GPU
+the full conformance suite runs for both."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+import torch
+
+from pagedllm.backends.registry import BackendUnavailable, check_available, resolve_alias
+
+HAS_GPU = torch.cuda.is_available()
+CSRC = os.path.join(os.path.dirname(__file__), "..", "backends", "cuda_native", "csrc")
+
+
+def _has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def conformance(backend: str, *flags: str, env: dict | None = None, json_path=None):
+    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "conformance", "--backend", backend, *flags]
+    if json_path:
+        cmd += ["--json", str(json_path)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, **(env or {})})
+
+
+@pytest.mark.skipif(not _has_triton(), reason="triton is not installed")
+def test_triton_kernels_pass_the_op_checks_under_the_interpreter(tmp_path):
+    proc = conformance("cuda-triton", "--ops-only", "--quick", env={"TRITON_INTERPRET": "1"},
+                       json_path=tmp_path / "r.json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    names = [c["check"] for c in report["checks"]]
+    assert report["ok"] and "decode_attention bfloat16" in names and "chunked_prefill_attention float32" in names
+    assert all(c["cases"] > 0 for c in report["checks"])
+
+
+@pytest.mark.skipif(not _has_triton(), reason="triton is not installed")
+def test_triton_backend_runs_the_engine_under_the_interpreter(tiny_model):
+    """The whole engine with cuda-triton's kernels (interpreted) gives the cpu backend's tokens."""
+    script = (
+        "from pagedllm import LLM, SamplingParams\n"
+        "p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)\n"
+        "prompts = [{'prompt_token_ids': x} for x in ([1, 2, 3], list(range(5, 45)), [9] * 20)]\n"
+        "outs = []\n"
+        "for backend in ('cpu', 'cuda-triton'):\n"
+        f"    with LLM({tiny_model('llama')!r}, backend=backend, num_kv_blocks=64) as llm:\n"
+        "        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, p, use_tqdm=False)])\n"
+        "assert outs[0] == outs[1], outs\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_cuda_kernels_compile_with_nvcc(tmp_path):
+    from pagedllm.backends.cuda_native.build import find_nvcc, nvcc_compile_only
+    if find_nvcc() is None:
+        pytest.skip("nvcc is not installed: the CUDA C++ kernels cannot be compile-checked here")
+    proc = subprocess.run(nvcc_compile_only(str(tmp_path)), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "warning" not in proc.stderr.lower(), proc.stderr
+    assert (tmp_path / "kernels.o").stat().st_size > 0
+
+
+def test_torch_binding_compiles_against_torch_headers():
+    from torch.utils.cpp_extension import include_paths
+    cxx = os.environ.get("CXX", "g++")
+    if subprocess.run(["which", cxx], capture_output=True).returncode != 0:
+        pytest.skip(f"no C++ compiler ({cxx})")
+    flags = [f"-I{p}" for p in include_paths()] + [f"-I{sysconfig.get_paths()['include']}", f"-I{CSRC}"]
+    proc = subprocess.run([cxx, "-std=c++20", "-fsyntax-only", *flags, "-DTORCH_EXTENSION_NAME=pagedllm_check",
+                           os.path.join(CSRC, "binding.cpp")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the refusal on a machine without a GPU")
+def test_without_a_gpu_the_cuda_backends_say_why(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(BackendUnavailable, match="cuda-native: no CUDA device"):
+        check_available("cuda-native")
+    with pytest.raises(BackendUnavailable, match="cuda-triton: .*no CUDA device"):
+        check_available("cuda-triton")
+    with pytest.raises(BackendUnavailable, match="cuda: no backend for it can run here"):
+        resolve_alias("cuda")
+    proc = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "generate", "hi", "--backend", "cuda"],
+                          capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    assert proc.returncode == 2 and "no CUDA device" in proc.stderr
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["cuda-triton", "cuda-native"])
+def test_full_conformance_on_the_gpu(backend, tmp_path):
+    proc = conformance(backend, json_path=tmp_path / "r.json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
+def test_cuda_alias_picks_a_backend_and_says_which():
+    name, picked = resolve_alias("cuda")
+    assert name in ("cuda-triton", "cuda-native") and name in picked
+
+
+def test_gpu_benchmark_scripts_run_in_smoke_mode():
+    """The GPU check's Python parts, on tiny shapes on the CPU, so a GPU session does not
+    spend its minutes on a typo."""
+    for module in ("gpu_decode_bandwidth", "gpu_end_to_end"):
+        proc = subprocess.run([sys.executable, "-m", f"pagedllm.benchmarks.{module}", "--smoke"],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "goal" in proc.stdout
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu_check.sh")
+    assert subprocess.run(["bash", "-n", script]).returncode == 0
