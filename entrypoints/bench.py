@@ -39,6 +39,18 @@ def load_dataset(spec: str, num: int, seed: int, tokenizer, vocab_size: int, max
     return prompts, outs
 
 
+def _token_workload(args):
+    """(model folder, prompt token ids, output lengths) for the modes that need no tokenizer."""
+    from .default_model import default_model_dir
+
+    model_dir = args.model or default_model_dir()
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    prompts, max_tokens = load_dataset(args.dataset, args.num_prompts, args.seed, None, cfg["vocab_size"],
+                                       cfg.get("max_position_embeddings", 2048))
+    return model_dir, prompts, max_tokens
+
+
 def cmd_bench(args) -> int:
     from pagedllm.benchmarks import report
 
@@ -142,19 +154,12 @@ def _percentiles(values: list[float]) -> dict[str, float]:
 def _latency(args, out_dir: str) -> int:
     """Requests arrive as a Poisson process at each rate; time to first token and the gaps
     between tokens are measured where the caller receives them."""
-    import json as _json
     import random
 
     from pagedllm import LLM, SamplingParams
     from pagedllm.benchmarks import report
 
-    from .default_model import default_model_dir
-
-    model_dir = args.model or default_model_dir()
-    with open(os.path.join(model_dir, "config.json")) as f:
-        cfg = _json.load(f)
-    prompts, max_tokens = load_dataset(args.dataset, args.num_prompts, args.seed, None, cfg["vocab_size"],
-                                       cfg.get("max_position_embeddings", 2048))
+    model_dir, prompts, max_tokens = _token_workload(args)
     rates = [float(r) for r in args.rates.split(",")]
     rows = []
     with LLM(model_dir, backend=args.backend, dtype=args.dtype, skip_tokenizer_init=True,
@@ -191,18 +196,10 @@ def _latency(args, out_dir: str) -> int:
 
 def _serving(args, out_dir: str) -> int:
     """The workload against a running `pagedllm serve` at each request rate, and offline."""
-    import json as _json
-
     from pagedllm.benchmarks import report
     from pagedllm.benchmarks.bench_serving import print_report, serving_benchmark
 
-    from .default_model import default_model_dir
-
-    model_dir = args.model or default_model_dir()
-    with open(os.path.join(model_dir, "config.json")) as f:
-        cfg = _json.load(f)
-    prompts, max_tokens = load_dataset(args.dataset, args.num_prompts, args.seed, None, cfg["vocab_size"],
-                                       cfg.get("max_position_embeddings", 2048))
+    model_dir, prompts, max_tokens = _token_workload(args)
     rates = [float(r) for r in args.rates.split(",")]
     if float("inf") not in rates:
         rates.append(float("inf"))  # saturation, for the served / offline ratio
@@ -220,18 +217,10 @@ def _serving(args, out_dir: str) -> int:
 def _scaling(args, out_dir: str) -> int:
     """Throughput of the same workload as the number of concurrently running requests
     (max_num_seqs) grows."""
-    import json as _json
-
     from pagedllm import LLM, SamplingParams
     from pagedllm.benchmarks import report
 
-    from .default_model import default_model_dir
-
-    model_dir = args.model or default_model_dir()
-    with open(os.path.join(model_dir, "config.json")) as f:
-        cfg = _json.load(f)
-    prompts, max_tokens = load_dataset(args.dataset, args.num_prompts, args.seed, None, cfg["vocab_size"],
-                                       cfg.get("max_position_embeddings", 2048))
+    model_dir, prompts, max_tokens = _token_workload(args)
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     rows = []
     for concurrency in (int(c) for c in args.concurrency.split(",")):

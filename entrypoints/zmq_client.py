@@ -20,13 +20,20 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from .zmq_protocol import Abort, Delta, Error, Final, Generate, ServerMessage
+from .zmq_protocol import Abort, Error, Final, Generate, ServerMessage
 
 
 class ZmqRequestError(RuntimeError):
     def __init__(self, error: Error):
         super().__init__(f"{error.code}: {error.message}")
         self.code, self.field, self.request_id = error.code, error.field, error.request_id
+
+
+def _checked(reply):
+    """The reply, unless it is an error: that is raised."""
+    if isinstance(reply, Error):
+        raise ZmqRequestError(reply)
+    return reply
 
 
 class _Base:
@@ -79,15 +86,10 @@ class ZmqClient(_Base):
         self.sock.send(self.encoder.encode(msg))
         done = False
         try:
-            while True:
+            while not done:
                 reply = self._next(msg.request_id)
-                if isinstance(reply, Error):
-                    done = True
-                    raise ZmqRequestError(reply)
-                yield reply
-                if isinstance(reply, Final):
-                    done = True
-                    return
+                done = isinstance(reply, (Final, Error))
+                yield _checked(reply)
         finally:
             if not done:
                 self.abort(msg.request_id)
@@ -155,15 +157,10 @@ class AsyncZmqClient(_Base):
         done = False
         try:
             await self.sock.send(self.encoder.encode(msg))
-            while True:
+            while not done:
                 reply = await queue.get()
-                if isinstance(reply, Error):
-                    done = True
-                    raise ZmqRequestError(reply)
-                yield reply
-                if isinstance(reply, Final):
-                    done = True
-                    return
+                done = isinstance(reply, (Final, Error))
+                yield _checked(reply)
         finally:
             self._queues.pop(msg.request_id, None)
             if not done and not self.sock.closed:

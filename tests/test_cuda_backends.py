@@ -121,3 +121,40 @@ def test_gpu_benchmark_scripts_run_in_smoke_mode():
         assert "goal" in proc.stdout
     script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu_check.sh")
     assert subprocess.run(["bash", "-n", script]).returncode == 0
+
+
+def _compile_for_hopper(fn, pointer_types: dict, constexprs: dict):
+    """Triton's full compile (to PTX and cubin) for an H100/H200, which needs no GPU."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    names = fn.arg_names
+    signature = {n: "constexpr" if n in constexprs else pointer_types.get(n, "i32") for n in names}
+    src = triton.compiler.ASTSource(fn=fn, signature=signature,
+                                    constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32))
+
+
+@pytest.mark.skipif(not _has_triton(), reason="triton is not installed")
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_triton_kernels_compile_for_hopper(dtype):
+    """The interpreter does not check what the GPU compiler requires (dot shapes, types):
+    compile each kernel for sm_90 as the engine would launch it."""
+    from pagedllm.backends.triton import kernels as k
+    p, fp32 = "*" + dtype, dtype == "fp32"
+    for group, head in ((1, 64), (8, 128), (4, 80)):
+        block_d = 1 << (head - 1).bit_length()
+        common = {"q_ptr": p, "k_cache_ptr": p, "v_cache_ptr": p, "tables_ptr": "*i32", "out_ptr": p, "scale": "fp32"}
+        _compile_for_hopper(k.decode_kernel, {**common, "ctx_ptr": "*i32", "part_acc_ptr": "*fp32",
+                                              "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32"},
+                            {"GROUP": group, "BLOCK_G": max(16, group), "HEAD_DIM": head, "BLOCK_D": block_d,
+                             "BLOCK_SIZE": 16, "TILE": 32, "PARTITION": 512, "SPLIT": True, "FP32": fp32})
+        _compile_for_hopper(k.prefill_kernel, {**common, "qsl_ptr": "*i32", "ctx_ptr": "*i32"},
+                            {"GROUP": group, "HEAD_DIM": head, "BLOCK_D": block_d, "BLOCK_SIZE": 16, "BLOCK_M": 32,
+                             "TILE": 32, "FP32": fp32})
+        _compile_for_hopper(k.decode_reduce_kernel, {"part_acc_ptr": "*fp32", "part_max_ptr": "*fp32",
+                                                     "part_sum_ptr": "*fp32", "out_ptr": p},
+                            {"HEAD_DIM": head, "BLOCK_D": block_d, "BLOCK_S": 8})
+    _compile_for_hopper(k.write_kv_kernel, {"key_ptr": p, "value_ptr": p, "k_cache_ptr": p, "v_cache_ptr": p,
+                                            "slot_ptr": "*i64"}, {"BLOCK_SIZE": 16, "HEAD_DIM": 128, "BLOCK_D": 128})
+    _compile_for_hopper(k.copy_blocks_kernel, {"cache_ptr": p, "pairs_ptr": "*i64", "stride_layer": "i64"},
+                        {"BLOCK_ELEMS": 16 * 8 * 128, "CHUNK": 1024})

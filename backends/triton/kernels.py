@@ -57,6 +57,25 @@ def _weighted(p, v, FP32: tl.constexpr):
 
 
 @triton.jit
+def _tile_step(q, k_cache_ptr, v_cache_ptr, tables_ptr, pos, pmask, visible, kvh, d, dmask, scale, m_i, l_i, acc,
+               stride_kb, stride_ks, stride_kh, BLOCK_SIZE: tl.constexpr, FP32: tl.constexpr):
+    """One tile of context positions: gather their K/V through the block table and fold them
+    into the running max, sum and weighted values (online softmax)."""
+    block = tl.load(tables_ptr + pos // BLOCK_SIZE, mask=pmask, other=0).to(tl.int64)
+    off = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kvh * stride_kh
+    kv_mask = pmask[:, None] & dmask[None, :]
+    k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    s = tl.where(visible, _scores(q, k, scale, FP32), float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + _weighted(p, v, FP32)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, ctx_ptr,
                   out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, scale,
                   stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_os, stride_oh,
@@ -83,19 +102,9 @@ def decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, ctx_ptr,
     for t in range(start, end, TILE):
         pos = t + tl.arange(0, TILE)
         pmask = pos < end
-        block = tl.load(tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=pmask, other=0).to(tl.int64)
-        off = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kvh * stride_kh
-        kv_mask = pmask[:, None] & dmask[None, :]
-        k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = _scores(q, k, scale, FP32)
-        s = tl.where(pmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + _weighted(p, v, FP32)
-        m_i = m_new
+        m_i, l_i, acc = _tile_step(q, k_cache_ptr, v_cache_ptr, tables_ptr + seq * stride_bt, pos, pmask,
+                                   pmask[None, :], kvh, d, dmask, scale, m_i, l_i, acc,
+                                   stride_kb, stride_ks, stride_kh, BLOCK_SIZE, FP32)
     if SPLIT:
         # partials, unnormalised; a partition past the context leaves max -inf and sum 0
         base = (seq * num_heads + heads) * num_splits + split  # partials: [seqs, heads, splits, (D)]
@@ -122,7 +131,8 @@ def decode_reduce_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, stri
     total_max = tl.max(m, 0)
     w = tl.where(smask, tl.exp(m - total_max), 0.0)
     l = tl.load(part_sum_ptr + base + s, mask=smask, other=0.0)
-    acc = tl.load(part_acc_ptr + (base + s)[:, None] * BLOCK_D + d[None, :], mask=smask[:, None], other=0.0)
+    acc = tl.load(part_acc_ptr + (base + s)[:, None] * BLOCK_D + d[None, :],
+                  mask=smask[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
     out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
     tl.store(out_ptr + seq * stride_os + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
@@ -155,20 +165,11 @@ def prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, qsl_ptr, ctx_ptr
         for t in range(0, hi, TILE):
             pos = t + tl.arange(0, TILE)
             pmask = pos < hi
-            block = tl.load(tables_ptr + req * stride_bt + pos // BLOCK_SIZE, mask=pmask, other=0).to(tl.int64)
-            off = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kvh * stride_kh
-            kv_mask = pmask[:, None] & dmask[None, :]
-            k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            s = _scores(q, k, scale, FP32)
-            # position 0 is visible to every row, so no row's maximum stays -inf after the first tile
-            s = tl.where((pos[None, :] <= q_pos[:, None]) & pmask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + _weighted(p, v, FP32)
-            m_i = m_new
+            # causal; position 0 is visible to every row, so no row's maximum stays -inf
+            visible = (pos[None, :] <= q_pos[:, None]) & pmask[None, :]
+            m_i, l_i, acc = _tile_step(q, k_cache_ptr, v_cache_ptr, tables_ptr + req * stride_bt, pos, pmask,
+                                       visible, kvh, d, dmask, scale, m_i, l_i, acc,
+                                       stride_kb, stride_ks, stride_kh, BLOCK_SIZE, FP32)
         out = acc / l_i[:, None]
         tl.store(out_ptr + (q_start + m_offs)[:, None] * stride_ot + head * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])

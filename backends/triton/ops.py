@@ -35,9 +35,9 @@ class TritonAttentionOps(AttentionOps):
         self.kv_in_shared_memory = self.interpret  # on a GPU the pool lives in device memory
         # the interpreter runs one Python step per tile: big tiles and short partitions (so the
         # split-and-reduce path is exercised by small tests) keep it quick
-        self.tile = 64 if self.interpret else 32
-        self.block_m = 64 if self.interpret else 32
-        self.partition = 128 if self.interpret else 512
+        self.tile = 128 if self.interpret else 32
+        self.block_m = 128 if self.interpret else 32
+        self.partition = 256 if self.interpret else 512
 
     @staticmethod
     def unavailable_reason() -> str | None:
