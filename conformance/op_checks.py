@@ -153,11 +153,16 @@ def check_copy_and_swap(ops, device) -> CheckResult:
     return res
 
 
-def run_op_checks(ops, quick: bool = False) -> list[CheckResult]:
+def op_checks(ops, quick: bool = False) -> list[tuple[str, object]]:
+    """(row name, a call that makes the row) for every op check, so that one that raises
+    costs only its own row."""
     device = getattr(ops, "device", "cpu")
-    results = [check_write_kv(ops, quick, device)]
+    checks = [("write_kv", lambda: check_write_kv(ops, quick, device))]
     for dtype in checked_dtypes(ops, quick):
-        results += [check_decode(ops, quick, device, dtype),
-                    check_prefill(ops, quick, device, dtype, chunked=False),
-                    check_prefill(ops, quick, device, dtype, chunked=True)]
-    return results + [check_shared_blocks(ops, device), check_copy_and_swap(ops, device)]
+        name = DTYPE_NAMES[dtype]
+        checks += [(f"decode_attention {name}", lambda dt=dtype: check_decode(ops, quick, device, dt)),
+                   (f"prefill_attention {name}", lambda dt=dtype: check_prefill(ops, quick, device, dt, False)),
+                   (f"chunked_prefill_attention {name}",
+                    lambda dt=dtype: check_prefill(ops, quick, device, dt, True))]
+    return checks + [("shared_blocks", lambda: check_shared_blocks(ops, device)),
+                     ("copy_blocks / swap_blocks", lambda: check_copy_and_swap(ops, device))]

@@ -42,10 +42,10 @@ def run_suite(backend: str, quick: bool = False, ops_only: bool = False) -> list
     from pagedllm.backends.registry import load_backend
 
     from .engine_checks import check_cache_placement, check_end_to_end, check_engine_behaviour
-    from .op_checks import run_op_checks
+    from .op_checks import op_checks
 
     ops = load_backend(backend)
-    results = _guarded("op checks", lambda: run_op_checks(ops, quick))
+    results = [row for name, make in op_checks(ops, quick) for row in _guarded(name, make)]
     if ops_only:
         return results
     models = tiny_model_dirs()
