@@ -206,10 +206,10 @@ class OpenAIServer:
             await asyncio.wait([work, watcher], return_when=asyncio.FIRST_COMPLETED)
         finally:
             watcher.cancel()
-            if not work.done():
-                work.cancel()
-        if work.cancelled():
-            return Response(status_code=499)  # nobody is listening
+        if not work.done():  # the client left: stop (which aborts the requests), answer nobody
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            return Response(status_code=499)
         try:
             outputs = work.result()
         except EngineDeadError as e:

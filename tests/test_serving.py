@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import socket
 import urllib.request
 
 import msgspec
@@ -242,6 +243,20 @@ def test_200_malformed_inputs_get_clear_errors_and_the_server_keeps_serving(serv
     assert zc.generate(prompt="hello", max_tokens=3).usage.completion_tokens == 3
     assert client(server).completions.create(model=model, prompt="hello", max_tokens=3).usage.completion_tokens == 3
     zc.close()
+
+
+def test_a_client_that_leaves_before_a_non_streamed_answer_has_its_request_aborted(server, model):
+    aborts = server.metrics().get("pagedllm:request_success_total{finished_reason=abort}", 0)
+    body = json.dumps({"model": model, "prompt": [5, 6, 7], "max_tokens": 400, "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        assert wait_for(lambda: server.metrics()["pagedllm:num_requests_running"] == 1, timeout_s=10)
+    # the connection is closed mid-generation
+    assert wait_for(lambda: server.metrics()["pagedllm:num_requests_running"] == 0)
+    after = server.metrics()
+    assert after["pagedllm:request_success_total{finished_reason=abort}"] == aborts + 1
+    assert after["pagedllm:kv_cache_usage_perc"] == 0.0
 
 
 def test_zmq_errors_name_the_field_and_ids_are_per_client(server):
