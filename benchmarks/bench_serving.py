@@ -130,8 +130,8 @@ def _percentiles(values: list[float]) -> dict[str, float]:
 def run_offline(model_dir: str, prompts, max_tokens, backend: str, dtype: str, kv_cache_memory: str) -> dict:
     from pagedllm import LLM, SamplingParams
 
-    with LLM(model_dir, backend=backend, dtype=dtype, kv_cache_memory=kv_cache_memory,
-             skip_tokenizer_init=True) as llm:
+    # with the tokenizer: the server detokenizes every token it streams, so this does too
+    with LLM(model_dir, backend=backend, dtype=dtype, kv_cache_memory=kv_cache_memory) as llm:
         params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
         start = time.monotonic()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

@@ -63,6 +63,7 @@ def vllm_subprocess(python: str, model_dir: str, prompts: list[list[int]], max_t
     """vLLM's LLM.generate on the same token ids, run by `python` (an interpreter with vllm
     installed) through benchmarks/vllm_peer.py. Returns (seconds, outputs, startup seconds,
     vLLM version). Its caches go under work_dir."""
+    work_dir = os.path.abspath(work_dir)
     os.makedirs(work_dir, exist_ok=True)
     job, result = os.path.join(work_dir, "vllm_job.json"), os.path.join(work_dir, "vllm_result.json")
     with open(os.path.join(model_dir, "config.json")) as f:

@@ -206,8 +206,10 @@ def _serving(args, out_dir: str) -> int:
     result = serving_benchmark(model_dir, prompts, max_tokens, rates, args.backend, args.dtype,
                                args.kv_cache_memory, args.seed)
     print_report(result)
-    report.write_json(os.path.join(out_dir, "serving.json"), {"model": model_dir, "requests": len(prompts),
-                                                              **result})
+    finite = lambda r: {**r, "rate": "inf" if r["rate"] == float("inf") else r["rate"]}  # noqa: E731 - valid JSON
+    report.write_json(os.path.join(out_dir, "serving.json"), {
+        "model": model_dir, "requests": len(prompts), **result, "rows": [finite(r) for r in result["rows"]],
+        "served_saturated": finite(result["served_saturated"])})
     report.plot_latency(os.path.join(out_dir, "serving_latency.png"),
                         [r for r in result["rows"] if r["rate"] != float("inf")])
     print(f"wrote {out_dir}/serving.json and serving_latency.png")
