@@ -30,9 +30,13 @@ def run_server(engine_kwargs: dict, host: str = "127.0.0.1", port: int = 8000,
     name = served_model_name(engine_kwargs.get("model"), model_name)
     metrics = EngineMetrics(name)
     engine = AsyncEngine(max_queue_len=max_queue_len, metrics=metrics, **engine_kwargs)
+    main = _serve(engine, name, host, port, zmq_endpoint, api_key, metrics, log_level)
     try:
-        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-            runner.run(_serve(engine, name, host, port, zmq_endpoint, api_key, metrics, log_level))
+        if sys.version_info >= (3, 11):
+            with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+                runner.run(main)
+        else:  # no loop factories before 3.11: the default loop
+            asyncio.run(main)
     finally:
         engine.shutdown()
 
