@@ -7,6 +7,8 @@ Run: python -m pagedllm.benchmarks.bench_decode_step [--dtype float32|bfloat16] 
 from __future__ import annotations
 
 import argparse
+import atexit
+import shutil
 import statistics
 import tempfile
 import time
@@ -16,6 +18,13 @@ import torch
 from pagedllm.backends.cpu import CpuAttentionOps
 from pagedllm.backends.models.loader import load_model
 from pagedllm.backends.runner import ModelRunner, SeqInput, allocate_kv_caches
+
+
+def scratch_dir() -> str:
+    """A temporary folder for a generated model, removed when the script exits."""
+    path = tempfile.mkdtemp(prefix="pagedllm-bench-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def small_llama_dir(path: str, dtype: str) -> str:
@@ -47,7 +56,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--dtype", default="float32")
     args = ap.parse_args(argv)
-    path = small_llama_dir(tempfile.mkdtemp(prefix="pagedllm-bench-"), args.dtype)
+    path = small_llama_dir(scratch_dir(), args.dtype)
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(10, 32000, (args.batch, args.context), generator=gen)
     bs = 16

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import argparse
 import random
-import tempfile
 import time
 
-from .bench_decode_step import small_llama_dir
+from .bench_decode_step import scratch_dir, small_llama_dir
 from .workload import synthetic_lengths, synthetic_prompts
 
 
@@ -64,7 +63,7 @@ def main(argv=None):
     from .peers import hf_continuous, hf_static
     from .report import account, agreement, format_table
 
-    model_dir = args.model or small_llama_dir(tempfile.mkdtemp(prefix="pagedllm-bench-"), args.dtype)
+    model_dir = args.model or small_llama_dir(scratch_dir(), args.dtype)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
     prompts, max_tokens = make_workload(args.workload, args.num_prompts, args.seed, hf.config.vocab_size)
     print(f"workload: {args.workload}, {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, "

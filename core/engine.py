@@ -17,7 +17,7 @@ import zmq
 from . import shm
 from .config import CacheConfig, EngineConfig, SchedulerConfig
 from .errors import InvalidParameter
-from .ipc import Channel
+from .ipc import Channel, PeerGone, remove_ipc_dir
 from .protocol import (AbortRequests, AddRequest, EngineDead, EngineOutputs, EngineReady, EngineStats,
                        FromWorker, FrontendMessage, InitCache, RequestOutputDelta, RequestRejected,
                        Shutdown, Step, StepResult, WorkerFailed, WorkerHello, WorkerReady)
@@ -29,6 +29,7 @@ POLL_MS = 100  # how often a blocked loop checks that its peers are alive
 WORKER_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(16 << 30),
                      "MALLOC_TOP_PAD_": str(512 << 20)}
 WORKER_START_TIMEOUT_S = 300
+FRONTEND_GONE_MS = 5000  # a send to the frontend that finds no peer this long: it is gone
 
 
 class EngineFailure(RuntimeError):
@@ -39,6 +40,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, input_endpoint: str, output_endpoint: str,
                  worker_in: str, worker_out: str):
         self.config = config
+        self.input_endpoint = input_endpoint
         self.parent_pid = os.getppid()
         self.ctx = zmq.Context()
         self.from_frontend = Channel(self.ctx, zmq.PULL, input_endpoint, bind=True,
@@ -105,7 +107,7 @@ class EngineCore:
                                       block_size=cfg.block_size, kv_segment=kv_segment,
                                       swap_segment=swap_segment, max_model_len=max_model_len))
         self._expect_from_worker(WorkerReady, WORKER_START_TIMEOUT_S)
-        self.to_frontend.send(EngineReady(num_blocks=num_blocks, num_swap_blocks=num_swap,
+        self._to_frontend(EngineReady(num_blocks=num_blocks, num_swap_blocks=num_swap,
                                           block_size=cfg.block_size, max_model_len=max_model_len,
                                           backend=cfg.backend, kv_segment=kv_segment))
 
@@ -194,7 +196,7 @@ class EngineCore:
 
     def _flush_outputs(self) -> None:
         if self.pending:
-            self.to_frontend.send(EngineOutputs(self.pending, self._stats()))
+            self._to_frontend(EngineOutputs(self.pending, self._stats()))
             self.pending = []
 
     def _stats(self) -> EngineStats:
@@ -220,7 +222,7 @@ class EngineCore:
                 try:
                     self.scheduler.add_request(msg.request)
                 except InvalidParameter as e:
-                    self.to_frontend.send(RequestRejected(msg.request.request_id, e.field, str(e)))
+                    self._to_frontend(RequestRejected(msg.request.request_id, e.field, str(e)))
             elif isinstance(msg, AbortRequests):
                 for out in self.scheduler.abort_requests(msg.request_ids):
                     self.pending.append(RequestOutputDelta(out.request_id, [], "abort"))
@@ -244,11 +246,23 @@ class EngineCore:
             ch.close()
         self.to_frontend.close(linger_ms=2000)
         self.ctx.term()
+        if os.getppid() != self.parent_pid and self.input_endpoint.startswith("ipc://"):
+            # the frontend died without cleaning up: its private socket folder goes too
+            remove_ipc_dir(os.path.dirname(self.input_endpoint[len("ipc://"):]))
+
+    def _to_frontend(self, message) -> None:
+        try:
+            self.to_frontend.send(message, peer_timeout_ms=FRONTEND_GONE_MS)
+        except PeerGone:
+            self.stopping = True
+            raise EngineFailure("frontend process is gone") from None
 
     def report_death(self, reason: str) -> None:
+        if os.getppid() != self.parent_pid:
+            return  # nobody to tell
         try:
-            self.to_frontend.send(EngineDead(reason))
-        except zmq.ZMQError:
+            self.to_frontend.send(EngineDead(reason), peer_timeout_ms=1000)
+        except (PeerGone, zmq.ZMQError):
             pass
 
 

@@ -12,6 +12,10 @@ import zmq
 from .protocol import Decoder, Encoder
 
 
+class PeerGone(RuntimeError):
+    pass
+
+
 class Channel:
     """One direction of a pipe: a PUSH or PULL socket with its encoder or decoder."""
 
@@ -24,7 +28,12 @@ class Channel:
         self.encoder = Encoder()
         self.decoder = Decoder(message_type) if message_type is not None else None
 
-    def send(self, message) -> None:
+    def send(self, message, peer_timeout_ms: int | None = None) -> None:
+        """peer_timeout_ms: wait at most this long for a connected peer, then raise PeerGone.
+        (A bound PUSH socket with no peer blocks forever, and with unlimited queues a
+        connected one never blocks, so this only ever waits for a peer that left.)"""
+        if peer_timeout_ms is not None and not self.socket.poll(peer_timeout_ms, zmq.POLLOUT):
+            raise PeerGone(f"no peer on the other end of {self.socket.getsockopt_string(zmq.LAST_ENDPOINT)}")
         frames = self.encoder.encode(message)
         self.socket.send_multipart(frames, copy=len(frames) == 1)
 

@@ -38,7 +38,11 @@ class ZmqServer:
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(endpoint)
+        try:
+            self.sock.bind(endpoint)
+        except zmq.ZMQError as e:
+            self.close()
+            raise ValueError(f"--zmq-endpoint: cannot bind {endpoint}: {e}") from None
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.decoder = msgspec.msgpack.Decoder(ClientMessage)
         self.encoder = msgspec.msgpack.Encoder()

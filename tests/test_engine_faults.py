@@ -63,3 +63,40 @@ def test_sigint_on_pagedllm_generate_cleans_up(tiny_model, tmp_path):
     assert wait_until(lambda: not set(engine_pids) & set(children_of(1) + children_of(os.getpid())),
                       timeout_s=5), "engine processes outlived the CLI"
     assert not segments_of(core_pid)
+
+
+FRONTEND = """
+import sys, time
+from pagedllm import LLM, SamplingParams
+llm = LLM(sys.argv[1], num_kv_blocks=512, max_model_len=1024)
+print(llm.engine.pid, llm.engine.ipc_dir, flush=True)
+llm.generate([[5] * 50] * 32, SamplingParams(max_tokens=900, ignore_eos=True), use_tqdm=False)
+"""
+
+
+@pytest.mark.parametrize("when", ["idle", "generating"])
+def test_a_killed_frontend_takes_the_engine_with_it(tiny_model, when):
+    """SIGKILL on the frontend (nothing runs its shutdown): the engine core notices — idle, or
+    when its next output finds nobody to receive it — and the core, the worker, the KV
+    segment and the socket folder all go."""
+    script = FRONTEND if when == "generating" else FRONTEND.replace("llm.generate", "time.sleep(60) or llm.generate")
+    front = subprocess.Popen([sys.executable, "-c", script, tiny_model("llama")], stdout=subprocess.PIPE, text=True)
+    core_pid, ipc_dir = front.stdout.readline().split()
+    core_pid = int(core_pid)
+    engine_pids = [core_pid] + children_of(core_pid)
+    assert segments_of(core_pid)
+    time.sleep(1.0)  # generating (or idle) for a while
+    front.kill()
+    front.wait()
+    alive = lambda: [p for p in engine_pids if os.path.exists(f"/proc/{p}") and _running(p)]  # noqa: E731
+    assert wait_until(lambda: not alive(), timeout_s=20), f"engine processes outlived their frontend: {alive()}"
+    assert not segments_of(core_pid), "the KV segment outlived the engine"
+    assert not os.path.exists(ipc_dir), "the socket folder outlived the engine"
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
