@@ -10,9 +10,11 @@ agreement with transformers on small models of every supported architecture.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import os
+import shutil
 import tempfile
 import time
 import traceback
@@ -24,6 +26,7 @@ from .tiny_models import ARCHITECTURES, make_model_dir
 @functools.lru_cache(maxsize=1)
 def tiny_model_dirs() -> dict[str, str]:
     root = tempfile.mkdtemp(prefix="pagedllm-conformance-")
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
     return {arch: make_model_dir(os.path.join(root, arch), arch) for arch in ARCHITECTURES}
 
 
