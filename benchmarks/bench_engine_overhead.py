@@ -10,7 +10,6 @@ worker's forward-and-sample time. Start-up (LLM() to ready) is reported too.
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
 
 
@@ -24,7 +23,9 @@ def main(argv=None):
     from pagedllm import LLM, SamplingParams
     from pagedllm.conformance.tiny_models import make_model_dir
 
-    model = make_model_dir(tempfile.mkdtemp(prefix="pagedllm-overhead-") + "/m", "llama")
+    from .bench_decode_step import scratch_dir
+
+    model = make_model_dir(scratch_dir() + "/m", "llama")
     t0 = time.perf_counter()
     llm = LLM(model, max_num_seqs=args.requests, skip_tokenizer_init=True, kv_cache_memory="256MiB")
     startup = time.perf_counter() - t0
