@@ -28,6 +28,15 @@ def children_of(pid: int) -> list[int]:
     return found
 
 
+def is_running(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def segments_of(pid: int) -> list[str]:
     return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"pagedllm-{pid}-"))
 

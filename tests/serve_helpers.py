@@ -3,16 +3,14 @@ check that it left no process or shared-memory segment behind."""
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
-from proc_helpers import children_of, segments_of, wait_until
+from proc_helpers import children_of, is_running, segments_of, wait_until
 
 
 def free_port() -> int:
@@ -65,24 +63,9 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
                 raise AssertionError("server did not stop on SIGINT")
-        assert wait_until(lambda: not any(os.path.exists(f"/proc/{p}") and _alive(p) for p in self.engine_pids),
+        assert wait_until(lambda: not any(is_running(p) for p in self.engine_pids),
                           timeout_s=10), "engine processes outlived the server"
         for pid in self.engine_pids:
             assert not segments_of(pid), f"shared-memory segments of {pid} left behind"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def wait_for(predicate, timeout_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return predicate()

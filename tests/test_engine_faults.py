@@ -9,7 +9,7 @@ import threading
 import time
 
 import pytest
-from proc_helpers import children_of, segments_of, wait_until
+from proc_helpers import children_of, is_running, segments_of, wait_until
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.entrypoints.engine_client import EngineDeadError
@@ -88,15 +88,7 @@ def test_a_killed_frontend_takes_the_engine_with_it(tiny_model, when):
     time.sleep(1.0)  # generating (or idle) for a while
     front.kill()
     front.wait()
-    alive = lambda: [p for p in engine_pids if os.path.exists(f"/proc/{p}") and _running(p)]  # noqa: E731
+    alive = lambda: [p for p in engine_pids if is_running(p)]  # noqa: E731
     assert wait_until(lambda: not alive(), timeout_s=20), f"engine processes outlived their frontend: {alive()}"
     assert not segments_of(core_pid), "the KV segment outlived the engine"
     assert not os.path.exists(ipc_dir), "the socket folder outlived the engine"
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False

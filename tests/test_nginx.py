@@ -9,7 +9,8 @@ import subprocess
 
 import openai
 import pytest
-from serve_helpers import ServerProcess, free_port, wait_for
+from proc_helpers import wait_until
+from serve_helpers import ServerProcess, free_port
 
 CONF = os.path.join(os.path.dirname(__file__), "..", "docs", "deploy", "nginx.conf")
 
@@ -38,7 +39,7 @@ def test_streamed_chunks_pass_through_nginx_one_by_one(nginx_binary, tiny_model,
          "-g", f"daemon off; pid {tmp_path}/nginx.pid;"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         via = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=5)
-        assert wait_for(lambda: _answers(via)), "nginx did not come up"
+        assert wait_until(lambda: _answers(via), timeout_s=20, interval=0.1), "nginx did not come up"
         stream = via.completions.create(model=model, prompt=[5, 6, 7], max_tokens=400, temperature=0,
                                         stream=True, extra_body={"ignore_eos": True})
         chunks = iter(stream)

@@ -12,7 +12,8 @@ import urllib.request
 import msgspec
 import openai
 import pytest
-from serve_helpers import ServerProcess, wait_for
+from proc_helpers import wait_until
+from serve_helpers import ServerProcess
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.entrypoints.zmq_client import AsyncZmqClient, ZmqClient, ZmqRequestError
@@ -132,7 +133,8 @@ def test_64_concurrent_clients_match_offline_and_leavers_free_their_blocks(serve
         else:
             assert got == want.outputs[0].token_ids, f"ZMQ client {i}"
     assert results[48:] == [None] * 16
-    assert wait_for(lambda: server.metrics()["pagedllm:num_requests_running"] == 0), "requests still running"
+    assert wait_until(lambda: server.metrics()["pagedllm:num_requests_running"] == 0, timeout_s=20,
+                      interval=0.1), "requests still running"
     after = server.metrics()
     assert after["pagedllm:kv_cache_usage_perc"] == 0.0  # every block back (cached ones count as free)
     assert after["pagedllm:request_success_total{finished_reason=abort}"] - aborts_before == 16
@@ -251,9 +253,9 @@ def test_a_client_that_leaves_before_a_non_streamed_answer_has_its_request_abort
     with socket.create_connection(("127.0.0.1", server.port)) as conn:
         conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-        assert wait_for(lambda: server.metrics()["pagedllm:num_requests_running"] == 1, timeout_s=10)
+        assert wait_until(lambda: server.metrics()["pagedllm:num_requests_running"] == 1, timeout_s=10, interval=0.1)
     # the connection is closed mid-generation
-    assert wait_for(lambda: server.metrics()["pagedllm:num_requests_running"] == 0)
+    assert wait_until(lambda: server.metrics()["pagedllm:num_requests_running"] == 0, timeout_s=20, interval=0.1)
     after = server.metrics()
     assert after["pagedllm:request_success_total{finished_reason=abort}"] == aborts + 1
     assert after["pagedllm:kv_cache_usage_perc"] == 0.0
