@@ -29,9 +29,10 @@ def default_dtype(model_dir: str, requested: str) -> str:
 
 
 @torch.inference_mode()
-def profile_num_blocks(model, ops, block_size: int, num_tokens: int, max_seq_len: int,
+def profile_num_blocks(model, ops, block_size: int, slot_bytes: int, num_tokens: int, max_seq_len: int,
                        memory_utilization: float, device="cuda") -> int:
-    """Run one prefill of `num_tokens` (the most a step computes) and give the KV pool what
+    """Run one prefill of `num_tokens` (the most a step computes) and give the KV pool, at
+    `slot_bytes` per token slot (KVSpec.bytes_per_block_slot), what
     the device's memory, times `memory_utilization`, leaves after weights, the activations'
     peak and memory outside torch."""
     from .runner import ModelRunner
@@ -60,7 +61,6 @@ def profile_num_blocks(model, ops, block_size: int, num_tokens: int, max_seq_len
     free, total = torch.cuda.mem_get_info()
     outside_torch = total - free - torch.cuda.memory_reserved()
     budget = total * memory_utilization - peak - outside_torch
-    slot_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.finfo(cfg.dtype).bits // 8
     blocks = int(budget // (slot_bytes * block_size))
     if blocks < 2:
         raise RuntimeError(f"no room for a KV cache: {memory_utilization:.0%} of {total / 2**30:.1f} GiB is "

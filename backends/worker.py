@@ -67,20 +67,20 @@ class Worker:
 
     def hello(self) -> WorkerHello:
         cfg = self.model_config
+        kv_spec = KVSpec(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_size=cfg.head_dim,
+                         dtype=DTYPE_NAMES[cfg.dtype])
         return WorkerHello(
-            rank=self.rank,
-            kv_spec=KVSpec(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
-                           head_size=cfg.head_dim, dtype=DTYPE_NAMES[cfg.dtype]),
+            rank=self.rank, kv_spec=kv_spec,
             max_position_embeddings=cfg.max_position_embeddings, sliding_window=cfg.sliding_window,
             kv_in_shared_memory=getattr(self.ops, "kv_in_shared_memory", True),
-            num_device_blocks=self._profile_num_blocks())
+            num_device_blocks=self._profile_num_blocks(kv_spec.bytes_per_block_slot))
 
-    def _profile_num_blocks(self) -> int | None:
+    def _profile_num_blocks(self, slot_bytes: int) -> int | None:
         cfg = self.config
         if not self.on_gpu or cfg.num_kv_blocks:
             return None
         max_len = cfg.max_model_len or self.model_config.max_position_embeddings
-        return gpu.profile_num_blocks(self.model, self.ops, cfg.block_size,
+        return gpu.profile_num_blocks(self.model, self.ops, cfg.block_size, slot_bytes,
                                       cfg.max_num_batched_tokens or max(2048, max_len), max_len,
                                       cfg.gpu_memory_utilization, self.device)
 

@@ -16,22 +16,16 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
 
-import numpy as np
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from pagedllm.benchmarks.report import percentiles_ms
+from pagedllm.core.ipc import free_tcp_port
 
 
 def start_server(model_dir: str, backend: str, dtype: str, kv_cache_memory: str) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_tcp_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--model", model_dir, "--backend", backend,
          "--dtype", dtype, "--kv-cache-memory", kv_cache_memory, "--port", str(port), "--zmq-endpoint", "none",
@@ -117,14 +111,7 @@ def run_rate(base_url: str, model: str, prompts, max_tokens, rate: float, seed: 
     itl = [b - a for _, times, _ in record for a, b in zip(times, times[1:])]
     tokens = sum(n for _, _, n in record)
     return {"rate": rate, "seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds,
-            "ttft_ms": _percentiles(ttft), "itl_ms": _percentiles(itl)}
-
-
-def _percentiles(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {"p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
-    p50, p90, p99 = np.percentile(np.asarray(values) * 1e3, [50, 90, 99])
-    return {"p50": float(p50), "p90": float(p90), "p99": float(p99)}
+            "ttft_ms": percentiles_ms(ttft), "itl_ms": percentiles_ms(itl)}
 
 
 def run_offline(model_dir: str, prompts, max_tokens, backend: str, dtype: str, kv_cache_memory: str) -> dict:

@@ -96,6 +96,15 @@ def plot_kv_usage(path: str, series: list[tuple[int, int, int]], block_size: int
     _save(fig, path)
 
 
+def percentiles_ms(seconds: list[float]) -> dict[str, float]:
+    """p50 / p90 / p99 of durations, in milliseconds (NaN when there are none)."""
+    import numpy as np
+    if not seconds:
+        return {"p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
+    p50, p90, p99 = np.percentile(np.asarray(seconds) * 1e3, [50, 90, 99])
+    return {"p50": float(p50), "p90": float(p90), "p99": float(p99)}
+
+
 def plot_latency(path: str, rows: list[dict]) -> None:
     fig, axes = _figure(2, figsize=(8, 3.2))
     rates = [r["rate"] for r in rows]

@@ -7,3 +7,13 @@ class InvalidParameter(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
         self.field = field
+
+
+def validation_error_parts(error: Exception) -> tuple[str | None, str]:
+    """msgspec's "Expected `int`, got `str` - at `$.n`" as ("n", "Expected `int`, got `str`");
+    (None, the whole text) when it names no place below the root."""
+    text = str(error)
+    message, found, path = text.rpartition(" - at `$")
+    if not found:
+        return None, text
+    return path.rstrip("`").lstrip(".") or None, message

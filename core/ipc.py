@@ -62,8 +62,13 @@ def ipc_endpoint(folder: str, name: str) -> str:
     return f"ipc://{os.path.join(folder, name)}"
 
 
-def free_tcp_endpoint(host: str = "127.0.0.1") -> str:
-    """A loopback tcp:// endpoint on a port that is free now (the engine core binds it next)."""
+def free_tcp_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on `host` that is free now (whoever asked binds it next)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
-        return f"tcp://{host}:{s.getsockname()[1]}"
+        return s.getsockname()[1]
+
+
+def free_tcp_endpoint(host: str = "127.0.0.1") -> str:
+    """A loopback tcp:// endpoint on a port that is free now (the engine core binds it next)."""
+    return f"tcp://{host}:{free_tcp_port(host)}"

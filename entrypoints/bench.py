@@ -143,14 +143,6 @@ def _throughput(args, out_dir: str) -> int:
     return 0
 
 
-def _percentiles(values: list[float]) -> dict[str, float]:
-    import numpy as np
-    if not values:
-        return {"p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
-    p50, p90, p99 = np.percentile(np.asarray(values) * 1e3, [50, 90, 99])
-    return {"p50": float(p50), "p90": float(p90), "p99": float(p99)}
-
-
 def _latency(args, out_dir: str) -> int:
     """Requests arrive as a Poisson process at each rate; time to first token and the gaps
     between tokens are measured where the caller receives them."""
@@ -179,7 +171,7 @@ def _latency(args, out_dir: str) -> int:
             ttft = [tr.token_times[0] - tr.submitted_at for tr in trackers if tr.token_times]
             itl = [b - a for tr in trackers for a, b in zip(tr.token_times, tr.token_times[1:])]
             tokens = sum(len(tr.token_times) for tr in trackers)
-            rows.append({"rate": rate, "ttft_ms": _percentiles(ttft), "itl_ms": _percentiles(itl),
+            rows.append({"rate": rate, "ttft_ms": report.percentiles_ms(ttft), "itl_ms": report.percentiles_ms(itl),
                          "output_tok_s": tokens / seconds})
     head = f"{'req/s':>7} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'ITL p50':>9} {'p90':>8} {'p99':>8} {'out tok/s':>10}"
     print(head + "\n" + "-" * len(head))

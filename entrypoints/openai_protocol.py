@@ -5,14 +5,13 @@ stop_token_ids, use_beam_search). Unknown fields are ignored, as OpenAI's server
 
 from __future__ import annotations
 
-import re
 import time
 import uuid
 from typing import Any, Union
 
 import msgspec
 
-from pagedllm.core.errors import InvalidParameter
+from pagedllm.core.errors import InvalidParameter, validation_error_parts
 from pagedllm.core.sampling_params import SamplingParams
 
 
@@ -151,17 +150,13 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
         return self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
 
 
-_AT_PATH = re.compile(r"at `\$\.?([^`]*)`")
-
-
 def decode_body(body: bytes, kind: type):
     """Decode a JSON body; a malformed one raises InvalidParameter naming the offending field."""
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as e:
-        match = _AT_PATH.search(str(e))
-        field = match.group(1) if match else "body"
-        raise InvalidParameter(field or "body", str(e).split(" - at ")[0]) from None
+        field, message = validation_error_parts(e)
+        raise InvalidParameter(field or "body", message) from None
     except (msgspec.DecodeError, UnicodeDecodeError) as e:
         raise InvalidParameter("body", f"is not valid JSON: {e}") from None
 

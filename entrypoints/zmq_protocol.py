@@ -11,7 +11,7 @@ from typing import Any, Union
 
 import msgspec
 
-from pagedllm.core.errors import InvalidParameter
+from pagedllm.core.errors import InvalidParameter, validation_error_parts
 from pagedllm.core.sampling_params import SamplingParams
 
 
@@ -78,10 +78,9 @@ def sampling_params(params: dict[str, Any]) -> SamplingParams:
     try:
         return msgspec.convert(params, SamplingParams)
     except msgspec.ValidationError as e:
-        text = str(e)
-        if " - at `$." in text:
-            message, path = text.rsplit(" - at `$.", 1)
-            raise InvalidParameter(f"params.{path.rstrip('`')}", message) from None
+        path, text = validation_error_parts(e)
+        if path is not None:
+            raise InvalidParameter(f"params.{path}", text) from None
         cause = e.__cause__ or e.__context__
         if isinstance(cause, InvalidParameter):
             raise InvalidParameter(f"params.{cause.field}", str(cause).split(": ", 1)[-1]) from None

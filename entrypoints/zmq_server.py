@@ -9,21 +9,17 @@ from __future__ import annotations
 import asyncio
 import errno
 import itertools
-import re
 
 import msgspec
 import zmq
 import zmq.asyncio
 
-from pagedllm.core.errors import InvalidParameter
+from pagedllm.core.errors import InvalidParameter, validation_error_parts
 
 from .async_engine import AsyncEngine, EngineOverloaded, RequestStream
 from .engine_client import EngineDeadError
 from .zmq_protocol import (Abort, ClientMessage, Completion, Delta, Error, Final, Generate, Usage,
                            sampling_params)
-
-_AT_PATH = re.compile(r" - at `\$\.?([^`]*)`")
-
 
 class ClientGone(Exception):
     pass
@@ -71,9 +67,8 @@ class ZmqServer:
         try:
             msg = self.decoder.decode(payload[0])
         except msgspec.ValidationError as e:
-            match = _AT_PATH.search(str(e))
-            self._reply_soon(identity, Error(None, 400, match.group(1) if match else None,
-                                             f"not a valid message: {_AT_PATH.sub('', str(e))}"))
+            field, message = validation_error_parts(e)
+            self._reply_soon(identity, Error(None, 400, field, f"not a valid message: {message}"))
             return
         except (msgspec.DecodeError, UnicodeDecodeError) as e:
             self._reply_soon(identity, Error(None, 400, None, f"not a msgpack message: {e}"))

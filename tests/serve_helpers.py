@@ -4,7 +4,6 @@ check that it left no process or shared-memory segment behind."""
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -12,17 +11,14 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 from proc_helpers import children_of, is_running, segments_of, wait_until
 
+from pagedllm.core.ipc import free_tcp_port
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:
     def __init__(self, model: str, *flags: str):
-        self.port = free_port()
-        self.zmq_endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self.port = free_tcp_port()
+        self.zmq_endpoint = f"tcp://127.0.0.1:{free_tcp_port()}"
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--model", model,

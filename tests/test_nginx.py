@@ -10,7 +10,9 @@ import subprocess
 import openai
 import pytest
 from proc_helpers import wait_until
-from serve_helpers import ServerProcess, free_port
+from serve_helpers import ServerProcess
+
+from pagedllm.core.ipc import free_tcp_port
 
 CONF = os.path.join(os.path.dirname(__file__), "..", "docs", "deploy", "nginx.conf")
 
@@ -27,7 +29,7 @@ def nginx_binary():
 def test_streamed_chunks_pass_through_nginx_one_by_one(nginx_binary, tiny_model, tmp_path):
     model = tiny_model("llama")
     server = ServerProcess(model, "--num-kv-blocks", "128")
-    port = free_port()
+    port = free_tcp_port()
     with open(CONF) as f:
         conf = f.read().replace("127.0.0.1:8000", f"127.0.0.1:{server.port}") \
                        .replace("127.0.0.1:8080", f"127.0.0.1:{port}")

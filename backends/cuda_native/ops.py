@@ -42,7 +42,7 @@ class NativeCudaAttentionOps(AttentionOps):
         self.ext.write_kv(_dense_last(key).to(kv_cache.dtype), _dense_last(value).to(kv_cache.dtype),
                           kv_cache[0], kv_cache[1], slot_mapping, self._stream())
 
-    def _attend(self, query, kv_cache, tables, row_request, row_position, max_context_len, scale, partitions):
+    def _attend(self, query, kv_cache, tables, row_request, row_position, scale, partitions):
         rows, heads, head_size = query.shape
         query = _dense_last(query).to(kv_cache.dtype)
         out = torch.empty(rows, heads, head_size, dtype=kv_cache.dtype, device=query.device)
@@ -59,8 +59,8 @@ class NativeCudaAttentionOps(AttentionOps):
     def decode_attention(self, query, kv_cache, meta: DecodeMetadata, scale):
         n = query.shape[0]
         rows = torch.arange(n, dtype=torch.int32, device=query.device)
-        return self._attend(query, kv_cache, meta.block_tables, rows, meta.context_lens - 1, meta.max_context_len,
-                            scale, -(-meta.max_context_len // PARTITION))
+        return self._attend(query, kv_cache, meta.block_tables, rows, meta.context_lens - 1, scale,
+                            -(-meta.max_context_len // PARTITION))
 
     def prefill_attention(self, query, kv_cache, meta: PrefillMetadata, scale):
         device = query.device
@@ -69,8 +69,7 @@ class NativeCudaAttentionOps(AttentionOps):
         starts = meta.query_start_loc.long()[request]
         prefix = (meta.context_lens.long() - q_lens)[request]
         position = prefix + torch.arange(query.shape[0], device=device) - starts
-        return self._attend(query, kv_cache, meta.block_tables, request.int(), position.int(),
-                            meta.max_context_len, scale, 1)
+        return self._attend(query, kv_cache, meta.block_tables, request.int(), position.int(), scale, 1)
 
     def copy_blocks(self, kv_caches, pairs):
         if not pairs:
