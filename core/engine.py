@@ -18,7 +18,7 @@ from . import shm
 from .config import CacheConfig, EngineConfig, SchedulerConfig
 from .errors import InvalidParameter
 from .ipc import Channel, PeerGone, remove_ipc_dir
-from .protocol import (AbortRequests, AddRequest, EngineDead, EngineOutputs, EngineReady, EngineStats,
+from .protocol import (AbortRequests, AddRequests, EngineDead, EngineOutputs, EngineReady, EngineStats,
                        FromWorker, FrontendMessage, InitCache, RequestOutputDelta, RequestRejected,
                        Shutdown, Step, StepResult, WorkerFailed, WorkerHello, WorkerReady)
 from .scheduler import Scheduler
@@ -218,11 +218,12 @@ class EngineCore:
             return
         while sock.poll(0):
             msg = sock.recv()
-            if isinstance(msg, AddRequest):
-                try:
-                    self.scheduler.add_request(msg.request)
-                except InvalidParameter as e:
-                    self._to_frontend(RequestRejected(msg.request.request_id, e.field, str(e)))
+            if isinstance(msg, AddRequests):
+                for request in msg.requests:
+                    try:
+                        self.scheduler.add_request(request)
+                    except InvalidParameter as e:
+                        self._to_frontend(RequestRejected(request.request_id, e.field, str(e)))
             elif isinstance(msg, AbortRequests):
                 for out in self.scheduler.abort_requests(msg.request_ids):
                     self.pending.append(RequestOutputDelta(out.request_id, [], "abort"))

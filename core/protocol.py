@@ -5,7 +5,7 @@ one or more ZeroMQ frames: frame 0 is the msgpack body; numpy arrays inside it t
 further frames, referenced from the body by an extension type, so large integer arrays are
 neither copied into the body on send nor out of the frame on receive.
 
-Frontend -> core:  AddRequest, AbortRequests, Shutdown        (PUSH -> PULL)
+Frontend -> core:  AddRequests, AbortRequests, Shutdown        (PUSH -> PULL)
 Core -> frontend:  EngineReady, EngineOutputs, RequestRejected, EngineDead
 Core -> worker:    InitCache, Step, Shutdown                   (PUSH -> PULL)
 Worker -> core:    WorkerHello, WorkerReady, StepResult, WorkerFailed
@@ -25,8 +25,10 @@ _NDARRAY_EXT = 1
 
 
 # --- frontend <-> core ---------------------------------------------------------------------
-class AddRequest(msgspec.Struct, tag="add"):
-    request: EngineRequest
+class AddRequests(msgspec.Struct, tag="add"):
+    """One or more requests; a batch arrives whole, so the core schedules it as one (an offline
+    `generate` call is then independent of how fast the frontend sends)."""
+    requests: list[EngineRequest]
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -97,7 +99,7 @@ class EngineDead(msgspec.Struct, tag="dead"):
     reason: str
 
 
-FrontendMessage = Union[AddRequest, AbortRequests, Shutdown]
+FrontendMessage = Union[AddRequests, AbortRequests, Shutdown]
 CoreMessage = Union[EngineReady, EngineOutputs, RequestRejected, EngineDead]
 
 

@@ -409,7 +409,6 @@ class Scheduler:
                 return
             group_member = True  # a sibling already runs this step: this beam alone waits
         request.num_preemptions += 1
-        request.num_preemptions += 1
         self.num_preemptions += 1
         self._forget_on_worker(request, self._preempted_ids)
         if self.config.preemption_mode == "swap" and not group_member:

@@ -194,9 +194,9 @@ class AsyncEngine:
         self.num_queued += 1
         try:
             with self._send_lock:
-                self.llm.engine.add_request(EngineRequest(
+                self.llm.engine.add_requests([EngineRequest(
                     request_id=tracker.request_id, prompt_token_ids=ids, sampling_params=params,
-                    eos_token_id=self.llm.eos_token_id, arrival_time=stream.timing.submitted))
+                    eos_token_id=self.llm.eos_token_id, arrival_time=stream.timing.submitted)])
         except BaseException:
             stream.close()
             raise

@@ -14,7 +14,7 @@ import zmq
 from pagedllm.core import shm
 from pagedllm.core.config import EngineConfig
 from pagedllm.core.ipc import Channel, free_tcp_endpoint, ipc_endpoint, make_ipc_dir, remove_ipc_dir
-from pagedllm.core.protocol import (AbortRequests, AddRequest, CoreMessage, EngineDead, EngineReady,
+from pagedllm.core.protocol import (AbortRequests, AddRequests, CoreMessage, EngineDead, EngineReady,
                                     Shutdown)
 from pagedllm.core.request import EngineRequest
 
@@ -65,9 +65,11 @@ class EngineClient:
                 return msg
         raise EngineDeadError(f"engine did not start within {timeout_s:.0f} s")
 
-    def add_request(self, request: EngineRequest) -> None:
-        self._check_alive()
-        self.to_core.send(AddRequest(request))
+    def add_requests(self, requests: list[EngineRequest]) -> None:
+        """Submit requests in one message: the core admits them in the same step."""
+        if requests:
+            self._check_alive()
+            self.to_core.send(AddRequests(requests))
 
     def abort(self, request_ids: list[str]) -> None:
         if request_ids and self.dead_reason is None and not self.closed:

@@ -173,12 +173,14 @@ class LLM:
         try:
             while remaining:
                 now = time.monotonic()
+                due = []
                 while schedule and schedule[0][0] <= now - start:
                     t = trackers[schedule.pop(0)[1]]
                     t.submitted_at = now
-                    self.engine.add_request(EngineRequest(
+                    due.append(EngineRequest(
                         request_id=t.request_id, prompt_token_ids=t.output.prompt_token_ids,
                         sampling_params=t.params, eos_token_id=self.eos_token_id, arrival_time=now))
+                self.engine.add_requests(due)
                 wait_ms = 100 if not schedule else max(0, int((schedule[0][0] - (now - start)) * 1000))
                 msg = self.engine.recv(min(wait_ms, 100))
                 if isinstance(msg, EngineOutputs):

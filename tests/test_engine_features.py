@@ -98,6 +98,14 @@ def test_bad_input_names_the_field_and_the_engine_keeps_serving(llm):
     assert llm.last_stats.kv_cache_usage == 0.0
 
 
+def test_one_generate_call_is_admitted_as_one_batch(llm):
+    """The requests of one call reach the core in one message, so the first step holds all of
+    them however the processes are timed (the conformance preemption checks rely on this)."""
+    prompts = [[5 + i, 6, 7, 8] for i in range(32)]
+    llm.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
+    assert llm.last_stats.batch_sizes == [32]
+
+
 def test_unknown_backend_lists_known_ones():
     with pytest.raises(ValueError, match=r"known backends: .*\bcpu\b"):
         LLM(backend="tpu")
