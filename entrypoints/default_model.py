@@ -13,14 +13,9 @@ import os
 import shutil
 import tempfile
 
+from pagedllm.core.cache_dir import cache_root
+
 DEFAULT_MODEL_NAME = "pagedllm-tiny-random-llama-v1"
-
-
-def cache_root() -> str:
-    root = os.environ.get("PAGEDLLM_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagedllm")
-    os.makedirs(root, exist_ok=True)
-    return root
 
 
 def shipped_model_dir() -> str:

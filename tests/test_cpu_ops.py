@@ -1,19 +1,33 @@
 """The cpu backend's ops against dense attention computed directly."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
-from pagedllm.backends.cpu import CpuAttentionOps
+from pagedllm.backends.cpu import CpuAttentionOps, native
 from pagedllm.conformance.op_cases import context_lengths, make_case
 
 OPS = CpuAttentionOps()
 ATOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
+@pytest.fixture(params=["compiled", "torch"])
+def decode_path(request, monkeypatch):
+    """float32 decode runs the compiled kernel where it builds; both paths are checked."""
+    if request.param == "torch":
+        monkeypatch.setattr(native, "unavailable_reason", lambda: "off for this test")
+    elif native.unavailable_reason() is not None:
+        pytest.skip(f"compiled kernel unavailable: {native.unavailable_reason()}")
+    return request.param
+
+
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("head_size", [64, 80, 128])
 @pytest.mark.parametrize("group", [1, 4, 8])
-def test_decode_attention(block_size, head_size, group):
+def test_decode_attention(block_size, head_size, group, decode_path):
     ctx = context_lengths(block_size)
     case = make_case([1] * len(ctx), ctx, block_size, head_size, num_kv_heads=2, group=group,
                      seed=block_size * head_size + group)
@@ -77,3 +91,19 @@ def test_copy_and_swap_blocks():
     OPS.swap_blocks(caches, host, [(3, 0), (1, 2)])
     assert torch.equal(host[:, :, 0], caches[:, :, 3]) and torch.equal(host[:, :, 2], caches[:, :, 1])
     assert not host[:, :, 1].any()
+
+
+def test_compiled_decode_kernel_builds_here_and_can_be_turned_off(tmp_path):
+    """The machines this project runs on have g++: the kernel must build there (else the
+    cpu backend silently loses its fast path). Off with PAGEDLLM_CPU_KERNELS=0; a compiler that
+    fails leaves the torch path and a reason naming the source."""
+    probe = ("from pagedllm.backends.cpu import native; print(native.unavailable_reason())")
+    def reason(**env):
+        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                              env={**os.environ, "PAGEDLLM_CACHE": str(tmp_path), **env})
+        return done.stdout.strip()
+    assert reason() == "None"
+    assert list((tmp_path / "cpu_kernels").glob("paged_attention_*.so"))
+    assert reason(PAGEDLLM_CPU_KERNELS="0") == "PAGEDLLM_CPU_KERNELS=0"
+    failed = reason(CXX="false", PAGEDLLM_CACHE=str(tmp_path / "other"))
+    assert failed.startswith("building paged_attention.cpp: false failed"), failed

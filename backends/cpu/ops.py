@@ -1,4 +1,6 @@
 """The reference attention ops in plain torch: the numerical ground truth for every backend.
+Only float32 decode attention has a faster path, a compiled kernel (native.py) that reads the
+blocks in place; PAGEDLLM_CPU_KERNELS=0 turns it off.
 
 Attention follows transformers' eager attention step for step — scores in the model dtype,
 softmax in float32, probabilities cast back — so in bfloat16 and float16 the reference
@@ -14,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..attention import AttentionOps, DecodeMetadata, PrefillMetadata
+from . import native
 from .packed_linear import pack_linear_layers
 
 DECODE_GROUPS = 4  # at most this many context-length groups per decode batch
@@ -57,8 +60,15 @@ class CpuAttentionOps(AttentionOps):
         kv_cache[1].view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
     def decode_attention(self, query, kv_cache, meta: DecodeMetadata, scale):
-        """Requests are sorted by context length and attended in a few groups, so that short
+        """float32 goes through the compiled kernel (native.py) where it could be built. The
+        torch path sorts requests by context length and attends in a few groups, so that short
         contexts are not padded to the longest one in the batch."""
+        if (query.dtype == kv_cache.dtype == torch.float32 and kv_cache.is_contiguous()
+                and native.unavailable_reason() is None):
+            if meta.max_context_len > meta.block_tables.shape[1] * kv_cache.shape[2]:
+                raise ValueError("decode_attention: a context is longer than its block table covers")
+            return native.decode_attention(query, kv_cache[0], kv_cache[1], meta.block_tables,
+                                           meta.context_lens, scale)
         num_seqs = query.shape[0]
         ctx = meta.context_lens
         if num_seqs <= DECODE_GROUP_MIN:

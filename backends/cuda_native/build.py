@@ -7,6 +7,8 @@ import hashlib
 import os
 import shutil
 
+from pagedllm.core.cache_dir import cache_root
+
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 SOURCES = ("binding.cpp", "kernels.cu")
 HEADERS = ("kernels.h",)
@@ -37,9 +39,7 @@ def load_extension():
     from torch.utils.cpp_extension import load
 
     key = _fingerprint()
-    build_dir = os.path.join(os.environ.get("PAGEDLLM_CACHE", os.path.expanduser("~/.cache/pagedllm")),
-                             "cuda_native", key)
-    os.makedirs(build_dir, exist_ok=True)
+    build_dir = cache_root("cuda_native", key)
     return load(name=f"pagedllm_cuda_native_{key}", sources=[os.path.join(CSRC, s) for s in SOURCES],
                 extra_include_paths=[CSRC], extra_cflags=["-O3"],
                 extra_cuda_cflags=["-O3", "--use_fast_math"], build_directory=build_dir,

@@ -1,0 +1,105 @@
+"""The cpu backend's compiled decode-attention kernel (csrc/paged_attention.cpp).
+
+Plain C++ with OpenMP, no torch headers: it builds with the system compiler in about a second
+on first use, is cached under ~/.cache/pagedllm/cpu_kernels keyed by the source, the compiler
+and this CPU's instruction-set flags (it is built with -march=native), and is called through
+ctypes. Where no compiler is found or the build fails, or with PAGEDLLM_CPU_KERNELS=0, the
+backend keeps its plain-torch path; `unavailable_reason()` says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+
+import torch
+
+from pagedllm.core.cache_dir import cache_root
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "paged_attention.cpp")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+DISABLE_ENV = "PAGEDLLM_CPU_KERNELS"
+
+_p = ctypes.c_void_p
+_i64 = ctypes.c_int64
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def _cpu_flags() -> bytes:
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            return next((line for line in f if line.startswith(b"flags")), b"")
+    except OSError:
+        return b""
+
+
+def _build(cxx: str) -> str:
+    version = subprocess.run([cxx, "--version"], capture_output=True).stdout
+    with open(SOURCE, "rb") as f:
+        key = hashlib.sha256(f.read() + version + _cpu_flags() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    target = os.path.join(cache_root("cpu_kernels"), f"paged_attention_{key}.so")
+    if not os.path.exists(target):
+        # build beside the target and rename: processes starting together never load half a file
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(target))
+        os.close(fd)
+        try:
+            done = subprocess.run([cxx, *FLAGS, SOURCE, "-o", tmp], capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-500:]}")
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return target
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return None, f"{DISABLE_ENV}=0"
+    cxx = _compiler()
+    if cxx is None:
+        return None, "no C++ compiler found (g++ or $CXX)"
+    try:
+        lib = ctypes.CDLL(_build(cxx))
+    except (OSError, RuntimeError) as e:
+        return None, f"building {os.path.basename(SOURCE)}: {e}"
+    fn = lib.pagedllm_decode_attention_f32
+    fn.restype = None
+    fn.argtypes = [_p, _p, _p, _p, _i64, _p, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _p, ctypes.c_int]
+    return lib, None
+
+
+def unavailable_reason() -> str | None:
+    return _load()[1]
+
+
+def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """query [D, H, Dh] float32; k_cache/v_cache [N, bs, KVH, Dh] float32, contiguous;
+    block_tables [D, max_blocks] int32; context_lens [D] int32. Returns [D, H, Dh]."""
+    lib, reason = _load()
+    if lib is None:
+        raise RuntimeError(f"cpu decode kernel unavailable: {reason}")
+    num_seqs, num_heads, head_size = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous float32")
+    query = query.contiguous()
+    block_tables = block_tables.to(torch.int32).contiguous()
+    context_lens = context_lens.to(torch.int32).contiguous()
+    out = torch.empty_like(query)
+    lib.pagedllm_decode_attention_f32(
+        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        block_tables.stride(0), context_lens.data_ptr(), num_seqs, num_heads, num_kv_heads, head_size,
+        block_size, scale, out.data_ptr(), torch.get_num_threads())
+    return out
