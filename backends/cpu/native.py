@@ -1,4 +1,4 @@
-"""The cpu backend's compiled decode-attention kernel (csrc/paged_attention.cpp).
+"""The cpu backend's compiled attention kernel (csrc/paged_attention.cpp).
 
 Plain C++ with OpenMP, no torch headers: it builds with the system compiler in about a second
 on first use, is cached under ~/.cache/pagedllm/cpu_kernels keyed by the source, the compiler
@@ -72,9 +72,9 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         lib = ctypes.CDLL(_build(cxx))
     except (OSError, RuntimeError) as e:
         return None, f"building {os.path.basename(SOURCE)}: {e}"
-    fn = lib.pagedllm_decode_attention_f32
+    fn = lib.pagedllm_paged_attention_f32
     fn.restype = None
-    fn.argtypes = [_p, _p, _p, _p, _i64, _p, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _p, ctypes.c_int]
+    fn.argtypes = [_p, _p, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _p, ctypes.c_int]
     return lib, None
 
 
@@ -82,24 +82,26 @@ def unavailable_reason() -> str | None:
     return _load()[1]
 
 
-def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """query [D, H, Dh] float32; k_cache/v_cache [N, bs, KVH, Dh] float32, contiguous;
-    block_tables [D, max_blocks] int32; context_lens [D] int32. Returns [D, H, Dh]."""
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, row_table: torch.Tensor, row_context: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """query [R, H, Dh] float32, one row per query token; k_cache/v_cache [N, bs, KVH, Dh]
+    float32, contiguous; block_tables [S, max_blocks] int32; row r uses table row_table[r] and
+    attends to its first row_context[r] tokens (at most max_blocks * bs). Returns [R, H, Dh]."""
     lib, reason = _load()
     if lib is None:
-        raise RuntimeError(f"cpu decode kernel unavailable: {reason}")
-    num_seqs, num_heads, head_size = query.shape
+        raise RuntimeError(f"cpu attention kernel unavailable: {reason}")
+    num_rows, num_heads, head_size = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dtype != torch.float32 or not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous float32")
     query = query.contiguous()
-    block_tables = block_tables.to(torch.int32).contiguous()
-    context_lens = context_lens.to(torch.int32).contiguous()
+    block_tables, row_table, row_context = (t.to(torch.int32).contiguous()
+                                            for t in (block_tables, row_table, row_context))
     out = torch.empty_like(query)
-    lib.pagedllm_decode_attention_f32(
+    lib.pagedllm_paged_attention_f32(
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-        block_tables.stride(0), context_lens.data_ptr(), num_seqs, num_heads, num_kv_heads, head_size,
-        block_size, scale, out.data_ptr(), torch.get_num_threads())
+        block_tables.stride(0), row_table.data_ptr(), row_context.data_ptr(), num_rows, num_heads,
+        num_kv_heads, head_size, block_size, scale, out.data_ptr(), torch.get_num_threads())
     return out

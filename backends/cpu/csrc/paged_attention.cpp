@@ -1,9 +1,7 @@
-// Decode attention over paged float32 K/V, read in place from the blocks (no gather).
+// Attention over paged float32 K/V, read in place from the blocks (no gather).
 //
-// One work item per (request, KV head): the query heads that share the KV head read each
-// key and value once. Two passes over the context: scores (kept per thread), then the
-// softmax-weighted sum of values. Built with -fopenmp; inside a torch process the dynamic
-// loader resolves libgomp to the copy torch already loaded, so both share one thread pool.
+// Built with -fopenmp; inside a torch process the dynamic loader resolves libgomp to the copy
+// torch already loaded, so both share one thread pool.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -55,15 +53,19 @@ inline void axpy(float alpha, const float* x, float* y, int64_t n) {
 
 extern "C" {
 
-// q, out: [num_seqs, num_heads, head_size]; k_cache, v_cache: [num_blocks, block_size,
-// num_kv_heads, head_size]; block_tables: [num_seqs, table_stride]; context_lens: [num_seqs].
-// One work item per request: each block's rows (all KV heads of a token, contiguous) are read
-// once, front to back, for every query head; a single pass with an online softmax.
-void pagedllm_decode_attention_f32(const float* q, const float* k_cache, const float* v_cache,
-                                   const int32_t* block_tables, int64_t table_stride,
-                                   const int32_t* context_lens, int64_t num_seqs, int64_t num_heads,
-                                   int64_t num_kv_heads, int64_t head_size, int64_t block_size,
-                                   float scale, float* out, int num_threads) {
+// Attention of query rows over paged float32 K/V. Row r belongs to the request whose block
+// table is block_tables[row_table[r]] and attends to its first row_context[r] tokens: a decode
+// is one row per request; a prefill chunk of a request one row per new token, each with its
+// causal limit. q, out: [num_rows, num_heads, head_size]; k_cache, v_cache: [num_blocks,
+// block_size, num_kv_heads, head_size]; block_tables: [*, table_stride].
+// One work item per row: each block's token rows (all KV heads, contiguous) are read once,
+// front to back, for every query head; a single pass with an online softmax.
+void pagedllm_paged_attention_f32(const float* q, const float* k_cache, const float* v_cache,
+                                  const int32_t* block_tables, int64_t table_stride,
+                                  const int32_t* row_table, const int32_t* row_context,
+                                  int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,
+                                  int64_t head_size, int64_t block_size, float scale, float* out,
+                                  int num_threads) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_size;
   const int64_t block_stride = block_size * token_stride;
@@ -73,10 +75,10 @@ void pagedllm_decode_attention_f32(const float* q, const float* k_cache, const f
     std::vector<float> scores(num_heads * block_size), max(num_heads), sum(num_heads),
         acc(num_heads * head_size);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t seq = 0; seq < num_seqs; ++seq) {
-      const int64_t ctx = context_lens[seq];
-      const int32_t* table = block_tables + seq * table_stride;
-      const float* qs = q + seq * num_heads * head_size;
+    for (int64_t row = 0; row < num_rows; ++row) {
+      const int64_t ctx = row_context[row];
+      const int32_t* table = block_tables + row_table[row] * table_stride;
+      const float* qs = q + row * num_heads * head_size;
       std::fill(max.begin(), max.end(), -std::numeric_limits<float>::infinity());
       std::fill(sum.begin(), sum.end(), 0.f);
       std::fill(acc.begin(), acc.end(), 0.f);
@@ -113,7 +115,7 @@ void pagedllm_decode_attention_f32(const float* q, const float* k_cache, const f
           for (int64_t h = 0; h < num_heads; ++h)
             axpy(scores[h * block_size + t], v + (h / group) * head_size, acc.data() + h * head_size, head_size);
       }
-      float* os = out + seq * num_heads * head_size;
+      float* os = out + row * num_heads * head_size;
       for (int64_t h = 0; h < num_heads; ++h) {
         const float inv = ctx > 0 ? 1.f / sum[h] : 0.f;
         for (int64_t d = 0; d < head_size; ++d) os[h * head_size + d] = acc[h * head_size + d] * inv;
