@@ -12,7 +12,7 @@ from torch import nn
 
 from ..attention import AttentionMetadata, AttentionOps
 from .config import ModelConfig
-from .rope import RotaryEmbedding
+from .rope import RotaryEmbedding, rotate
 
 
 class RMSNorm(nn.Module):
@@ -50,15 +50,19 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def attention(self, x, positions, rope, kv_cache, meta: AttentionMetadata, ops: AttentionOps):
+    def attention(self, x, cos_sin, kv_cache, meta: AttentionMetadata, ops: AttentionOps):
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
+        qkv = self.qkv_proj(x)
+        q_size, kv_size, _ = self.split
+        v = qkv[:, q_size + kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:
+            # q and k sit side by side in the fused projection: one rotation for both
+            qk = qkv[:, :q_size + kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+            q, k = rotate(qk, *cos_sin).split((self.num_heads, self.num_kv_heads), dim=1)
+        else:
+            q = self.q_norm(qkv[:, :q_size].view(num_tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, q_size:q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_dim))
+            q, k = rotate(q, *cos_sin), rotate(k, *cos_sin)
         ops.write_kv(k, v, kv_cache, meta.slot_mapping)
         nd = meta.num_decode_tokens
         if meta.prefill is None:
@@ -70,8 +74,8 @@ class DecoderLayer(nn.Module):
                              ops.prefill_attention(q[nd:], kv_cache, meta.prefill, self.scale)))
         return self.o_proj(out.reshape(num_tokens, -1))
 
-    def forward(self, x, positions, rope, kv_cache, meta, ops):
-        x = x + self.attention(self.input_layernorm(x), positions, rope, kv_cache, meta, ops)
+    def forward(self, x, cos_sin, kv_cache, meta, ops):
+        x = x + self.attention(self.input_layernorm(x), cos_sin, kv_cache, meta, ops)
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)
 
@@ -92,8 +96,9 @@ class CausalLM(nn.Module):
                 meta: AttentionMetadata, ops: AttentionOps) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm; kv_caches: [L, 2, N, bs, KVH, D]."""
         x = self.embed_tokens(input_ids)
+        cos_sin = self.rope.cos_sin(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, self.rope, kv_caches[i], meta, ops)
+            x = layer(x, cos_sin, kv_caches[i], meta, ops)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
