@@ -10,6 +10,7 @@ backend keeps its plain-torch path; `unavailable_reason()` says why.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import os
@@ -46,18 +47,22 @@ def _build(cxx: str) -> str:
     with open(SOURCE, "rb") as f:
         key = hashlib.sha256(f.read() + version + _cpu_flags() + " ".join(FLAGS).encode()).hexdigest()[:16]
     target = os.path.join(cache_root("cpu_kernels"), f"paged_attention_{key}.so")
-    if not os.path.exists(target):
-        # build beside the target and rename: processes starting together never load half a file
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(target))
-        os.close(fd)
-        try:
-            done = subprocess.run([cxx, *FLAGS, SOURCE, "-o", tmp], capture_output=True, text=True)
-            if done.returncode != 0:
-                raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-500:]}")
-            os.replace(tmp, target)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+    if os.path.exists(target):
+        return target
+    with open(target + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # processes starting together: one builds, the others wait
+        if not os.path.exists(target):
+            # build beside the target and rename, so no process can load half a file
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(target))
+            os.close(fd)
+            try:
+                done = subprocess.run([cxx, *FLAGS, SOURCE, "-o", tmp], capture_output=True, text=True)
+                if done.returncode != 0:
+                    raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-500:]}")
+                os.replace(tmp, target)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
     return target
 
 
