@@ -72,8 +72,8 @@ class CpuAttentionOps(AttentionOps):
         kv_cache[1].view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
     def decode_attention(self, query, kv_cache, meta: DecodeMetadata, scale):
-        """The torch path sorts requests by context length and attends in a few groups, so that short
-        contexts are not padded to the longest one in the batch."""
+        """The torch path sorts requests by context length and attends in a few groups, so
+        that short contexts are not padded to the longest one in the batch."""
         if _compiled(query, kv_cache, meta):
             rows = torch.arange(query.shape[0], dtype=torch.int32)
             return native.paged_attention(query, kv_cache[0], kv_cache[1], meta.block_tables, rows,
