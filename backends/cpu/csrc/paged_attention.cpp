@@ -11,10 +11,14 @@
 
 namespace {
 
-inline float dot(const float* a, const float* b, int64_t n) {
+// HS > 0: the head size known at compile time (the common ones), so loops over it unroll and
+// per-head accumulators stay in registers; HS = 0: any head size.
+template <int64_t HS>
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  const int64_t len = HS ? HS : n;
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  for (int64_t i = 0; i < len; ++i) s += a[i] * b[i];
   return s;
 }
 
@@ -44,9 +48,49 @@ inline void prefetch(const float* p, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i, 0, 1);
 }
 
-inline void axpy(float alpha, const float* x, float* y, int64_t n) {
+// scores[h][t] = q_h . k_t * scale for the n tokens of one block, head by head so that the
+// query head stays in registers across the block's tokens.
+template <int64_t HS>
+void block_scores(const float* q, const float* k, int64_t n, int64_t num_heads, int64_t group,
+                  int64_t head_size, int64_t token_stride, int64_t block_size, float scale,
+                  float* scores) {
+  const int64_t hs = HS ? HS : head_size;
+  for (int64_t h = 0; h < num_heads; ++h) {
+    const float* qh = q + h * hs;
+    const float* kh = k + (h / group) * hs;
+    for (int64_t t = 0; t < n; ++t) scores[h * block_size + t] = dot<HS>(qh, kh + t * token_stride, hs) * scale;
+  }
+}
+
+// acc[h] += sum_t p[h][t] * v_t over the block's n tokens, head by head, the head's sum kept in
+// a local array (registers, when HS is known) instead of memory for every token.
+template <int64_t HS>
+void block_values(const float* p, const float* v, int64_t n, int64_t num_heads, int64_t group,
+                  int64_t head_size, int64_t token_stride, int64_t block_size, float* acc) {
+  const int64_t hs = HS ? HS : head_size;
+  for (int64_t h = 0; h < num_heads; ++h) {
+    const float* vh = v + (h / group) * hs;
+    const float* ph = p + h * block_size;
+    float* a = acc + h * hs;
+    if constexpr (HS > 0) {
+      float sum[HS];
+      for (int64_t d = 0; d < HS; ++d) sum[d] = a[d];
+      for (int64_t t = 0; t < n; ++t) {
+        const float w = ph[t];
+        const float* vt = vh + t * token_stride;
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+        for (int64_t d = 0; d < HS; ++d) sum[d] += w * vt[d];
+      }
+      for (int64_t d = 0; d < HS; ++d) a[d] = sum[d];
+    } else {
+      for (int64_t t = 0; t < n; ++t) {
+        const float w = ph[t];
+        const float* vt = vh + t * token_stride;
+#pragma omp simd
+        for (int64_t d = 0; d < hs; ++d) a[d] += w * vt[d];
+      }
+    }
+  }
 }
 
 }  // namespace
@@ -92,9 +136,11 @@ void pagedllm_paged_attention_f32(const float* q, const float* k_cache, const fl
           prefetch(k_cache + next, rows * token_stride);
           prefetch(v_cache + next, rows * token_stride);
         }
-        for (int64_t t = 0; t < n; ++t, k += token_stride)
-          for (int64_t h = 0; h < num_heads; ++h)
-            scores[h * block_size + t] = dot(qs + h * head_size, k + (h / group) * head_size, head_size) * scale;
+        switch (head_size) {
+          case 64: block_scores<64>(qs, k, n, num_heads, group, head_size, token_stride, block_size, scale, scores.data()); break;
+          case 128: block_scores<128>(qs, k, n, num_heads, group, head_size, token_stride, block_size, scale, scores.data()); break;
+          default: block_scores<0>(qs, k, n, num_heads, group, head_size, token_stride, block_size, scale, scores.data());
+        }
         for (int64_t h = 0; h < num_heads; ++h) {
           float* s = scores.data() + h * block_size;
           float m = max[h];
@@ -111,9 +157,11 @@ void pagedllm_paged_attention_f32(const float* q, const float* k_cache, const fl
           if (rescale != 1.f)
             for (float *a = acc.data() + h * head_size, *e = a + head_size; a != e; ++a) *a *= rescale;
         }
-        for (int64_t t = 0; t < n; ++t, v += token_stride)
-          for (int64_t h = 0; h < num_heads; ++h)
-            axpy(scores[h * block_size + t], v + (h / group) * head_size, acc.data() + h * head_size, head_size);
+        switch (head_size) {
+          case 64: block_values<64>(scores.data(), v, n, num_heads, group, head_size, token_stride, block_size, acc.data()); break;
+          case 128: block_values<128>(scores.data(), v, n, num_heads, group, head_size, token_stride, block_size, acc.data()); break;
+          default: block_values<0>(scores.data(), v, n, num_heads, group, head_size, token_stride, block_size, acc.data());
+        }
       }
       float* os = out + row * num_heads * head_size;
       for (int64_t h = 0; h < num_heads; ++h) {
