@@ -103,7 +103,34 @@ def test_compiled_decode_kernel_builds_here_and_can_be_turned_off(tmp_path):
                               env={**os.environ, "PAGEDLLM_CACHE": str(tmp_path), **env})
         return done.stdout.strip()
     assert reason() == "None"
-    assert list((tmp_path / "cpu_kernels").glob("paged_attention_*.so"))
+    assert list((tmp_path / "cpu_kernels").glob("kernels_*.so"))
     assert reason(PAGEDLLM_CPU_KERNELS="0") == "PAGEDLLM_CPU_KERNELS=0"
     failed = reason(CXX="false", PAGEDLLM_CACHE=str(tmp_path / "other"))
-    assert failed.startswith("building paged_attention.cpp: false failed"), failed
+    assert failed.startswith("building kernels.cpp: false failed"), failed
+
+
+@pytest.mark.skipif(native.unavailable_reason() is not None, reason="compiled kernels unavailable")
+def test_fused_rms_norm_and_silu_and_mul_match_torch():
+    from pagedllm.backends.models.decoder import RMSNorm, silu_and_mul
+    gen = torch.Generator().manual_seed(0)
+    for rows, size in ((1, 64), (7, 256), (300, 704)):  # below and above the threading cut-off
+        x = torch.randn(rows, size, generator=gen) * 3
+        norm = RMSNorm(size, 1e-6)
+        norm.weight.data = torch.randn(size, generator=gen)
+        torch.testing.assert_close(native.rms_norm(x, norm.weight, norm.eps), norm(x), rtol=1e-6, atol=1e-6)
+        gate_up = torch.cat((torch.linspace(-100, 100, rows * size).view(rows, size), x), dim=1)
+        torch.testing.assert_close(native.silu_and_mul(gate_up), silu_and_mul(gate_up), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="float32"):
+        native.silu_and_mul(x.bfloat16())
+
+
+@pytest.mark.skipif(native.unavailable_reason() is not None, reason="compiled kernels unavailable")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_kernels_replace_the_torch_ops_in_float32_only(tiny_model, dtype):
+    from pagedllm.backends.cpu.ops import FusedRMSNorm
+    from pagedllm.backends.models.loader import load_model
+    model = load_model(tiny_model("llama"), dtype)
+    CpuAttentionOps().prepare_model(model)
+    fused = dtype == "float32"
+    assert isinstance(model.norm, FusedRMSNorm) == fused
+    assert all((layer.act is native.silu_and_mul) == fused for layer in model.layers)

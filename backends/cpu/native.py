@@ -1,4 +1,5 @@
-"""The cpu backend's compiled attention kernel (csrc/paged_attention.cpp).
+"""The cpu backend's compiled kernels (csrc/kernels.cpp): float32 paged attention, RMSNorm and
+the gated MLP's activation.
 
 Plain C++ with OpenMP, no torch headers: it builds with the system compiler in about a second
 on first use, is cached under ~/.cache/pagedllm/cpu_kernels keyed by the source, the compiler
@@ -22,7 +23,7 @@ import torch
 
 from pagedllm.core.cache_dir import cache_root
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "paged_attention.cpp")
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "kernels.cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 DISABLE_ENV = "PAGEDLLM_CPU_KERNELS"
 
@@ -46,7 +47,7 @@ def _build(cxx: str) -> str:
     version = subprocess.run([cxx, "--version"], capture_output=True).stdout
     with open(SOURCE, "rb") as f:
         key = hashlib.sha256(f.read() + version + _cpu_flags() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    target = os.path.join(cache_root("cpu_kernels"), f"paged_attention_{key}.so")
+    target = os.path.join(cache_root("cpu_kernels"), f"kernels_{key}.so")
     if os.path.exists(target):
         return target
     with open(target + ".lock", "w") as lock:
@@ -77,14 +78,52 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         lib = ctypes.CDLL(_build(cxx))
     except (OSError, RuntimeError) as e:
         return None, f"building {os.path.basename(SOURCE)}: {e}"
-    fn = lib.pagedllm_paged_attention_f32
-    fn.restype = None
-    fn.argtypes = [_p, _p, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _p, ctypes.c_int]
+    signatures = {
+        "pagedllm_paged_attention_f32": [_p, _p, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64,
+                                         ctypes.c_float, _p, ctypes.c_int],
+        "pagedllm_rms_norm_f32": [_p, _p, ctypes.c_float, _p, _i64, _i64, ctypes.c_int],
+        "pagedllm_silu_and_mul_f32": [_p, _p, _i64, _i64, ctypes.c_int],
+    }
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = None, argtypes
     return lib, None
 
 
 def unavailable_reason() -> str | None:
     return _load()[1]
+
+
+def _library() -> ctypes.CDLL:
+    lib, reason = _load()
+    if lib is None:
+        raise RuntimeError(f"cpu kernels unavailable: {reason}")
+    return lib
+
+
+def _float32(name: str, t: torch.Tensor) -> torch.Tensor:
+    if t.dtype != torch.float32:
+        raise ValueError(f"{name} must be float32, got {t.dtype}")
+    return t.contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension of float32 x."""
+    x, weight = _float32("x", x), _float32("weight", weight)
+    out = torch.empty_like(x)
+    _library().pagedllm_rms_norm_f32(x.data_ptr(), weight.data_ptr(), eps, out.data_ptr(),
+                                     x.numel() // x.shape[-1], x.shape[-1], torch.get_num_threads())
+    return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2I] float32 = [gate | up] -> silu(gate) * up [..., I]."""
+    x = _float32("x", x)
+    size = x.shape[-1] // 2
+    out = torch.empty(*x.shape[:-1], size, dtype=x.dtype)
+    _library().pagedllm_silu_and_mul_f32(x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], size,
+                                         torch.get_num_threads())
+    return out
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -93,19 +132,16 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """query [R, H, Dh] float32, one row per query token; k_cache/v_cache [N, bs, KVH, Dh]
     float32, contiguous; block_tables [S, max_blocks] int32; row r uses table row_table[r] and
     attends to its first row_context[r] tokens (at most max_blocks * bs). Returns [R, H, Dh]."""
-    lib, reason = _load()
-    if lib is None:
-        raise RuntimeError(f"cpu attention kernel unavailable: {reason}")
     num_rows, num_heads, head_size = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dtype != torch.float32 or not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous float32")
-    query = query.contiguous()
+    query = _float32("query", query)
     block_tables, row_table, row_context = (t.to(torch.int32).contiguous()
                                             for t in (block_tables, row_table, row_context))
     out = torch.empty_like(query)
-    lib.pagedllm_paged_attention_f32(
+    _library().pagedllm_paged_attention_f32(
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         block_tables.stride(0), row_table.data_ptr(), row_context.data_ptr(), num_rows, num_heads,
         num_kv_heads, head_size, block_size, scale, out.data_ptr(), torch.get_num_threads())

@@ -28,6 +28,11 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -49,6 +54,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act = silu_and_mul  # a backend may swap in a fused kernel (prepare_model)
 
     def attention(self, x, cos_sin, kv_cache, meta: AttentionMetadata, ops: AttentionOps):
         num_tokens = x.shape[0]
@@ -76,8 +82,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos_sin, kv_cache, meta, ops):
         x = x + self.attention(self.input_layernorm(x), cos_sin, kv_cache, meta, ops)
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        return x + self.down_proj(self.act(self.gate_up_proj(self.post_attention_layernorm(x))))
 
 
 class CausalLM(nn.Module):

@@ -22,10 +22,11 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t n
   return s;
 }
 
-// exp for x <= 0 (scores minus their max), Cephes' expf: range reduction by ln 2 and a
-// degree-6 polynomial, within 2 ulp of std::exp; unlike std::exp the loop below vectorizes.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);  // exp(-87) ~ 1.6e-38 still has a normal 2^n scale
+// exp(x), Cephes' expf: range reduction by ln 2 and a degree-6 polynomial, within 2 ulp of
+// std::exp; unlike std::exp, loops calling it vectorize. x is clamped to [-87, 88], where the
+// 2^n scale stays a normal float (exp(-87) ~ 1.6e-38: zero for every use here).
+inline float exp_clamped(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
   const float n = std::floor(x * 1.44269504088896341f + 0.5f);
   const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
@@ -145,11 +146,11 @@ void pagedllm_paged_attention_f32(const float* q, const float* k_cache, const fl
           float* s = scores.data() + h * block_size;
           float m = max[h];
           for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
-          const float rescale = exp_nonpositive(max[h] - m);  // ~0 on the first block
+          const float rescale = exp_clamped(max[h] - m);  // ~0 on the first block
           float block_sum = 0.f;
 #pragma omp simd reduction(+ : block_sum)
           for (int64_t t = 0; t < n; ++t) {
-            s[t] = exp_nonpositive(s[t] - m);
+            s[t] = exp_clamped(s[t] - m);
             block_sum += s[t];
           }
           sum[h] = sum[h] * rescale + block_sum;
@@ -169,6 +170,35 @@ void pagedllm_paged_attention_f32(const float* q, const float* k_cache, const fl
         for (int64_t d = 0; d < head_size; ++d) os[h * head_size + d] = acc[h * head_size + d] * inv;
       }
     }
+  }
+}
+
+// out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight, for rows of `size` floats; the order of
+// operations of transformers' LlamaRMSNorm in float32.
+void pagedllm_rms_norm_f32(const float* x, const float* weight, float eps, float* out, int64_t rows,
+                           int64_t size, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * size >= 16384)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * size;
+    float* o = out + r * size;
+    float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+    for (int64_t i = 0; i < size; ++i) squares += xr[i] * xr[i];
+    const float inv = 1.f / std::sqrt(squares / static_cast<float>(size) + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < size; ++i) o[i] = weight[i] * (xr[i] * inv);
+  }
+}
+
+// The gated MLP's activation: x[r] = [gate | up], each `size` floats; out[r] = silu(gate) * up.
+void pagedllm_silu_and_mul_f32(const float* x, float* out, int64_t rows, int64_t size, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * size >= 16384)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* gate = x + r * 2 * size;
+    const float* up = gate + size;
+    float* o = out + r * size;
+#pragma omp simd
+    for (int64_t i = 0; i < size; ++i) o[i] = gate[i] / (1.f + exp_clamped(-gate[i])) * up[i];
   }
 }
 
