@@ -15,8 +15,8 @@ ATOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
 @pytest.fixture(params=["compiled", "torch"])
-def decode_path(request, monkeypatch):
-    """float32 decode runs the compiled kernel where it builds; both paths are checked."""
+def attention_path(request, monkeypatch):
+    """float32 attention runs the compiled kernel where it builds; both paths are checked."""
     if request.param == "torch":
         monkeypatch.setattr(native, "unavailable_reason", lambda: "off for this test")
     elif native.unavailable_reason() is not None:
@@ -27,7 +27,7 @@ def decode_path(request, monkeypatch):
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("head_size", [64, 80, 128])
 @pytest.mark.parametrize("group", [1, 4, 8])
-def test_decode_attention(block_size, head_size, group, decode_path):
+def test_decode_attention(block_size, head_size, group, attention_path):
     ctx = context_lengths(block_size)
     case = make_case([1] * len(ctx), ctx, block_size, head_size, num_kv_heads=2, group=group,
                      seed=block_size * head_size + group)
@@ -38,7 +38,7 @@ def test_decode_attention(block_size, head_size, group, decode_path):
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("head_size", [64, 80, 128])
 @pytest.mark.parametrize("group", [1, 4, 8])
-def test_prefill_and_chunked_prefill_attention(block_size, head_size, group):
+def test_prefill_and_chunked_prefill_attention(block_size, head_size, group, attention_path):
     ctx = context_lengths(block_size)
     # whole prompts, then chunks that continue after a cached prefix
     q_lens = ctx + [1, max(1, block_size - 2), 3, 100]
@@ -49,7 +49,7 @@ def test_prefill_and_chunked_prefill_attention(block_size, head_size, group):
 
 
 @pytest.mark.parametrize("phase", ["decode", "prefill"])
-def test_requests_sharing_blocks(phase):
+def test_requests_sharing_blocks(phase, attention_path):
     q_lens = [1, 1, 1] if phase == "decode" else [5, 17, 1]
     case = make_case(q_lens, [40, 53, 33], block_size=16, head_size=64, num_kv_heads=2, group=4,
                      share_prefix_blocks=2)

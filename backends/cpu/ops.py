@@ -1,8 +1,7 @@
 """The reference attention ops in plain torch: the numerical ground truth for every backend.
-In float32, three things run compiled kernels instead (native.py; PAGEDLLM_CPU_KERNELS=0 turns
-them off): decode attention, reading the blocks in place; RMSNorm; the MLP's silu-and-multiply. (Prefill stays here: the kernel computes
-one query row at a time, which measured no faster end to end than these batched GEMMs and
-~40% slower on 1000-token prompts.)
+In float32, compiled kernels (native.py) run instead: attention, reading the blocks in place
+(decode, prefill and chunked prefill), RMSNorm and the MLP's silu-and-multiply;
+PAGEDLLM_CPU_KERNELS=0 turns them off.
 
 Attention follows transformers' eager attention step for step — scores in the model dtype,
 softmax in float32, probabilities cast back — so in bfloat16 and float16 the reference
@@ -130,6 +129,14 @@ class CpuAttentionOps(AttentionOps):
         return out.transpose(0, 1).reshape(num_seqs, num_heads, head_size).to(query.dtype)
 
     def prefill_attention(self, query, kv_cache, meta: PrefillMetadata, scale):
+        if _compiled(query, kv_cache, meta):
+            # one row per new token: its request's table, and the context up to its own position
+            q_lens = torch.tensor(meta.query_lens)
+            rows = torch.repeat_interleave(torch.arange(len(meta.query_lens), dtype=torch.int32), q_lens)
+            ctx_before = (meta.context_lens.long() - q_lens).repeat_interleave(q_lens)
+            offsets = torch.arange(query.shape[0]) - meta.query_start_loc[:-1].long().repeat_interleave(q_lens)
+            return native.paged_attention(query, kv_cache[0], kv_cache[1], meta.block_tables, rows,
+                                          ctx_before + offsets + 1, scale)
         _, num_heads, head_size = query.shape
         _, _, block_size, num_kv_heads, _ = kv_cache.shape
         group = num_heads // num_kv_heads
