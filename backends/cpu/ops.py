@@ -1,5 +1,5 @@
 """The reference attention ops in plain torch: the numerical ground truth for every backend.
-In float32, compiled kernels (native.py) run instead: attention, reading the blocks in place
+In float32, where they build, compiled kernels (native.py) run instead: attention, reading the blocks in place
 (decode, prefill and chunked prefill), RMSNorm and the MLP's silu-and-multiply;
 PAGEDLLM_CPU_KERNELS=0 turns them off.
 
