@@ -1,7 +1,7 @@
 """The reference attention ops in plain torch: the numerical ground truth for every backend.
-In float32, where they build, compiled kernels (native.py) run instead: attention, reading the blocks in place
-(decode, prefill and chunked prefill), RMSNorm and the MLP's silu-and-multiply;
-PAGEDLLM_CPU_KERNELS=0 turns them off.
+In float32, where they build, compiled kernels (native.py) run instead: attention, reading
+the blocks in place (decode, prefill and chunked prefill), RMSNorm and the MLP's
+silu-and-multiply; PAGEDLLM_CPU_KERNELS=0 turns them off.
 
 Attention follows transformers' eager attention step for step — scores in the model dtype,
 softmax in float32, probabilities cast back — so in bfloat16 and float16 the reference
