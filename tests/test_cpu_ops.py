@@ -93,8 +93,8 @@ def test_copy_and_swap_blocks():
     assert not host[:, :, 1].any()
 
 
-def test_compiled_decode_kernel_builds_here_and_can_be_turned_off(tmp_path):
-    """The machines this project runs on have g++: the kernel must build there (else the
+def test_compiled_kernels_build_here_and_can_be_turned_off(tmp_path):
+    """The machines this project runs on have g++: the kernels must build there (else the
     cpu backend silently loses its fast path). Off with PAGEDLLM_CPU_KERNELS=0; a compiler that
     fails leaves the torch path and a reason naming the source."""
     probe = ("from pagedllm.backends.cpu import native; print(native.unavailable_reason())")
