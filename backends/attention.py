@@ -35,6 +35,17 @@ class PrefillMetadata:
     max_context_len: int
 
 
+def prefill_token_rows(meta: PrefillMetadata, num_tokens: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each of the prefill part's num_tokens query tokens: the index of its request (a row
+    of meta.block_tables) and its position in that request's sequence, int64; it attends to
+    positions 0..position. For kernels that handle one query token per row."""
+    q_lens = torch.tensor(meta.query_lens, dtype=torch.int64, device=device)
+    request = torch.repeat_interleave(torch.arange(len(meta.query_lens), device=device), q_lens)
+    starts = meta.query_start_loc.long()[request]
+    prefix = (meta.context_lens.long() - q_lens)[request]
+    return request, prefix + torch.arange(num_tokens, device=device) - starts
+
+
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token

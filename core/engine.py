@@ -108,8 +108,8 @@ class EngineCore:
                                       swap_segment=swap_segment, max_model_len=max_model_len))
         self._expect_from_worker(WorkerReady, WORKER_START_TIMEOUT_S)
         self._to_frontend(EngineReady(num_blocks=num_blocks, num_swap_blocks=num_swap,
-                                          block_size=cfg.block_size, max_model_len=max_model_len,
-                                          backend=cfg.backend, kv_segment=kv_segment))
+                                      block_size=cfg.block_size, max_model_len=max_model_len,
+                                      backend=cfg.backend, kv_segment=kv_segment))
 
     def _expect_from_worker(self, kind, timeout_s: float):
         deadline = time.monotonic() + timeout_s

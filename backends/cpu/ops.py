@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..attention import AttentionOps, DecodeMetadata, PrefillMetadata
+from ..attention import AttentionOps, DecodeMetadata, PrefillMetadata, prefill_token_rows
 from ..models.decoder import DecoderLayer, RMSNorm
 from . import native
 from .packed_linear import pack_linear_layers
@@ -131,12 +131,9 @@ class CpuAttentionOps(AttentionOps):
     def prefill_attention(self, query, kv_cache, meta: PrefillMetadata, scale):
         if _compiled(query, kv_cache, meta):
             # one row per new token: its request's table, and the context up to its own position
-            q_lens = torch.tensor(meta.query_lens)
-            rows = torch.repeat_interleave(torch.arange(len(meta.query_lens), dtype=torch.int32), q_lens)
-            ctx_before = (meta.context_lens.long() - q_lens).repeat_interleave(q_lens)
-            offsets = torch.arange(query.shape[0]) - meta.query_start_loc[:-1].long().repeat_interleave(q_lens)
-            return native.paged_attention(query, kv_cache[0], kv_cache[1], meta.block_tables, rows,
-                                          ctx_before + offsets + 1, scale)
+            request, position = prefill_token_rows(meta, query.shape[0], query.device)
+            return native.paged_attention(query, kv_cache[0], kv_cache[1], meta.block_tables, request,
+                                          position + 1, scale)
         _, num_heads, head_size = query.shape
         _, _, block_size, num_kv_heads, _ = kv_cache.shape
         group = num_heads // num_kv_heads

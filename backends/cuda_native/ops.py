@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.backends.attention import AttentionOps, DecodeMetadata, PrefillMetadata
+from pagedllm.backends.attention import AttentionOps, DecodeMetadata, PrefillMetadata, prefill_token_rows
 
 from .build import find_nvcc, load_extension
 
@@ -63,12 +63,7 @@ class NativeCudaAttentionOps(AttentionOps):
                             -(-meta.max_context_len // PARTITION))
 
     def prefill_attention(self, query, kv_cache, meta: PrefillMetadata, scale):
-        device = query.device
-        q_lens = torch.tensor(meta.query_lens, dtype=torch.int64, device=device)
-        request = torch.repeat_interleave(torch.arange(len(meta.query_lens), device=device), q_lens)
-        starts = meta.query_start_loc.long()[request]
-        prefix = (meta.context_lens.long() - q_lens)[request]
-        position = prefix + torch.arange(query.shape[0], device=device) - starts
+        request, position = prefill_token_rows(meta, query.shape[0], query.device)
         return self._attend(query, kv_cache, meta.block_tables, request.int(), position.int(), scale, 1)
 
     def copy_blocks(self, kv_caches, pairs):
