@@ -24,13 +24,16 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-@functools.lru_cache(maxsize=1)
-def packing_available() -> bool:
+@functools.lru_cache(maxsize=None)
+def packing_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether oneDNN packs `dtype` weights on this CPU (bfloat16 needs AVX-512 or AVX-NE-CONVERT)."""
     if not torch.backends.mkldnn.is_available():
         return False
     try:
-        w, b, x = torch.randn(24, 16), torch.randn(24), torch.randn(5, 16)
-        return torch.allclose(_packed_linear(x, _pack(w), b), F.linear(x, w, b), atol=1e-4)
+        w, b, x = (torch.randn(24, 16), torch.randn(24), torch.randn(5, 16))
+        w, b, x = w.to(dtype), b.to(dtype), x.to(dtype)
+        tol = 1e-4 if dtype == torch.float32 else 5e-2
+        return torch.allclose(_packed_linear(x, _pack(w), b).float(), F.linear(x, w, b).float(), atol=tol, rtol=tol)
     except (RuntimeError, AttributeError):
         return False
 
@@ -51,12 +54,10 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 def pack_linear_layers(model: nn.Module) -> int:
     """Replace every float32/bfloat16 CPU nn.Linear in `model` by a PackedLinear; returns how many."""
-    if not packing_available():
-        return 0
     targets = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children()
                if type(child) is nn.Linear and child.weight.device.type == "cpu"
-               and child.weight.dtype in PACKED_DTYPES]
+               and child.weight.dtype in PACKED_DTYPES and packing_available(child.weight.dtype)]
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child))
     return len(targets)
