@@ -56,9 +56,27 @@ class AttentionMetadata:
 
 
 class AttentionOps:
-    """One backend's kernels. Every method works on one layer's cache unless it says otherwise."""
+    """One backend's kernels and the facts the worker needs about it; every member has a
+    working default, so a port overrides only what differs. Every op works on one layer's
+    cache unless it says otherwise. See docs/porting.md."""
 
     name = "abstract"
+    # torch device the worker loads the model onto and builds each step's inputs on
+    device: str = "cpu"
+    # True: the KV pool lives in the engine core's shared-memory segment (host memory), so it
+    # outlives the worker; False: the backend allocates it on its device after profiling
+    kv_in_shared_memory: bool = True
+    # model dtypes the ops accept; the conformance suite tests these
+    supported_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
+
+    @staticmethod
+    def unavailable_reason() -> str | None:
+        """Why this backend cannot run here (no device, no compiler), or None. Asked before
+        the backend is instantiated; `--backend cuda` uses it to pick a backend."""
+        return None
+
+    def prepare_process(self) -> None:
+        """Once, in the worker process, before the model loads (e.g. tune the allocator)."""
 
     def prepare_model(self, model) -> None:
         """A chance to adapt the loaded model to this backend (e.g. pack weights)."""
@@ -95,3 +113,9 @@ class AttentionOps:
         src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=src_caches.device)
         dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=dst_caches.device)
         dst_caches[:, :, dst] = src_caches[:, :, src].to(dst_caches.device)
+
+
+def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself if its last dimension is dense, else a contiguous copy (for kernels that index
+    rows by stride but read each row as one run)."""
+    return t if t.stride(-1) == 1 else t.contiguous()

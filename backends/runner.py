@@ -7,6 +7,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedllm.core.utils import cdiv
+from pagedllm.core.worker_state import slot_mapping
+
 from .attention import AttentionMetadata, AttentionOps, DecodeMetadata, PrefillMetadata
 
 
@@ -35,7 +38,7 @@ def prepare_batch(seqs: list[SeqInput], block_size: int, device="cpu") -> StepBa
     q_lens = np.array([len(seqs[i].token_ids) for i in order], dtype=np.int64)
     starts = np.array([seqs[i].start_pos for i in order], dtype=np.int64)
     ctx_lens = starts + q_lens
-    max_blocks = max(-(-int(c) // block_size) for c in ctx_lens)
+    max_blocks = max(cdiv(int(c), block_size) for c in ctx_lens)
     tables = np.zeros((len(order), max_blocks), dtype=np.int32)
     for row, i in enumerate(order):
         ids = seqs[i].block_ids[:max_blocks]
@@ -44,7 +47,7 @@ def prepare_batch(seqs: list[SeqInput], block_size: int, device="cpu") -> StepBa
     ends = np.cumsum(q_lens)
     seq_of_token = np.repeat(np.arange(len(order)), q_lens)
     positions = np.arange(num_tokens) - np.repeat(ends - q_lens, q_lens) + starts[seq_of_token]
-    slots = tables[seq_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    slots = slot_mapping(tables, seq_of_token, positions, block_size)
     input_ids = np.fromiter((t for i in order for t in seqs[i].token_ids), dtype=np.int64, count=num_tokens)
     logits_rows = np.empty(len(seqs), dtype=np.int64)
     logits_rows[np.array(order, dtype=np.int64)] = ends - 1

@@ -1,20 +1,19 @@
 """The backend worker process: holds the model and the KV cache, runs the steps the core plans.
 
-It keeps per-request state (token ids, block table, computed count) and applies each step's
-differences to it; the core never resends what the worker already has.
+It keeps per-request state (token ids, block table, computed count: core.worker_state) and
+applies each step's differences to it; the core never resends what the worker already has.
 `python -m pagedllm.backends.worker --rank 0 --input ENDPOINT --output ENDPOINT --config JSON`
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
 import time
 import traceback
-from dataclasses import dataclass
-
 import msgspec
 import numpy as np
 import torch
@@ -26,9 +25,9 @@ from pagedllm.core.ipc import Channel
 from pagedllm.core.outputs import SchedulerOutput
 from pagedllm.core.protocol import (InitCache, KVSpec, Shutdown, Step, StepResult, TokenLogprobs, ToWorker,
                                     WorkerFailed, WorkerHello, WorkerReady)
-from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.core.worker_state import WorkerState
 
-from . import gpu
+from .gpu.dtype import default_dtype
 from .models.config import DTYPES
 from .models.loader import load_model
 from .registry import load_backend
@@ -36,17 +35,8 @@ from .runner import ModelRunner, SeqInput
 from .sampler import Sampler, SamplingRow
 
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+logger = logging.getLogger("pagedllm.backends")
 POLL_MS = 100
-
-
-@dataclass
-class RequestState:
-    token_ids: list[int]
-    num_prompt_tokens: int
-    params: SamplingParams
-    block_ids: list[int]
-    num_computed: int
-    eos_token_id: int | None
 
 
 class Worker:
@@ -55,12 +45,13 @@ class Worker:
         self.rank = rank
         torch.manual_seed(config.seed)
         self.ops = load_backend(config.backend)
-        self.device = getattr(self.ops, "device", "cpu")
+        self.ops.prepare_process()
+        self.device = self.ops.device
         self.on_gpu = str(self.device).startswith("cuda")
-        dtype = gpu.default_dtype(config.model, config.dtype) if self.on_gpu else config.dtype
+        dtype = default_dtype(config.model, config.dtype) if self.on_gpu else config.dtype
         self.model = load_model(config.model, dtype=dtype, device=self.device)
         self.model_config = self.model.config
-        self.states: dict[str, RequestState] = {}
+        self.state = WorkerState()
         self.runner: ModelRunner | None = None
         self.sampler = Sampler(config.seed)
         self._mappings = []
@@ -72,7 +63,7 @@ class Worker:
         return WorkerHello(
             rank=self.rank, kv_spec=kv_spec,
             max_position_embeddings=cfg.max_position_embeddings, sliding_window=cfg.sliding_window,
-            kv_in_shared_memory=getattr(self.ops, "kv_in_shared_memory", True),
+            kv_in_shared_memory=self.ops.kv_in_shared_memory,
             num_device_blocks=self._profile_num_blocks(kv_spec.bytes_per_block_slot))
 
     def _profile_num_blocks(self, slot_bytes: int) -> int | None:
@@ -80,7 +71,8 @@ class Worker:
         if not self.on_gpu or cfg.num_kv_blocks:
             return None
         max_len = cfg.max_model_len or self.model_config.max_position_embeddings
-        return gpu.profile_num_blocks(self.model, self.ops, cfg.block_size, slot_bytes,
+        from .gpu.memory import profile_num_blocks
+        return profile_num_blocks(self.model, self.ops, cfg.block_size, slot_bytes,
                                       cfg.max_num_batched_tokens or max(2048, max_len), max_len,
                                       cfg.gpu_memory_utilization, self.device)
 
@@ -99,67 +91,50 @@ class Worker:
             if msg.num_swap_blocks else None
         self.runner = ModelRunner(self.model, self.ops, kv, msg.block_size, self.device)
         if self.on_gpu:
-            if self.swap is not None and not gpu.pin(self.swap):
-                gpu.warn("could not pin the swap space; swapping will be slower")
-            if not self.config.enforce_eager:
-                graphs = gpu.DecodeGraphs(self.model, self.ops, kv, msg.block_size,
-                                          min(self.config.max_num_seqs, gpu.GRAPH_BATCH_SIZES[-1]), msg.max_model_len)
-                try:
-                    graphs.capture()
-                    self.runner.decode_graphs = graphs
-                except Exception as e:  # noqa: BLE001 - eager mode still works
-                    gpu.warn(f"CUDA graph capture failed, running eagerly: {e}")
+            self._prepare_gpu(kv, msg)
         return WorkerReady(rank=self.rank)
 
+    def _prepare_gpu(self, kv: torch.Tensor, msg: InitCache) -> None:
+        from .gpu.graphs import GRAPH_BATCH_SIZES, DecodeGraphs
+        from .gpu.pinning import pin
+
+        if self.swap is not None and not pin(self.swap):
+            logger.warning("could not pin the swap space; swapping will be slower")
+        if self.config.enforce_eager:
+            return
+        graphs = DecodeGraphs(self.model, self.ops, kv, msg.block_size,
+                              min(self.config.max_num_seqs, GRAPH_BATCH_SIZES[-1]), msg.max_model_len)
+        try:
+            graphs.capture()
+            self.runner.decode_graphs = graphs
+        except Exception as e:  # noqa: BLE001 - eager mode still works
+            logger.warning("CUDA graph capture failed, running eagerly: %s", e)
+
     def execute(self, plan: SchedulerOutput) -> StepResult:
-        states = self.states
-        for rid in plan.finished_request_ids:
-            states.pop(rid, None)
-        for rid in plan.preempted_request_ids:
-            states.pop(rid, None)
+        chunks = self.state.apply(plan)
         kv = self.runner.kv_caches
         self.ops.swap_blocks(kv, self.swap, plan.swap_out)
         self.ops.swap_blocks(self.swap, kv, plan.swap_in)
         self.ops.copy_blocks(kv, plan.block_copies)
-        for new in plan.new_requests:
-            states[new.request_id] = RequestState(
-                new.token_ids.tolist(), new.num_prompt_tokens, new.sampling_params, list(new.block_ids),
-                new.num_computed_tokens, new.eos_token_id)
-        for rid, (start, ids) in plan.block_table_deltas.items():
-            blocks = states[rid].block_ids
-            del blocks[start:]
-            blocks.extend(ids)
-        for rid, token in plan.appended_token_ids.items():
-            states[rid].token_ids.append(token)
-
-        seqs, order = [], []
-        for rid, n in plan.num_scheduled_tokens.items():
-            st = states[rid]
-            seqs.append(SeqInput(st.token_ids[st.num_computed:st.num_computed + n], st.num_computed,
-                                 st.block_ids))
-            st.num_computed += n
-            order.append(st)
         t0 = time.perf_counter()
-        logits = self.runner.execute(seqs)
-        rows = [i for i, st in enumerate(order) if st.num_computed == len(st.token_ids)]
-        sampled = np.full(len(order), -1, dtype=np.int64)
+        logits = self.runner.execute([SeqInput(c.token_ids, c.start, c.state.block_ids) for c in chunks])
+        rows = [i for i, c in enumerate(chunks) if c.state.samples]
+        sampled = np.full(len(chunks), -1, dtype=np.int64)
         logprobs = None
         if rows:
-            batch = [order[i] for i in rows]
-            if len(rows) < len(order):
+            batch = [chunks[i] for i in rows]
+            if len(rows) < len(chunks):
                 logits = logits[rows]
-            out = self.sampler(logits, [SamplingRow(st.params, st.token_ids, st.num_prompt_tokens,
-                                                          st.eos_token_id) for st in batch])
-            for i, st, tok in zip(rows, batch, out.token_ids):
-                if not st.params.beam_width:  # a beam's next token is chosen by the core
-                    st.token_ids.append(tok)
-                sampled[i] = tok
-            rids = list(plan.num_scheduled_tokens)
-            for i, lp in zip(rows, out.logprobs):
+            out = self.sampler(logits, [SamplingRow(c.state.params, c.state.token_ids, c.state.num_prompt_tokens,
+                                                    c.state.eos_token_id) for c in batch])
+            for i, chunk, token in zip(rows, batch, out.token_ids):
+                self.state.add_sampled(chunk.state, token)
+                sampled[i] = token
+            for chunk, lp in zip(batch, out.logprobs):
                 if lp is not None:
                     logprobs = logprobs or {}
-                    logprobs[rids[i]] = TokenLogprobs(lp.token_logprob, lp.rank, lp.top_token_ids,
-                                                      lp.top_logprobs)
+                    logprobs[chunk.request_id] = TokenLogprobs(lp.token_logprob, lp.rank, lp.top_token_ids,
+                                                               lp.top_logprobs)
         return StepResult(step_id=plan.step_id, sampled_token_ids=sampled, logprobs=logprobs,
                           forward_seconds=time.perf_counter() - t0)
 

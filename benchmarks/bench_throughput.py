@@ -1,5 +1,6 @@
-"""Offline throughput: one seeded synthetic workload through pagedllm and through
-transformers (static batches with padding, and its own continuous batching), in one run.
+"""Offline throughput: one seeded synthetic workload through pagedllm and through its peers —
+transformers (static batches with padding; its own continuous batching) and, given an
+environment with it, vLLM — in one run. `pagedllm bench throughput` runs this too.
 
     python -m pagedllm.benchmarks.bench_throughput                       # 200 long-tailed requests
     python -m pagedllm.benchmarks.bench_throughput --workload uniform --num-prompts 64
@@ -13,11 +14,14 @@ Model: the 19M-parameter random Llama (hidden 256, 4 layers, 8 heads, 4 KV heads
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import time
 
 from .bench_decode_step import scratch_dir, small_llama_dir
 from .workload import synthetic_lengths, synthetic_prompts
+
+PEERS = ("hf-static", "hf-cb", "vllm")
 
 
 def make_workload(kind: str, num: int, seed: int, vocab: int):
@@ -45,6 +49,40 @@ def run_pagedllm(model_dir, prompts, max_tokens, dtype, kv_cache_memory, backend
     return seconds, [o.outputs[0].token_ids for o in outs], startup, stats
 
 
+def compare(hf, model_dir, prompts, max_tokens, peers, *, dtype="float32", kv_cache_memory="2GiB",
+            backend="cpu", batch_size=16, vllm_python=None, vllm_work=None) -> dict:
+    """The workload through pagedllm, then each peer; prints the table and returns the results
+    (report.SystemResult, pagedllm first, each with its greedy agreement with pagedllm)."""
+    from . import report
+    from .peers import hf_continuous, hf_static, vllm_subprocess
+
+    secs, ours, startup, stats = run_pagedllm(model_dir, prompts, max_tokens, dtype, kv_cache_memory, backend)
+    results = [report.account(f"pagedllm ({backend})", secs, prompts, max_tokens, ours)]
+    results[0].extra = {"startup_seconds": startup, "steps": stats.steps}
+    overhead = (stats.step_seconds - stats.forward_seconds) / max(stats.steps, 1)
+    print(f"pagedllm start-up {startup:.2f} s; {stats.steps} steps, engine overhead {overhead * 1e3:.2f} ms/step")
+    versions = {}
+    for peer in peers:
+        if peer == "hf-static":
+            s, toks = hf_static(hf, prompts, max_tokens, batch_size)
+            results.append(report.account(f"transformers static batch {batch_size}", s, prompts, max_tokens, toks))
+        elif peer == "hf-cb":
+            s, toks = hf_continuous(hf, prompts, max_tokens)
+            results.append(report.account("transformers continuous batching", s, prompts, max_tokens, toks))
+        elif peer == "vllm":
+            print("running vLLM in its own environment (its start-up takes a minute or so)...", flush=True)
+            s, toks, vllm_startup, versions["vllm"] = vllm_subprocess(
+                vllm_python, model_dir, prompts, max_tokens, dtype, vllm_work)
+            results.append(report.account(f"vLLM {versions['vllm']} (CPU)", s, prompts, max_tokens, toks))
+            results[-1].extra = {"startup_seconds": vllm_startup}
+            print(f"start-up: pagedllm {startup:.1f} s, vLLM {vllm_startup:.1f} s "
+                  f"({vllm_startup / startup:.1f}x faster)")
+        results[-1].agreement = report.agreement(ours, toks)
+    print()
+    print(report.format_table(results))
+    return {"results": results, "peer_versions": versions}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", choices=["sharegpt", "uniform"], default="sharegpt")
@@ -55,36 +93,22 @@ def main(argv=None):
     ap.add_argument("--kv-cache-memory", default="2GiB")
     ap.add_argument("--batch-size", type=int, default=16, help="transformers static batch size")
     ap.add_argument("--vs", default="hf-static,hf-cb", help="peers to run: hf-static, hf-cb (or none)")
+    ap.add_argument("--vllm-python", default=None, help="python of an environment with vLLM: adds vLLM")
     args = ap.parse_args(argv)
 
     import torch
     from transformers import AutoModelForCausalLM
-
-    from .peers import hf_continuous, hf_static
-    from .report import account, agreement, format_table
 
     model_dir = args.model or small_llama_dir(scratch_dir(), args.dtype)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
     prompts, max_tokens = make_workload(args.workload, args.num_prompts, args.seed, hf.config.vocab_size)
     print(f"workload: {args.workload}, {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, "
           f"{sum(max_tokens)} output tokens requested; dtype {args.dtype}")
+    peers = [p for p in args.vs.split(",") if p in PEERS] + (["vllm"] if args.vllm_python else [])
+    compare(hf, model_dir, prompts, max_tokens, peers, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
+            batch_size=args.batch_size, vllm_python=args.vllm_python,
+            vllm_work=os.path.join(scratch_dir(), "vllm-work"))
 
-    secs, ours, startup, stats = run_pagedllm(model_dir, prompts, max_tokens, args.dtype, args.kv_cache_memory)
-    results = [account("pagedllm (cpu backend)", secs, prompts, max_tokens, ours)]
-    print(f"pagedllm start-up {startup:.2f} s; {stats.steps} steps, engine overhead "
-          f"{(stats.step_seconds - stats.forward_seconds) / max(stats.steps, 1) * 1e3:.2f} ms/step")
-    peers = [p for p in args.vs.split(",") if p and p != "none"]
-    if "hf-static" in peers:
-        secs, toks = hf_static(hf, prompts, max_tokens, args.batch_size)
-        results.append(account(f"transformers generate, static batch {args.batch_size}", secs, prompts,
-                               max_tokens, toks))
-        results[-1].agreement = agreement(ours, toks)
-    if "hf-cb" in peers:
-        secs, toks = hf_continuous(hf, prompts, max_tokens)
-        results.append(account("transformers continuous batching", secs, prompts, max_tokens, toks))
-        results[-1].agreement = agreement(ours, toks)
-    print()
-    print(format_table(results))
 
 if __name__ == "__main__":
     main()

@@ -17,7 +17,7 @@ from pagedllm.core.scheduler import Scheduler
 
 from .op_cases import slots_of
 from .results import CheckResult, compare, tolerance_text
-from .tiny_models import ARCHITECTURES, load_hf
+from pagedllm.entrypoints.tiny_models import ARCHITECTURES, load_hf
 
 
 def _prompts(n: int, seed: int, lo: int = 1, hi: int = 120, vocab: int = 400) -> list[list[int]]:
@@ -74,7 +74,7 @@ def check_engine_behaviour(backend: str, model: str, quick: bool) -> list[CheckR
         with _engine(backend, model, enable_prefix_caching=False, num_kv_blocks=20, max_model_len=256,
                      preemption_mode=mode, swap_space=0.01) as llm:
             got = _generate(llm, prompts, params)
-            preempted = llm.last_stats.num_preemptions
+            preempted = llm.last_stats.scheduler.num_preemptions
         bad = _mismatches(f"{mode} preemption", got, reference, prompts)
         if not preempted:
             bad.append("the KV budget did not force any preemption; nothing was tested")
@@ -85,7 +85,7 @@ def check_engine_behaviour(backend: str, model: str, quick: bool) -> list[CheckR
         family = [shared + p[:20] for p in prompts[2:8]]
         cold = _generate(llm, family[:1], [_greedy(8)])
         warm = _generate(llm, family, [_greedy(8)] * len(family))
-        hits = llm.last_stats.prefix_cache_hits
+        hits = llm.last_stats.scheduler.prefix_cache_hits
     with _engine(backend, model, enable_prefix_caching=False) as llm:
         expected = _generate(llm, family, [_greedy(8)] * len(family))
     bad = _mismatches("with prefix-cache hits", warm, expected, family)

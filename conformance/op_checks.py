@@ -16,7 +16,7 @@ NUM_KV_HEADS = 2
 
 
 def supported_dtypes(ops) -> tuple:
-    return tuple(getattr(ops, "supported_dtypes", (torch.float32, torch.bfloat16, torch.float16)))
+    return tuple(ops.supported_dtypes)
 
 
 def checked_dtypes(ops, quick: bool) -> tuple:
@@ -156,7 +156,7 @@ def check_copy_and_swap(ops, device) -> CheckResult:
 def op_checks(ops, quick: bool = False) -> list[tuple[str, object]]:
     """(row name, a call that makes the row) for every op check, so that one that raises
     costs only its own row."""
-    device = getattr(ops, "device", "cpu")
+    device = ops.device
     checks = [("write_kv", lambda: check_write_kv(ops, quick, device))]
     for dtype in checked_dtypes(ops, quick):
         name = DTYPE_NAMES[dtype]

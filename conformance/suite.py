@@ -20,7 +20,7 @@ import time
 import traceback
 
 from .results import CheckResult, format_table
-from .tiny_models import ARCHITECTURES, make_model_dir
+from pagedllm.entrypoints.tiny_models import ARCHITECTURES, make_model_dir
 
 
 @functools.lru_cache(maxsize=1)

@@ -9,13 +9,23 @@ scored sum_logprobs / generated_len ** length_penalty, of which the best W are k
 that do not end continue. The search stops when every kept candidate ended, or when all W
 finished slots are filled and the best running beam's score, length-penalised as if it ended
 now, cannot beat the worst finished one.
+
+`BeamGroup` is that rule for one search; `BeamSearches` owns every search in flight and all
+that beams change in scheduling (groups decode and are preempted whole, beams are forked and
+dropped by their group's choice), behind the few calls the scheduler makes.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from .errors import InvalidParameter
+from .outputs import BeamResult, RequestOutputDelta
+from .request import RequestStatus
+from .utils import cdiv
 
 NEG = np.float32(-1.0e9)
 
@@ -95,3 +105,129 @@ class BeamGroup:
 
     def results(self) -> list[Hypothesis]:
         return list(self.finished)
+
+
+class BeamSearches:
+    """The beam searches in flight, and every special case they bring to scheduling. The
+    scheduler calls it when a request arrives (`start`) or is aborted (`pop`), to choose what
+    to preempt (`preemptible`, `preemption_unit`), with the top tokens a step reported
+    (`report`, then `advance`), and for the tokens the worker must append (`take_appended`)."""
+
+    def __init__(self):
+        self.groups: dict[str, BeamGroup] = {}  # by the request id the search arrived under
+        self._candidates: dict[str, dict[str, list]] = {}  # group -> member -> its top tokens
+        self._reported: list[BeamGroup] = []  # groups that got candidates in the current update
+        self._appended: dict[str, int] = {}  # tokens chosen here, for the worker to append
+        self._ids = itertools.count(1)
+
+    def __bool__(self) -> bool:
+        return bool(self.groups)
+
+    def start(self, request, params, max_tokens: int) -> None:
+        group = BeamGroup(request.request_id, params.beam_width, max_tokens, params.length_penalty,
+                          request.eos_token_id)
+        group.members = [request]
+        request.beam_group = group
+        self.groups[request.request_id] = group
+
+    def pop(self, request_id: str) -> BeamGroup | None:
+        """End the search that `request_id` (the search's id or any beam's) belongs to."""
+        group = self.groups.pop(request_id, None)
+        if group is not None:
+            self._candidates.pop(group.group_id, None)
+        return group
+
+    # --- preemption -----------------------------------------------------------------------
+    @staticmethod
+    def preemptible(request, current, scheduled) -> bool:
+        """A beam may not be preempted for another request while a sibling runs in this step
+        (the group would be split); for its own group's sake it may."""
+        group = request.beam_group
+        return (group is None or request is current or group is current.beam_group
+                or not any(m.request_id in scheduled for m in group.members))
+
+    def preemption_unit(self, request, scheduled) -> tuple[list, bool]:
+        """(requests to preempt in place of `request`, whether only recompute will do). A beam
+        group leaves whole and by recompute (its beams share blocks, which swapping them one by
+        one would not keep), unless a sibling already runs this step: then the beam waits alone."""
+        group = request.beam_group
+        if group is None:
+            return [request], False
+        if any(m.request_id in scheduled for m in group.members):
+            return [request], True
+        self._candidates.pop(group.group_id, None)
+        return [m for m in group.members if m.status == RequestStatus.RUNNING], True
+
+    # --- one step -------------------------------------------------------------------------
+    @staticmethod
+    def decodes_now(group: BeamGroup, scheduled) -> bool:
+        """Every beam has computed all but its newest token and none runs yet in this step."""
+        return all(m.num_computed_tokens == m.num_tokens - 1 and m.request_id not in scheduled
+                   for m in group.members)
+
+    def report(self, request, logprobs) -> None:
+        """A beam's top tokens from this step; the group chooses once every beam reported."""
+        group = request.beam_group
+        self._candidates.setdefault(group.group_id, {})[request.request_id] = list(
+            zip(logprobs.top_token_ids, logprobs.top_logprobs))
+        if group not in self._reported:
+            self._reported.append(group)
+
+    def advance(self, fork, finish) -> list:
+        """Let each group that got candidates choose its continuations: fork beams chosen more
+        than once (`fork(parent_id, child_id)` -> Request), drop beams not chosen and end
+        searches that are done (`finish(request, status)`). Returns the outputs of ended searches."""
+        outputs = []
+        groups, self._reported = self._reported, []
+        for group in groups:
+            out = self._advance(group, fork, finish)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _advance(self, group: BeamGroup, fork, finish):
+        reported = self._candidates.get(group.group_id, {})
+        members = group.members
+        if any(m.request_id not in reported for m in members):
+            return None
+        del self._candidates[group.group_id]
+        step = group.step([reported[m.request_id] for m in members], [m.output_token_ids for m in members])
+        if step.done:
+            del self.groups[group.group_id]
+            for member in members:
+                finish(member, RequestStatus.FINISHED_STOPPED)
+            beams = [BeamResult(h.token_ids, h.cum_logprob, h.score) for h in group.results()]
+            return RequestOutputDelta(group.group_id, [], "stop", None, beams=beams)
+        by_parent: dict[int, list] = {}
+        for cont in step.running:
+            by_parent.setdefault(cont.parent, []).append(cont)
+        new_members = {}
+        for index, member in enumerate(members):
+            conts = by_parent.get(index)
+            if not conts:
+                finish(member, RequestStatus.FINISHED_ABORTED)  # frees only what it alone held
+                continue
+            for cont in conts[1:]:
+                child = fork(member.request_id, f"{group.group_id}#beam{next(self._ids)}")
+                child.beam_group = group
+                child.all_token_ids.append(cont.token)
+                new_members[id(cont)] = child
+            member.all_token_ids.append(conts[0].token)
+            self._appended[member.request_id] = conts[0].token
+            new_members[id(conts[0])] = member
+        group.members = [new_members[id(c)] for c in step.running]
+        return None
+
+    def take_appended(self, known) -> dict[str, int]:
+        """The tokens chosen since the last step for beams the worker holds (`known`)."""
+        appended = {rid: tok for rid, tok in self._appended.items() if rid in known}
+        self._appended = {}
+        return appended
+
+
+def check_beams_fit(width: int, num_tokens: int, block_size: int, num_usable_blocks: int) -> None:
+    """After a recompute preemption the beams share nothing: all of them must fit alone."""
+    need = width * cdiv(num_tokens, block_size)
+    if need > num_usable_blocks:
+        raise InvalidParameter("beam_width", f"{width} beams of {num_tokens} tokens need up to {need} KV "
+                                             f"blocks; the cache has {num_usable_blocks}")

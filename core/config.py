@@ -5,9 +5,28 @@ from __future__ import annotations
 import msgspec
 
 from .errors import InvalidParameter
+from .utils import cdiv
 
 SCHEDULER_POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("recompute", "swap")
+BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def _check_choice(field: str, value, choices: tuple) -> None:
+    if value not in choices:
+        raise InvalidParameter(field, f"must be one of {choices}, got {value!r}")
+
+
+def _check_block_size(value: int) -> None:
+    if value not in BLOCK_SIZES:
+        raise InvalidParameter("block_size", f"must be a power of two in 1..128, got {value}")
+
+
+def _check_positive(owner, fields) -> None:
+    for field in fields:
+        value = getattr(owner, field)
+        if value is not None and value < 1:
+            raise InvalidParameter(field, f"must be >= 1, got {value}")
 
 
 class CacheConfig(msgspec.Struct, kw_only=True):
@@ -17,8 +36,7 @@ class CacheConfig(msgspec.Struct, kw_only=True):
     enable_prefix_caching: bool = True
 
     def __post_init__(self):
-        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
-            raise InvalidParameter("block_size", f"must be a power of two in 1..128, got {self.block_size}")
+        _check_block_size(self.block_size)
         if self.num_blocks < 2:
             raise InvalidParameter("num_blocks", f"must be >= 2 (block 0 is reserved), got {self.num_blocks}")
         if self.num_swap_blocks < 0:
@@ -33,22 +51,15 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
     preemption_mode: str = "recompute"
 
     def __post_init__(self):
-        for field in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            value = getattr(self, field)
-            if value < 1:
-                raise InvalidParameter(field, f"must be >= 1, got {value}")
-        if self.policy not in SCHEDULER_POLICIES:
-            raise InvalidParameter("scheduler_policy", f"must be one of {SCHEDULER_POLICIES}, got {self.policy!r}")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise InvalidParameter(
-                "preemption_mode", f"must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
-            )
+        _check_positive(self, ("max_num_seqs", "max_num_batched_tokens", "max_model_len"))
+        _check_choice("scheduler_policy", self.policy, SCHEDULER_POLICIES)
+        _check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
 
 
 def check_fits(cache: CacheConfig, sched: SchedulerConfig) -> None:
     """One request of max_model_len tokens must fit alone, or the scheduler could livelock."""
     usable = cache.num_blocks - 1
-    needed = -(-sched.max_model_len // cache.block_size)
+    needed = cdiv(sched.max_model_len, cache.block_size)
     if needed > usable:
         raise InvalidParameter(
             "max_model_len",
@@ -79,12 +90,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     enforce_eager: bool = False
 
     def __post_init__(self):
-        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
-            raise InvalidParameter("block_size", f"must be a power of two in 1..128, got {self.block_size}")
-        for field in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks"):
-            value = getattr(self, field)
-            if value is not None and value < 1:
-                raise InvalidParameter(field, f"must be >= 1, got {value}")
+        _check_block_size(self.block_size)
+        _check_positive(self, ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks"))
+        _check_choice("scheduler_policy", self.scheduler_policy, SCHEDULER_POLICIES)
+        _check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         if self.kv_cache_memory < 1:
             raise InvalidParameter("kv_cache_memory", f"must be > 0 bytes, got {self.kv_cache_memory}")
         if self.swap_space < 0:
@@ -92,12 +101,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if not 0 < self.gpu_memory_utilization <= 1:
             raise InvalidParameter("gpu_memory_utilization",
                                    f"must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.scheduler_policy not in SCHEDULER_POLICIES:
-            raise InvalidParameter("scheduler_policy",
-                                   f"must be one of {SCHEDULER_POLICIES}, got {self.scheduler_policy!r}")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise InvalidParameter("preemption_mode",
-                                   f"must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if self.tensor_parallel_size != 1:
             raise InvalidParameter("tensor_parallel_size",
                                    f"only 1 is supported so far, got {self.tensor_parallel_size}")

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import msgspec
 import zmq
 
 from . import shm
@@ -24,10 +25,6 @@ from .protocol import (AbortRequests, AddRequests, EngineDead, EngineOutputs, En
 from .scheduler import Scheduler
 
 POLL_MS = 100  # how often a blocked loop checks that its peers are alive
-# glibc malloc returns large freed buffers to the OS and page-faults them back on every step;
-# keeping them in the heap makes the cpu backend's per-step temporaries ~25% cheaper.
-WORKER_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(16 << 30),
-                     "MALLOC_TOP_PAD_": str(512 << 20)}
 WORKER_START_TIMEOUT_S = 300
 FRONTEND_GONE_MS = 5000  # a send to the frontend that finds no peer this long: it is gone
 
@@ -67,49 +64,54 @@ class EngineCore:
         self.worker = subprocess.Popen(
             [sys.executable, "-m", "pagedllm.backends.worker", "--rank", "0",
              "--input", self.worker_endpoints[0], "--output", self.worker_endpoints[1],
-             "--config", _json(self.config)],
-            stdin=subprocess.DEVNULL, env={**WORKER_MALLOC_ENV, **os.environ})
+             "--config", msgspec.json.encode(self.config).decode()],
+            stdin=subprocess.DEVNULL)
         hello = self._expect_from_worker(WorkerHello, WORKER_START_TIMEOUT_S)
+        cache_config, sched_config = self._size_cache(hello)
+        self.scheduler = Scheduler(sched_config, cache_config)  # checks that max_model_len fits
+        block_bytes = hello.kv_spec.bytes_per_block_slot * cache_config.block_size
+        kv_segment = self._create_segment("kv", cache_config.num_blocks * block_bytes) \
+            if hello.kv_in_shared_memory else None
+        swap_segment = self._create_segment("swap", cache_config.num_swap_blocks * block_bytes) \
+            if cache_config.num_swap_blocks else None
+        self.to_worker.send(InitCache(num_blocks=cache_config.num_blocks, num_swap_blocks=cache_config.num_swap_blocks,
+                                      block_size=cache_config.block_size, kv_segment=kv_segment,
+                                      swap_segment=swap_segment, max_model_len=sched_config.max_model_len))
+        self._expect_from_worker(WorkerReady, WORKER_START_TIMEOUT_S)
+        self._to_frontend(EngineReady(num_blocks=cache_config.num_blocks, num_swap_blocks=cache_config.num_swap_blocks,
+                                      block_size=cache_config.block_size, max_model_len=sched_config.max_model_len,
+                                      backend=self.config.backend, kv_segment=kv_segment))
+
+    def _size_cache(self, hello: WorkerHello) -> tuple[CacheConfig, SchedulerConfig]:
+        """The KV pool from the configured memory (or the worker's profile on a GPU), and the
+        context length: the model's own, no longer than a sliding window or what the pool holds."""
         cfg = self.config
         max_model_len = cfg.max_model_len or hello.max_position_embeddings
         if hello.sliding_window and max_model_len > hello.sliding_window:
             max_model_len = hello.sliding_window  # attention beyond the window is not implemented
-        slot_bytes = hello.kv_spec.bytes_per_block_slot
+        block_bytes = hello.kv_spec.bytes_per_block_slot * cfg.block_size
         if cfg.num_kv_blocks:
             num_blocks = cfg.num_kv_blocks
         elif hello.num_device_blocks is not None:
             num_blocks = hello.num_device_blocks
         else:
-            num_blocks = cfg.kv_cache_memory // (slot_bytes * cfg.block_size)
+            num_blocks = cfg.kv_cache_memory // block_bytes
         num_blocks = max(num_blocks, 2)
-        if cfg.max_model_len is None:  # the model's own limit, capped by what the cache holds
+        if cfg.max_model_len is None:
             max_model_len = min(max_model_len, (num_blocks - 1) * cfg.block_size)
-        num_swap = cfg.swap_space // (slot_bytes * cfg.block_size)
-        cache_config = CacheConfig(block_size=cfg.block_size, num_blocks=num_blocks,
-                                   num_swap_blocks=num_swap, enable_prefix_caching=cfg.enable_prefix_caching)
-        sched_config = SchedulerConfig(
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens or max(2048, max_model_len),
+        cache = CacheConfig(block_size=cfg.block_size, num_blocks=num_blocks,
+                            num_swap_blocks=cfg.swap_space // block_bytes,
+                            enable_prefix_caching=cfg.enable_prefix_caching)
+        sched = SchedulerConfig(
+            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens or max(2048, max_model_len),
             max_model_len=max_model_len, policy=cfg.scheduler_policy, preemption_mode=cfg.preemption_mode)
-        self.scheduler = Scheduler(sched_config, cache_config)  # checks that max_model_len fits
+        return cache, sched
 
-        kv_segment = swap_segment = None
-        block_bytes = slot_bytes * cfg.block_size
-        if hello.kv_in_shared_memory:
-            kv_segment = shm.segment_name("kv")
-            shm.create_segment(kv_segment, num_blocks * block_bytes)
-            self.segments.append(kv_segment)
-        if num_swap:
-            swap_segment = shm.segment_name("swap")
-            shm.create_segment(swap_segment, num_swap * block_bytes)
-            self.segments.append(swap_segment)
-        self.to_worker.send(InitCache(num_blocks=num_blocks, num_swap_blocks=num_swap,
-                                      block_size=cfg.block_size, kv_segment=kv_segment,
-                                      swap_segment=swap_segment, max_model_len=max_model_len))
-        self._expect_from_worker(WorkerReady, WORKER_START_TIMEOUT_S)
-        self._to_frontend(EngineReady(num_blocks=num_blocks, num_swap_blocks=num_swap,
-                                      block_size=cfg.block_size, max_model_len=max_model_len,
-                                      backend=cfg.backend, kv_segment=kv_segment))
+    def _create_segment(self, role: str, size: int) -> str:
+        name = shm.segment_name(role)
+        shm.create_segment(name, size)
+        self.segments.append(name)
+        return name
 
     def _expect_from_worker(self, kind, timeout_s: float):
         deadline = time.monotonic() + timeout_s
@@ -183,16 +185,18 @@ class EngineCore:
                 raise EngineFailure(f"worker sent {type(msg).__name__} during a step")
             self._check_peers()
 
-    def _collect(self, outputs, result: StepResult) -> None:
+    def _collect(self, outputs: list[RequestOutputDelta], result: StepResult) -> None:
+        """The scheduler's outputs, with the worker's logprobs and the prefix-cache hit added."""
         logprobs = result.logprobs or {}
         requests = self.scheduler.requests
         for out in outputs:
             lp = logprobs.get(out.request_id)
+            if lp is not None and out.beams is None:
+                out.logprobs = [lp]
             req = requests.get(out.request_id)
-            self.pending.append(RequestOutputDelta(
-                out.request_id, out.new_token_ids, out.finish_reason, out.stop_reason,
-                [lp] if lp is not None and out.beams is None else None,
-                req.num_cached_tokens if req is not None else 0, out.beams, out.queued_seconds))
+            if req is not None:
+                out.num_cached_tokens = req.num_cached_tokens
+        self.pending.extend(outputs)
 
     def _flush_outputs(self) -> None:
         if self.pending:
@@ -200,16 +204,9 @@ class EngineCore:
             self.pending = []
 
     def _stats(self) -> EngineStats:
-        s = self.scheduler.stats()
         sizes, tokens = self._batch_sizes, self._batch_tokens
         self._batch_sizes, self._batch_tokens = [], []
-        pool = self.scheduler.kv.pool
-        return EngineStats(num_running=s["num_running"], num_waiting=s["num_waiting"],
-                           num_swapped=s["num_swapped"], kv_cache_usage=s["kv_cache_usage"],
-                           prefix_cache_queries=s["prefix_cache_queries"],
-                           prefix_cache_hits=s["prefix_cache_hits"],
-                           num_preemptions=s["num_preemptions"], peak_blocks_used=pool.peak_used,
-                           num_blocks=pool.num_blocks, steps=self.steps, step_seconds=self.step_seconds,
+        return EngineStats(scheduler=self.scheduler.stats(), steps=self.steps, step_seconds=self.step_seconds,
                            forward_seconds=self.forward_seconds, batch_sizes=sizes, batch_tokens=tokens)
 
     def _take_frontend_messages(self, timeout_ms: int) -> None:
@@ -225,8 +222,7 @@ class EngineCore:
                     except InvalidParameter as e:
                         self._to_frontend(RequestRejected(request.request_id, e.field, str(e)))
             elif isinstance(msg, AbortRequests):
-                for out in self.scheduler.abort_requests(msg.request_ids):
-                    self.pending.append(RequestOutputDelta(out.request_id, [], "abort"))
+                self.pending.extend(self.scheduler.abort_requests(msg.request_ids))
             elif isinstance(msg, Shutdown):
                 self.stopping = True
                 return
@@ -271,7 +267,3 @@ def sampled_by_request(plan, result: StepResult) -> dict[str, int]:
     """The worker's sampled tokens by request id (prefill chunks that sampled nothing left out)."""
     return {rid: tok for rid, tok in zip(plan.num_scheduled_tokens, result.sampled_token_ids.tolist()) if tok >= 0}
 
-
-def _json(config: EngineConfig) -> str:
-    import msgspec
-    return msgspec.json.encode(config).decode()

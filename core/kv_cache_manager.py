@@ -7,11 +7,12 @@ from collections import Counter
 
 from .block_pool import BlockPool, KVBlock, hash_block_tokens
 from .request import Request
+from .utils import cdiv
 
 # (index of the first changed entry, block ids from there on): how a step tells the worker
-# what became of a block table. Usually an append; a copy-on-write replaces one entry.
+# what became of a block table. Usually an append; a copy-on-write replaces one entry; an
+# empty list of ids means the table did not change.
 TableDelta = tuple[int, list[int]]
-UNCHANGED: TableDelta = (0, [])
 
 
 class KVCacheManager:
@@ -31,6 +32,9 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.tables.get(request_id, ())]
 
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
     @property
     def num_free_swap_blocks(self) -> int:
         return len(self._swap_free)
@@ -46,16 +50,14 @@ class KVCacheManager:
         the lookup in the pool's stats once the request is admitted."""
         if not self.enable_caching:
             return [], 0
-        bs = self.block_size
-        max_blocks = (request.num_tokens - 1) // bs
-        hashes = self._block_hashes(request, max_blocks)
+        max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
-        for block_hash in hashes[:max_blocks]:
+        for block_hash in self._block_hashes(request, max_blocks)[:max_blocks]:
             block = self.pool.lookup(block_hash)
             if block is None:
                 break
             hits.append(block)
-        return hits, len(hits) * bs
+        return hits, len(hits) * self.block_size
 
     def _block_hashes(self, request: Request, num_full: int) -> list[int]:
         hashes = request.block_hashes
@@ -78,6 +80,19 @@ class KVCacheManager:
         self._num_hashed[rid] = full
 
     # --- allocation -----------------------------------------------------------------------
+    def _register(self, request_id: str, table: list[KVBlock]) -> list[KVBlock]:
+        self.tables[request_id] = table
+        self._num_hashed[request_id] = 0
+        return table
+
+    def _shared_partial_block(self, table: list[KVBlock], start: int) -> KVBlock | None:
+        """The partly written block that the token at position `start` goes into, if others
+        hold it too (a fork): writing there needs a copy first."""
+        if start % self.block_size == 0:
+            return None
+        block = table[start // self.block_size]
+        return block if block.ref_cnt > 1 else None
+
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_blocks: list[KVBlock] = ()) -> TableDelta | None:
         """Make room for `num_new_tokens` more tokens after the request's computed ones (and
@@ -87,39 +102,32 @@ class KVCacheManager:
         table = self.tables.get(rid)
         if table is None:  # registered only once something is allocated
             table = []
-        bs = self.block_size
-        start = request.num_computed_tokens + len(computed_blocks) * bs
+        start = request.num_computed_tokens + len(computed_blocks) * self.block_size
         end = start + num_new_tokens
-        num_new_blocks = -(-end // bs) - len(table) - len(computed_blocks)
-        cow = start % bs != 0 and table[start // bs].ref_cnt > 1
-        if num_new_blocks <= 0 and not cow and not computed_blocks:
+        num_new_blocks = max(0, cdiv(end, self.block_size) - len(table) - len(computed_blocks))
+        shared = self._shared_partial_block(table, start)
+        if not (num_new_blocks or shared or computed_blocks):  # the common decode step
             if rid not in self.tables:
-                self.tables[rid] = table
-                self._num_hashed[rid] = 0
-            elif self.enable_caching and end // bs > self._num_hashed[rid]:
+                self._register(rid, table)
+            elif self.enable_caching:
                 self._cache_full_blocks(request, table, end)
-            return UNCHANGED
+            return len(table), []
 
-        num_new_blocks = max(num_new_blocks, 0)
         revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
-        if num_new_blocks + cow > self.pool.num_free - revived:
+        if num_new_blocks + (shared is not None) > self.pool.num_free - revived:
             return None
-
         if rid not in self.tables:
-            self.tables[rid] = table
-            self._num_hashed[rid] = 0
+            self._register(rid, table)
         first_changed = len(table)
         if computed_blocks:
             self.pool.touch(computed_blocks)
             table.extend(computed_blocks)
-        if cow:
-            idx = start // bs
-            src = table[idx]
-            (dst,) = self.pool.allocate(1)
-            self.pool.free((src,))
-            table[idx] = dst
-            self._copies.append((src.block_id, dst.block_id))
-            first_changed = idx
+        if shared is not None:
+            first_changed = start // self.block_size
+            (copy,) = self.pool.allocate(1)
+            self.pool.free((shared,))
+            table[first_changed] = copy
+            self._copies.append((shared.block_id, copy.block_id))
         table.extend(self.pool.allocate(num_new_blocks))
         if self.enable_caching:
             self._cache_full_blocks(request, table, end)
@@ -129,18 +137,16 @@ class KVCacheManager:
         """Free blocks that allocate_slots(r, num_new_tokens) for each of `requests`, in order,
         would take, counting that a shared block copied for one no longer needs a copy for
         the last of its holders."""
-        bs = self.block_size
-        copies: dict[int, int] = {}
+        copies: Counter = Counter()
         need = 0
         for request in requests:
             table = self.tables.get(request.request_id, [])
             start = request.num_computed_tokens
-            need += max(0, -(-(start + num_new_tokens) // bs) - len(table))
-            if start % bs:
-                block = table[start // bs]
-                if block.ref_cnt - copies.get(block.block_id, 0) > 1:
-                    copies[block.block_id] = copies.get(block.block_id, 0) + 1
-                    need += 1
+            need += max(0, cdiv(start + num_new_tokens, self.block_size) - len(table))
+            block = self._shared_partial_block(table, start)
+            if block is not None and block.ref_cnt - copies[block.block_id] > 1:
+                copies[block.block_id] += 1
+                need += 1
         return need
 
     def fork(self, parent: Request, child: Request) -> None:
@@ -148,7 +154,7 @@ class KVCacheManager:
         partial block copies it (see allocate_slots)."""
         table = self.tables[parent.request_id]
         self.pool.touch(table)
-        self.tables[child.request_id] = list(table)
+        self._register(child.request_id, list(table))
         self._num_hashed[child.request_id] = self._num_hashed[parent.request_id]
 
     def free(self, request: Request) -> None:
@@ -182,9 +188,7 @@ class KVCacheManager:
         if len(swap_ids) > self.pool.num_free:
             return None
         del self.swapped[rid]
-        blocks = self.pool.allocate(len(swap_ids))
-        self.tables[rid] = blocks
-        self._num_hashed[rid] = 0
+        blocks = self._register(rid, self.pool.allocate(len(swap_ids)))
         if self.enable_caching:
             self._cache_full_blocks(request, blocks, request.num_computed_tokens)
         self._swap_free.extend(reversed(swap_ids))

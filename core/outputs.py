@@ -50,10 +50,34 @@ class BeamResult(msgspec.Struct, array_like=True):
     score: float  # cum_logprob / len ** length_penalty
 
 
-class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    token_logprob: float
+    rank: int
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+class RequestOutputDelta(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one request gained in a step, from the scheduler through the engine core to the
+    frontend (the core adds the worker's logprobs and the prefix-cache hit)."""
+
     request_id: str
     new_token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length" or "abort"
     stop_reason: int | None = None  # the stop token id that ended it
+    logprobs: list[TokenLogprobs] | None = None
+    num_cached_tokens: int = 0
     beams: list[BeamResult] | None = None  # a finished beam search: best first
     queued_seconds: float | None = None  # on a request's first token: arrival to first scheduled
+
+
+class SchedulerStats(msgspec.Struct):
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    kv_cache_usage: float  # fraction of usable blocks held by requests
+    prefix_cache_queries: int  # tokens looked up, since start
+    prefix_cache_hits: int  # of those, tokens found
+    num_preemptions: int
+    peak_blocks_used: int
+    num_blocks: int

@@ -18,7 +18,7 @@ from typing import Union
 import msgspec
 import numpy as np
 
-from .outputs import BeamResult, SchedulerOutput
+from .outputs import RequestOutputDelta, SchedulerOutput, SchedulerStats, TokenLogprobs
 from .request import EngineRequest
 
 _NDARRAY_EXT = 1
@@ -40,15 +40,7 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
 
 
 class EngineStats(msgspec.Struct):
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    kv_cache_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    peak_blocks_used: int
-    num_blocks: int
+    scheduler: SchedulerStats
     steps: int
     step_seconds: float  # core wall time over all steps: schedule to update
     forward_seconds: float  # of which the worker's model forward and sampling
@@ -64,24 +56,6 @@ class EngineReady(msgspec.Struct, tag="ready"):
     max_model_len: int
     backend: str
     kv_segment: str | None  # name of the shared-memory block pool, if the backend uses one
-
-
-class TokenLogprobs(msgspec.Struct, array_like=True):
-    token_logprob: float
-    rank: int
-    top_token_ids: list[int]
-    top_logprobs: list[float]
-
-
-class RequestOutputDelta(msgspec.Struct, array_like=True, omit_defaults=True):
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: int | None = None
-    logprobs: list[TokenLogprobs] | None = None
-    num_cached_tokens: int = 0
-    beams: list[BeamResult] | None = None
-    queued_seconds: float | None = None  # on the first token: arrival to first scheduled
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs"):

@@ -30,10 +30,6 @@ class RequestStatus(enum.IntEnum):
     FINISHED_ABORTED = 6
 
     @property
-    def finished(self) -> bool:
-        return self >= RequestStatus.FINISHED_STOPPED
-
-    @property
     def finish_reason(self) -> str | None:
         return _FINISH_REASONS.get(self)
 
@@ -43,6 +39,16 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
 }
+
+
+def child_request_id(parent_id: str, index: int) -> str:
+    """The id of sample `index` (1..n-1) of a request with n > 1; sample 0 keeps the parent id."""
+    return f"{parent_id}#{index}"
+
+
+def child_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a seeded request with n > 1."""
+    return hash((seed, index, "sample")) & 0x7FFF_FFFF_FFFF_FFFF
 
 
 class Request:

@@ -62,10 +62,6 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if self.beam_width and self.n != 1:
             raise InvalidParameter("n", f"must be 1 with beam search (beam_width {self.beam_width}), got {self.n}")
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
 
 def _check_int(field: str, value, lo: int | None = None, hi: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):

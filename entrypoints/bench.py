@@ -41,13 +41,14 @@ def load_dataset(spec: str, num: int, seed: int, tokenizer, vocab_size: int, max
 
 def _token_workload(args):
     """(model folder, prompt token ids, output lengths) for the modes that need no tokenizer."""
+    from pagedllm.core.model_folder import ModelFolder
+
     from .default_model import default_model_dir
 
     model_dir = args.model or default_model_dir()
-    with open(os.path.join(model_dir, "config.json")) as f:
-        cfg = json.load(f)
-    prompts, max_tokens = load_dataset(args.dataset, args.num_prompts, args.seed, None, cfg["vocab_size"],
-                                       cfg.get("max_position_embeddings", 2048))
+    folder = ModelFolder(model_dir)
+    prompts, max_tokens = load_dataset(args.dataset, args.num_prompts, args.seed, None, folder.vocab_size,
+                                       folder.max_position_embeddings)
     return model_dir, prompts, max_tokens
 
 
@@ -75,18 +76,18 @@ def cmd_bench(args) -> int:
 
 def _throughput(args, out_dir: str) -> int:
     import torch
+    import transformers
     from transformers import AutoModelForCausalLM
 
     from pagedllm.benchmarks import report
-    from pagedllm.benchmarks.bench_throughput import run_pagedllm
-    from pagedllm.benchmarks.peers import hf_continuous, hf_static, vllm_subprocess
+    from pagedllm.benchmarks.bench_throughput import PEERS, compare
 
     from .default_model import default_model_dir
 
     peers = [p for p in args.vs.split(",") if p and p != "none"]
-    unknown = set(peers) - {"hf-static", "hf-cb", "vllm"}
+    unknown = set(peers) - set(PEERS)
     if unknown:
-        raise ValueError(f"--vs: unknown peer(s) {sorted(unknown)}; available: hf-static, hf-cb, vllm")
+        raise ValueError(f"--vs: unknown peer(s) {sorted(unknown)}; available: {', '.join(PEERS)}")
     if args.vllm_python and "vllm" not in peers:
         peers.append("vllm")
     if "vllm" in peers and not args.vllm_python:
@@ -103,38 +104,14 @@ def _throughput(args, out_dir: str) -> int:
                                        hf.config.max_position_embeddings)
     print(f"{len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {sum(max_tokens)} output tokens "
           f"requested; model {model_dir}; dtype {args.dtype}")
-    secs, ours, startup, stats = run_pagedllm(model_dir, prompts, max_tokens, args.dtype,
-                                                 args.kv_cache_memory, backend=args.backend)
-    results = [report.account(f"pagedllm ({args.backend})", secs, prompts, max_tokens, ours)]
-    results[0].extra = {"startup_seconds": startup, "steps": stats.steps}
-    outputs = {"pagedllm": ours}
-    if "hf-static" in peers:
-        s, toks = hf_static(hf, prompts, max_tokens, args.batch_size)
-        results.append(report.account(f"transformers static batch {args.batch_size}", s, prompts, max_tokens, toks))
-        outputs["hf-static"] = toks
-    if "hf-cb" in peers:
-        s, toks = hf_continuous(hf, prompts, max_tokens)
-        results.append(report.account("transformers continuous batching", s, prompts, max_tokens, toks))
-        outputs["hf-cb"] = toks
-    versions = {}
-    if "vllm" in peers:
-        print("running vLLM in its own environment (its start-up takes a minute or so)...", flush=True)
-        s, toks, vllm_startup, versions["vllm"] = vllm_subprocess(
-            args.vllm_python, model_dir, prompts, max_tokens, args.dtype, os.path.join(out_dir, "vllm-work"))
-        results.append(report.account(f"vLLM {versions['vllm']} (CPU)", s, prompts, max_tokens, toks))
-        results[-1].extra = {"startup_seconds": vllm_startup}
-        outputs["vllm"] = toks
-    for r, toks in zip(results[1:], list(outputs.values())[1:]):
-        r.agreement = report.agreement(ours, toks)
-    print(report.format_table(results))
-    if "vllm" in peers:
-        print(f"start-up: pagedllm {startup:.1f} s, vLLM {vllm_startup:.1f} s "
-              f"({vllm_startup / startup:.1f}x faster)")
-    import transformers
+    run = compare(hf, model_dir, prompts, max_tokens, peers, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
+                  backend=args.backend, batch_size=args.batch_size, vllm_python=args.vllm_python,
+                  vllm_work=os.path.join(out_dir, "vllm-work"))
+    results = run["results"]
     report.write_json(os.path.join(out_dir, "throughput.json"), {
         "date": time.strftime("%Y-%m-%d"), "model": model_dir, "dtype": args.dtype, "dataset": args.dataset,
         "requests": len(prompts), "transformers": transformers.__version__, "torch": torch.__version__,
-        "peer_versions": versions,
+        "peer_versions": run["peer_versions"],
         "results": [{**r.__dict__, "output_tok_s": r.output_tok_s, "total_tok_s": r.total_tok_s}
                     for r in results]})
     report.plot_throughput(os.path.join(out_dir, "throughput.png"), results,
@@ -146,40 +123,14 @@ def _throughput(args, out_dir: str) -> int:
 def _latency(args, out_dir: str) -> int:
     """Requests arrive as a Poisson process at each rate; time to first token and the gaps
     between tokens are measured where the caller receives them."""
-    import random
-
-    from pagedllm import LLM, SamplingParams
     from pagedllm.benchmarks import report
+    from pagedllm.benchmarks.bench_latency import measure, print_rows
 
     model_dir, prompts, max_tokens = _token_workload(args)
     rates = [float(r) for r in args.rates.split(",")]
-    rows = []
-    with LLM(model_dir, backend=args.backend, dtype=args.dtype, skip_tokenizer_init=True,
-             kv_cache_memory=args.kv_cache_memory) as llm:
-        for rate in rates:
-            rng = random.Random(args.seed)
-            arrivals, t = [], 0.0
-            for _ in prompts:
-                arrivals.append(t)
-                t += rng.expovariate(rate)
-            # the LLM's own submit-and-collect loop, with arrival times; it records token times
-            trackers = [llm._tracker(None, p, SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))
-                        for p, m in zip(prompts, max_tokens)]
-            start = time.monotonic()
-            llm._run(trackers, use_tqdm=False, arrivals=arrivals)
-            seconds = time.monotonic() - start
-            ttft = [tr.token_times[0] - tr.submitted_at for tr in trackers if tr.token_times]
-            itl = [b - a for tr in trackers for a, b in zip(tr.token_times, tr.token_times[1:])]
-            tokens = sum(len(tr.token_times) for tr in trackers)
-            rows.append({"rate": rate, "ttft_ms": report.percentiles_ms(ttft), "itl_ms": report.percentiles_ms(itl),
-                         "output_tok_s": tokens / seconds})
-    head = f"{'req/s':>7} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'ITL p50':>9} {'p90':>8} {'p99':>8} {'out tok/s':>10}"
-    print(head + "\n" + "-" * len(head))
-    for r in rows:
-        t, i = r["ttft_ms"], r["itl_ms"]
-        print(f"{r['rate']:7.1f} {t['p50']:9.1f} {t['p90']:8.1f} {t['p99']:8.1f} {i['p50']:9.1f} {i['p90']:8.1f} "
-              f"{i['p99']:8.1f} {r['output_tok_s']:10.0f}")
-    print("(milliseconds)")
+    rows = measure(model_dir, prompts, max_tokens, rates, args.seed, backend=args.backend, dtype=args.dtype,
+                   kv_cache_memory=args.kv_cache_memory)
+    print_rows(rows)
     report.write_json(os.path.join(out_dir, "latency.json"), {"model": model_dir, "requests": len(prompts),
                                                               "rows": rows})
     report.plot_latency(os.path.join(out_dir, "latency.png"), rows)

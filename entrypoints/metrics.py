@@ -7,7 +7,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from pagedllm.core.protocol import EngineStats
+from pagedllm.core.protocol import EngineStats, SchedulerStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -53,25 +53,26 @@ class EngineMetrics:
                                  "Time from arrival to first being scheduled.", buckets=_REQUEST_BUCKETS)
         self._success = Counter("pagedllm:request_success", "Finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
-        self._last: EngineStats | None = None
+        self._last: SchedulerStats | None = None
 
     def observe_stats(self, stats: EngineStats) -> None:
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
-        self.swapped.set(stats.num_swapped)
-        self.kv_usage.set(stats.kv_cache_usage)
+        sched = stats.scheduler
+        self.running.set(sched.num_running)
+        self.waiting.set(sched.num_waiting)
+        self.swapped.set(sched.num_swapped)
+        self.kv_usage.set(sched.kv_cache_usage)
         last = self._last
         # the engine's counts are cumulative; the counters take the increments
-        self.prefix_queries.inc(stats.prefix_cache_queries - (last.prefix_cache_queries if last else 0))
-        self.prefix_hits.inc(stats.prefix_cache_hits - (last.prefix_cache_hits if last else 0))
-        self.preemptions.inc(stats.num_preemptions - (last.num_preemptions if last else 0))
-        self._last = stats
+        self.prefix_queries.inc(sched.prefix_cache_queries - (last.prefix_cache_queries if last else 0))
+        self.prefix_hits.inc(sched.prefix_cache_hits - (last.prefix_cache_hits if last else 0))
+        self.preemptions.inc(sched.num_preemptions - (last.num_preemptions if last else 0))
+        self._last = sched
         for size, tokens in zip(stats.batch_sizes, stats.batch_tokens):
             self.batch_size.observe(size)
             self.iteration_tokens.observe(tokens)
 
     def observe_request(self, timing, output) -> None:
-        """timing: async_engine.RequestTiming; output: the RequestOutput as it ended."""
+        """timing: request_tracker.RequestTiming; output: the RequestOutput as it ended."""
         generated = sum(len(c.token_ids) for c in output.outputs)
         if timing.first_token is not None:
             self.prompt_tokens.inc(len(output.prompt_token_ids))

@@ -131,9 +131,9 @@ class OpenAIServer:
 
     # --- plain routes -----------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
-        engine = self.engine.llm.engine
-        if engine.dead_reason is not None or engine.closed:
-            return Response(engine.dead_reason or "shut down", status_code=503)
+        reason = self.engine.dead_reason
+        if reason is not None:
+            return Response(reason, status_code=503)
         return Response(status_code=200)
 
     async def render_metrics(self, request: Request) -> Response:
@@ -263,7 +263,7 @@ class OpenAIServer:
 
     # --- chat -------------------------------------------------------------------------------
     def _chat_prompts(self, req: ChatCompletionRequest) -> list:
-        return [self.engine.llm.render_chat(req.conversation(),
+        return [self.engine.render_chat(req.conversation(),
                                             add_generation_prompt=req.add_generation_prompt)]
 
     def _chat_body(self, req: ChatCompletionRequest, params, outputs, meta) -> dict:

@@ -3,12 +3,41 @@ logprobs, built up from the engine's token deltas."""
 
 from __future__ import annotations
 
-from pagedllm.core.protocol import RequestOutputDelta
+import time
+from dataclasses import dataclass, field
+
+from pagedllm.core.outputs import RequestOutputDelta
+from pagedllm.core.request import child_request_id
 from pagedllm.core.sampling_params import SamplingParams
-from pagedllm.core.scheduler import child_request_id
 
 from .detokenizer import IncrementalDetokenizer, find_stop
 from .outputs import CompletionOutput, Logprob, RequestOutput
+
+
+@dataclass
+class RequestTiming:
+    """When a request was submitted and when its tokens arrived (time.monotonic())."""
+
+    submitted: float = 0.0
+    first_token: float | None = None
+    last_token: float | None = None
+    queued_seconds: float | None = None  # the engine's: arrival to first scheduled
+    token_gaps: list[float] = field(default_factory=list)  # between a completion's successive tokens
+    _last_by_completion: dict = field(default_factory=dict)
+
+    def record(self, delta: RequestOutputDelta, now: float | None = None) -> None:
+        if delta.queued_seconds is not None and self.queued_seconds is None:
+            self.queued_seconds = delta.queued_seconds
+        if not delta.new_token_ids:
+            return
+        now = time.monotonic() if now is None else now
+        if self.first_token is None:
+            self.first_token = now
+        previous = self._last_by_completion.get(delta.request_id)
+        if previous is not None:
+            self.token_gaps.append(now - previous)
+        self._last_by_completion[delta.request_id] = now
+        self.last_token = now
 
 
 class RequestTracker:
@@ -30,8 +59,7 @@ class RequestTracker:
         self._holdback = max((len(s) for s in self._stops), default=1) - 1
         self._sent = [0] * params.n  # characters of each completion already handed out as deltas
         self.beams = None  # a finished beam search: core.outputs.BeamResult list, best first
-        self.submitted_at = 0.0  # time.monotonic() when sent to the engine
-        self.token_times: list[float] = []  # when each output token (of any sample) arrived
+        self.timing = RequestTiming()
 
     def _decode_one(self, token: int) -> str | None:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else None

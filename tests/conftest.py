@@ -1,6 +1,6 @@
 import pytest
 
-from pagedllm.conformance.tiny_models import make_model_dir
+from pagedllm.entrypoints.tiny_models import make_model_dir
 
 
 @pytest.fixture(scope="session")

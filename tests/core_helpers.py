@@ -5,9 +5,12 @@ from __future__ import annotations
 import random
 import zlib
 
+import numpy as np
+
 from pagedllm.core import CacheConfig, EngineRequest, SamplingParams, Scheduler, SchedulerConfig
 from pagedllm.core.outputs import SchedulerOutput
 from pagedllm.core.protocol import TokenLogprobs
+from pagedllm.core.worker_state import WorkerState, slot_mapping
 
 
 def make_scheduler(block_size=4, num_blocks=64, budget=64, max_num_seqs=16, max_model_len=64,
@@ -42,16 +45,17 @@ def fake_top_tokens(tokens: list[int], k: int, vocab: int) -> TokenLogprobs:
 
 
 class FakeWorker:
-    """Plays a backend worker: keeps per-request state from the plans' differences alone, writes
-    each token id into the KV slot the plan chose, performs swaps and copies, and before
-    'sampling' checks that every position a request attends to holds that request's token.
-    A wrong block table, a missed copy-on-write or a bad prefix hit shows up here."""
+    """Plays a backend worker: keeps per-request state with the real worker's bookkeeping
+    (core.worker_state.WorkerState), writes each token id into the KV slot the plan chose,
+    performs swaps and copies, and before 'sampling' checks that every position a request
+    attends to holds that request's token. A wrong block table, a missed copy-on-write or a
+    bad prefix hit shows up here."""
 
     def __init__(self, block_size: int, num_blocks: int, num_swap_blocks: int = 0, vocab: int = 50):
         self.bs = block_size
         self.kv = [None] * (num_blocks * block_size)
         self.swap = [None] * (num_swap_blocks * block_size)
-        self.state: dict[str, dict] = {}
+        self.state = WorkerState()
         self.vocab = vocab
         self.logprobs: dict[str, TokenLogprobs] = {}
 
@@ -59,50 +63,38 @@ class FakeWorker:
         bs = self.bs
         dst_mem[dst * bs:(dst + 1) * bs] = src_mem[src * bs:(src + 1) * bs]
 
+    def _slots(self, block_ids: list[int], start: int, end: int) -> list[int]:
+        return slot_mapping(np.array([block_ids]), np.zeros(end - start, dtype=np.int64),
+                            np.arange(start, end), self.bs).tolist()
+
     def execute(self, plan: SchedulerOutput) -> dict[str, int]:
-        for rid in plan.finished_request_ids + plan.preempted_request_ids:
-            del self.state[rid]
+        chunks = self.state.apply(plan)
         for dev, sw in plan.swap_out:
             self._copy_block(self.kv, dev, self.swap, sw)
         for sw, dev in plan.swap_in:
             self._copy_block(self.swap, sw, self.kv, dev)
         for src, dst in plan.block_copies:
             self._copy_block(self.kv, src, self.kv, dst)
-        for new in plan.new_requests:
-            assert new.request_id not in self.state, f"{new.request_id} sent twice as new"
-            self.state[new.request_id] = {"tokens": list(new.token_ids), "blocks": list(new.block_ids),
-                                          "computed": new.num_computed_tokens,
-                                          "top": new.sampling_params.logprobs,
-                                          "beam": new.sampling_params.beam_width > 0}
-        for rid, (start, ids) in plan.block_table_deltas.items():
-            blocks = self.state[rid]["blocks"]
-            del blocks[start:]
-            blocks.extend(ids)
-        for rid, token in plan.appended_token_ids.items():
-            self.state[rid]["tokens"].append(token)
-        bs = self.bs
-        for rid, n in plan.num_scheduled_tokens.items():
-            st = self.state[rid]
-            assert 0 not in st["blocks"], "null block 0 in a block table"
-            for pos in range(st["computed"], st["computed"] + n):
-                self.kv[st["blocks"][pos // bs] * bs + pos % bs] = (st["tokens"][pos], pos)
+        for chunk in chunks:
+            blocks = chunk.state.block_ids
+            assert 0 not in blocks, "null block 0 in a block table"
+            for pos, slot in zip(range(chunk.start, chunk.start + chunk.num_tokens),
+                                 self._slots(blocks, chunk.start, chunk.start + chunk.num_tokens)):
+                self.kv[slot] = (chunk.state.token_ids[pos], pos)
         sampled = {}
         self.logprobs = {}
-        for rid, n in plan.num_scheduled_tokens.items():
-            st = self.state[rid]
-            st["computed"] += n
-            for pos in range(st["computed"]):  # what attention would read
-                got = self.kv[st["blocks"][pos // bs] * bs + pos % bs]
-                assert got == (st["tokens"][pos], pos), f"{rid} pos {pos}: KV holds {got}"
-            if st["computed"] == len(st["tokens"]):
-                token = fake_token(rid, len(st["tokens"]), self.vocab)
-                if st["top"]:
-                    self.logprobs[rid] = fake_top_tokens(st["tokens"], st["top"], self.vocab)
-                if st["beam"]:
-                    token = self.logprobs[rid].top_token_ids[0]
-                else:
-                    st["tokens"].append(token)
-                sampled[rid] = token
+        for chunk in chunks:
+            st = chunk.state
+            for pos, slot in enumerate(self._slots(st.block_ids, 0, st.num_computed)):  # what attention reads
+                assert self.kv[slot] == (st.token_ids[pos], pos), f"{chunk.request_id} pos {pos}: KV holds {self.kv[slot]}"
+            if st.samples:
+                token = fake_token(chunk.request_id, len(st.token_ids), self.vocab)
+                if st.params.logprobs:
+                    self.logprobs[chunk.request_id] = fake_top_tokens(st.token_ids, st.params.logprobs, self.vocab)
+                if st.params.beam_width:
+                    token = self.logprobs[chunk.request_id].top_token_ids[0]
+                self.state.add_sampled(st, token)
+                sampled[chunk.request_id] = token
         return sampled
 
 

@@ -55,7 +55,7 @@ def test_a_caller_that_stops_listening_frees_its_blocks(engine):
 
     last = asyncio.run(main())
     assert last.finished
-    assert engine.last_stats.kv_cache_usage == 0.0 and engine.last_stats.num_running == 0
+    assert engine.last_stats.scheduler.kv_cache_usage == 0.0 and engine.last_stats.scheduler.num_running == 0
 
 
 def test_n_samples_and_request_ids(engine):

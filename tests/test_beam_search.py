@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pagedllm import BeamSearchParams, LLM
-from pagedllm.conformance.tiny_models import load_hf
+from pagedllm.entrypoints.tiny_models import load_hf
 
 LENGTHS = [1, 15, 16, 17, 100]
 MAX_TOKENS = 12
@@ -79,7 +79,7 @@ def test_beams_survive_forced_preemption(plain):
     prompts = [prompt(100, 20 + k) for k in range(5)]
     with LLM(path, num_kv_blocks=40, max_model_len=128) as llm:
         outs = llm.beam_search(prompts, BeamSearchParams(beam_width=4, max_tokens=MAX_TOKENS, ignore_eos=True))
-        assert llm.last_stats.num_preemptions > 0, "the pool was meant to force preemption"
+        assert llm.last_stats.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
     for p, out in zip(prompts, outs):
         assert [s.tokens[len(p):] for s in out.sequences] == hf_beams(hf, p, 4)
 
@@ -90,7 +90,7 @@ def test_beams_share_blocks(plain):
     path, _ = plain
     with LLM(path, num_kv_blocks=200, max_model_len=512, enable_prefix_caching=False) as llm:
         llm.beam_search([prompt(256, 5)], BeamSearchParams(beam_width=4, max_tokens=64, ignore_eos=True))
-        peak = llm.last_stats.peak_blocks_used
+        peak = llm.last_stats.scheduler.peak_blocks_used
     prompt_blocks, generated_blocks = 256 // 16, 64 // 16
     assert peak <= prompt_blocks + 4 * (generated_blocks + 1), peak
     assert peak < 4 * (prompt_blocks + generated_blocks) / 2

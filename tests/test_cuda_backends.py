@@ -166,7 +166,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 from pagedllm.backends.models.loader import load_model
 from pagedllm.backends.triton import TritonAttentionOps
 from pagedllm.backends.runner import ModelRunner, SeqInput, allocate_kv_caches
-from pagedllm.backends.gpu import DecodeGraphs
+from pagedllm.backends.gpu.graphs import DecodeGraphs
 model = load_model(sys.argv[1], dtype="float32")
 ops = TritonAttentionOps()
 kv = allocate_kv_caches(model.config, 64, 16)

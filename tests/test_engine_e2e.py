@@ -7,7 +7,7 @@ from model_helpers import hf_greedy
 from proc_helpers import children_of, segments_of
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.conformance.tiny_models import load_hf
+from pagedllm.entrypoints.tiny_models import load_hf
 
 
 def workload(seed: int = 0, vocab: int = 400):
@@ -43,9 +43,9 @@ def test_32_requests_under_kv_pressure_match_transformers(reference, prefix_cach
         outputs = llm.generate(prompts, params, use_tqdm=False)
         stats = llm.last_stats
         core_pid = llm.engine.pid
-    assert stats.num_preemptions > 0, "the KV budget was meant to force preemption"
+    assert stats.scheduler.num_preemptions > 0, "the KV budget was meant to force preemption"
     if prefix_caching:
-        assert stats.prefix_cache_hits > 0
+        assert stats.scheduler.prefix_cache_hits > 0
     for i, (out, want) in enumerate(zip(outputs, expected)):
         assert out.outputs[0].token_ids == want, f"request {i}: prompt of {len(prompts[i])} tokens"
         assert out.outputs[0].finish_reason == "length"

@@ -4,7 +4,7 @@ import pytest
 from model_helpers import hf_greedy
 
 from pagedllm import InvalidParameter, LLM, SamplingParams
-from pagedllm.conformance.tiny_models import load_hf, make_tokenizer
+from pagedllm.entrypoints.tiny_models import load_hf, make_tokenizer
 from pagedllm.entrypoints.detokenizer import IncrementalDetokenizer
 
 
@@ -18,7 +18,7 @@ def test_n4_shares_prompt_blocks_and_seeds_reproduce(llm):
     prompt = list(range(10, 10 + 160))  # 10 full blocks of 16
     params = SamplingParams(n=4, temperature=1.0, max_tokens=12, seed=42, ignore_eos=True)
     first = llm.generate([prompt], params, use_tqdm=False)[0]
-    peak = llm.last_stats.peak_blocks_used
+    peak = llm.last_stats.scheduler.peak_blocks_used
     texts = [tuple(c.token_ids) for c in first.outputs]
     assert [c.index for c in first.outputs] == [0, 1, 2, 3]
     assert len(set(texts)) == 4, "4 samples should differ"
@@ -95,7 +95,7 @@ def test_bad_input_names_the_field_and_the_engine_keeps_serving(llm):
         SamplingParams(temperature=-1)
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
-    assert llm.last_stats.kv_cache_usage == 0.0
+    assert llm.last_stats.scheduler.kv_cache_usage == 0.0
 
 
 def test_one_generate_call_is_admitted_as_one_batch(llm):

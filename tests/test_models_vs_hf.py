@@ -7,7 +7,7 @@ import torch
 from model_helpers import greedy_batched, hf_greedy, make_runner, shuffled_tables
 
 from pagedllm.backends.runner import SeqInput
-from pagedllm.conformance.tiny_models import ARCHITECTURES, load_hf
+from pagedllm.entrypoints.tiny_models import ARCHITECTURES, load_hf
 
 ATOL = 1e-4
 

@@ -58,9 +58,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.sched.requests)
     @rule(data=st.data())
     def abort(self, data):
-        rid = data.draw(st.sampled_from(sorted(set(self.sched.requests) | set(self.sched.groups))))
+        rid = data.draw(st.sampled_from(sorted(set(self.sched.requests) | set(self.sched.beams.groups))))
         self.sched.abort_requests([rid])
-        assert rid not in self.sched.requests and rid not in self.sched.groups
+        assert rid not in self.sched.requests and rid not in self.sched.beams.groups
 
     @precondition(lambda self: any(r.beam_group is None for r in self.sched.running))
     @rule(data=st.data())
@@ -100,8 +100,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             if not sched.has_unfinished_requests():
                 break
             self.step()
-        assert not sched.has_unfinished_requests() and not sched.groups, \
-            f"livelock: {list(sched.requests.values())} groups {list(sched.groups)} free {sched.kv.pool.num_free}"
+        assert not sched.has_unfinished_requests() and not sched.beams.groups, \
+            f"livelock: {list(sched.requests.values())} groups {list(sched.beams.groups)} free {sched.kv.pool.num_free}"
         sched.check_invariants()
         pool = sched.kv.pool
         assert pool.num_used == 0, "blocks still held after every request ended"

@@ -14,8 +14,13 @@ memory."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+
 import torch
 from torch import nn
+
+from pagedllm.core.utils import cdiv
 
 from ..attention import AttentionOps, DecodeMetadata, PrefillMetadata, prefill_token_rows
 from ..models.decoder import DecoderLayer, RMSNorm
@@ -71,6 +76,19 @@ def use_fused_kernels(model) -> None:
             parent.act = native.silu_and_mul
 
 
+def keep_freed_memory() -> bool:
+    """Have glibc malloc keep large freed buffers instead of returning them to the OS and
+    page-faulting them back on every step, which makes the per-step temporaries ~25% cheaper.
+    Returns whether it could (not glibc: nothing changes)."""
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
+    return all((mallopt(m_mmap_threshold, 32 << 20), mallopt(m_trim_threshold, 2**31 - 1),
+                mallopt(m_top_pad, 512 << 20)))
+
+
 def _compiled(query, kv_cache, meta) -> bool:
     """Whether this call goes through the compiled kernel: float32, where it could be built."""
     if not (query.dtype == kv_cache.dtype == torch.float32 and kv_cache.is_contiguous()
@@ -83,6 +101,9 @@ def _compiled(query, kv_cache, meta) -> bool:
 
 class CpuAttentionOps(AttentionOps):
     name = "cpu"
+
+    def prepare_process(self) -> None:
+        keep_freed_memory()
 
     def prepare_model(self, model) -> None:
         pack_linear_layers(model)
@@ -118,7 +139,7 @@ class CpuAttentionOps(AttentionOps):
         num_seqs, num_heads, head_size = query.shape
         _, _, block_size, num_kv_heads, _ = kv_cache.shape
         group = num_heads // num_kv_heads
-        max_blocks = -(-max_context_len // block_size)
+        max_blocks = cdiv(max_context_len, block_size)
         blocks = block_tables[:, :max_blocks].reshape(-1).long()
         q = query.view(num_seqs, num_kv_heads, group, head_size).to(kv_cache.dtype).float()
         positions = torch.arange(max_blocks * block_size, device=query.device)
@@ -140,7 +161,7 @@ class CpuAttentionOps(AttentionOps):
         out = torch.empty_like(query)
         start = 0
         for i, (q_len, ctx_len) in enumerate(zip(meta.query_lens, meta.context_lens_list)):
-            blocks = meta.block_tables[i, :-(-ctx_len // block_size)].long()
+            blocks = meta.block_tables[i, :cdiv(ctx_len, block_size)].long()
             # [KVH, G * q_len, Dh]: the G query heads that share a KV head, stacked
             q = query[start:start + q_len].to(kv_cache.dtype).float()
             q = q.view(q_len, num_kv_heads, group, head_size)

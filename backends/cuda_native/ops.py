@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.backends.attention import AttentionOps, DecodeMetadata, PrefillMetadata, prefill_token_rows
+from pagedllm.backends.attention import (AttentionOps, DecodeMetadata, PrefillMetadata, last_dim_contiguous,
+                                         prefill_token_rows)
+from pagedllm.core.utils import cdiv
 
 from .build import find_nvcc, load_extension
 
@@ -15,7 +17,6 @@ PARTITION = 512  # context positions per program in decode; longer contexts spli
 
 class NativeCudaAttentionOps(AttentionOps):
     name = "cuda-native"
-    supported_dtypes = (torch.float32, torch.bfloat16, torch.float16)
     device = "cuda"
     kv_in_shared_memory = False
 
@@ -39,12 +40,12 @@ class NativeCudaAttentionOps(AttentionOps):
         return torch.cuda.current_stream().cuda_stream
 
     def write_kv(self, key, value, kv_cache, slot_mapping):
-        self.ext.write_kv(_dense_last(key).to(kv_cache.dtype), _dense_last(value).to(kv_cache.dtype),
+        self.ext.write_kv(last_dim_contiguous(key).to(kv_cache.dtype), last_dim_contiguous(value).to(kv_cache.dtype),
                           kv_cache[0], kv_cache[1], slot_mapping, self._stream())
 
     def _attend(self, query, kv_cache, tables, row_request, row_position, scale, partitions):
         rows, heads, head_size = query.shape
-        query = _dense_last(query).to(kv_cache.dtype)
+        query = last_dim_contiguous(query).to(kv_cache.dtype)
         out = torch.empty(rows, heads, head_size, dtype=kv_cache.dtype, device=query.device)
         if partitions > 1:
             part_out = torch.empty(rows, heads, partitions, head_size, dtype=torch.float32, device=query.device)
@@ -60,7 +61,7 @@ class NativeCudaAttentionOps(AttentionOps):
         n = query.shape[0]
         rows = torch.arange(n, dtype=torch.int32, device=query.device)
         return self._attend(query, kv_cache, meta.block_tables, rows, meta.context_lens - 1, scale,
-                            -(-meta.max_context_len // PARTITION))
+                            cdiv(meta.max_context_len, PARTITION))
 
     def prefill_attention(self, query, kv_cache, meta: PrefillMetadata, scale):
         request, position = prefill_token_rows(meta, query.shape[0], query.device)
@@ -72,6 +73,3 @@ class NativeCudaAttentionOps(AttentionOps):
         flat = kv_caches.view(kv_caches.shape[0] * kv_caches.shape[1], kv_caches.shape[2], -1)
         self.ext.copy_blocks(flat, torch.tensor(pairs, dtype=torch.int64, device=kv_caches.device), self._stream())
 
-
-def _dense_last(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()

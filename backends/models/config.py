@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field
 
 import torch
+
+from pagedllm.core.model_folder import ModelFolder
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -38,11 +38,7 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, model_dir: str, dtype: str | None = None) -> "ModelConfig":
-        path = os.path.join(model_dir, "config.json")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"model: no config.json in {model_dir!r}")
-        with open(path) as f:
-            return cls.from_dict(json.load(f), dtype)
+        return cls.from_dict(ModelFolder(model_dir).config, dtype)
 
     @classmethod
     def from_dict(cls, cfg: dict, dtype: str | None = None) -> "ModelConfig":

@@ -9,7 +9,8 @@ import os
 
 import torch
 
-from pagedllm.backends.attention import AttentionOps, DecodeMetadata, PrefillMetadata
+from pagedllm.backends.attention import AttentionOps, DecodeMetadata, PrefillMetadata, last_dim_contiguous
+from pagedllm.core.utils import cdiv
 
 
 def _interpreting() -> bool:
@@ -22,7 +23,6 @@ def _next_pow2(n: int) -> int:
 
 class TritonAttentionOps(AttentionOps):
     name = "cuda-triton"
-    supported_dtypes = (torch.float32, torch.bfloat16, torch.float16)
 
     def __init__(self):
         reason = self.unavailable_reason()
@@ -57,7 +57,7 @@ class TritonAttentionOps(AttentionOps):
         tokens, kv_heads, head_size = key.shape
         if tokens == 0:
             return
-        key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
+        key, value = last_dim_contiguous(key), last_dim_contiguous(value)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         self.k.write_kv_kernel[(tokens, kv_heads)](
             key, value, k_cache, v_cache, slot_mapping,
@@ -69,13 +69,13 @@ class TritonAttentionOps(AttentionOps):
         num_seqs, num_heads, head_size = query.shape
         _, _, block_size, kv_heads, _ = kv_cache.shape
         group = num_heads // kv_heads
-        query = _last_dim_contiguous(query).to(kv_cache.dtype)
+        query = last_dim_contiguous(query).to(kv_cache.dtype)
         out = torch.empty(num_seqs, num_heads, head_size, dtype=kv_cache.dtype, device=query.device)
         if num_seqs == 0:
             return out
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         block_d = _next_pow2(head_size)
-        splits = -(-meta.max_context_len // self.partition)
+        splits = cdiv(meta.max_context_len, self.partition)
         split = splits > 1
         if split:
             part_acc = torch.empty(num_seqs, num_heads, splits, block_d, dtype=torch.float32, device=query.device)
@@ -100,14 +100,14 @@ class TritonAttentionOps(AttentionOps):
     def prefill_attention(self, query, kv_cache, meta: PrefillMetadata, scale):
         num_tokens, num_heads, head_size = query.shape
         _, _, block_size, kv_heads, _ = kv_cache.shape
-        query = _last_dim_contiguous(query).to(kv_cache.dtype)
+        query = last_dim_contiguous(query).to(kv_cache.dtype)
         out = torch.empty(num_tokens, num_heads, head_size, dtype=kv_cache.dtype, device=query.device)
         num_reqs = len(meta.query_lens)
         if num_tokens == 0:
             return out
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         tables = meta.block_tables
-        grid = (num_reqs, -(-meta.max_query_len // self.block_m), num_heads)
+        grid = (num_reqs, cdiv(meta.max_query_len, self.block_m), num_heads)
         self.k.prefill_kernel[grid](
             query, k_cache, v_cache, tables, meta.query_start_loc, meta.context_lens, out, scale,
             query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -125,6 +125,3 @@ class TritonAttentionOps(AttentionOps):
         self.k.copy_blocks_kernel[(len(pairs), layers)](
             flat, pair_t, flat.stride(0), BLOCK_ELEMS=flat.shape[2], CHUNK=min(1024, _next_pow2(flat.shape[2])))
 
-
-def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()

@@ -1,0 +1,3 @@
+"""What a worker does differently on a CUDA device, one job a module: the default dtype
+(dtype.py), the KV pool sized by profiling a forward pass (memory.py), page-locked swap space
+(pinning.py) and decode steps replayed from CUDA graphs (graphs.py)."""

@@ -1,0 +1,44 @@
+"""What a Hugging Face model folder says about itself: config.json and generation_config.json,
+read in one place for the frontend, the workers and the benchmarks. Torch-free."""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+class ModelFolder:
+    def __init__(self, path: str):
+        self.path = path
+        config_path = os.path.join(path, "config.json")
+        if not os.path.isfile(config_path):
+            raise FileNotFoundError(f"model: no config.json in {path!r}")
+        with open(config_path) as f:
+            self.config: dict = json.load(f)
+        generation_path = os.path.join(path, "generation_config.json")
+        self.generation_config: dict | None = None
+        if os.path.isfile(generation_path):
+            with open(generation_path) as f:
+                self.generation_config = json.load(f)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config["vocab_size"]
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.config.get("max_position_embeddings", 2048)
+
+    @property
+    def dtype(self) -> str | None:
+        """The dtype the checkpoint was saved in, if config.json names one."""
+        return self.config.get("dtype") or self.config.get("torch_dtype")
+
+    def eos_token_id(self, tokenizer=None) -> int | None:
+        """generation_config.json's EOS id, else config.json's, else the tokenizer's."""
+        eos = (self.generation_config or {}).get("eos_token_id")
+        if eos is None:
+            eos = self.config.get("eos_token_id", tokenizer.eos_token_id if tokenizer is not None else None)
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        return eos

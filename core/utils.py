@@ -1,0 +1,6 @@
+"""Small arithmetic shared by the core and the backends."""
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division: how many blocks of b hold a items."""
+    return -(-a // b)

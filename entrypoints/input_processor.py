@@ -1,0 +1,96 @@
+"""Prompts in, engine requests out: text or token ids, chat templates, and the checks that
+belong to the frontend (token ids within the vocabulary, room in the context, stop strings
+need a tokenizer). Shared by `LLM` and `AsyncEngine`."""
+
+from __future__ import annotations
+
+from pagedllm.core.errors import InvalidParameter
+from pagedllm.core.request import EngineRequest
+from pagedllm.core.sampling_params import SamplingParams
+
+from .request_tracker import RequestTracker
+
+Prompt = tuple[str | None, list[int]]  # (text if known, token ids)
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, eos_token_id: int | None, vocab_size: int, max_model_len: int):
+        self.tokenizer = tokenizer
+        self.eos_token_id = eos_token_id
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+
+    def prompts(self, prompts) -> list[Prompt]:
+        """One prompt or a list: strings, token id lists, {"prompt": ...} or {"prompt_token_ids": [...]}."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        items = [self._prompt(p) for p in prompts]
+        if not items:
+            raise InvalidParameter("prompts", "no prompts given")
+        for _, ids in items:
+            if not ids:
+                raise InvalidParameter("prompt", "must contain at least one token")
+        return items
+
+    def _prompt(self, p) -> Prompt:
+        if isinstance(p, dict) and "prompt_token_ids" in p:
+            return p.get("prompt"), [int(t) for t in p["prompt_token_ids"]]
+        if isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p):
+            return None, list(p)
+        text = p["prompt"] if isinstance(p, dict) and "prompt" in p else p
+        if not isinstance(text, str):
+            raise InvalidParameter("prompts", "each prompt must be a string, a list of token ids, "
+                                              "or a dict with 'prompt' or 'prompt_token_ids'")
+        if self.tokenizer is None:
+            raise InvalidParameter("prompts", "text prompts need a tokenizer (skip_tokenizer_init is set)")
+        return text, self.tokenizer.encode(text)
+
+    def tracker(self, prompt: Prompt, params: SamplingParams, request_id: str) -> RequestTracker:
+        """The frontend's state for one request, after checking it fits this model."""
+        text, ids = prompt
+        if len(ids) >= self.max_model_len:
+            raise InvalidParameter("prompt", f"has {len(ids)} tokens; max_model_len is {self.max_model_len}, "
+                                             f"which leaves room for at most {self.max_model_len - 1}")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidParameter("prompt_token_ids",
+                                   f"token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        if self.tokenizer is None and params.stop:
+            raise InvalidParameter("stop", "stop strings need a tokenizer (skip_tokenizer_init is set)")
+        return RequestTracker(request_id, text, ids, params, self.tokenizer)
+
+    def check_room(self, prompt: Prompt, params: SamplingParams) -> None:
+        """The server's rule (OpenAI's and vLLM's): prompt + max_tokens must fit the context."""
+        ids = prompt[1]
+        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
+            raise InvalidParameter(
+                "max_tokens", f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
+                              f"has {len(ids)}, so max_tokens can be at most "
+                              f"{max(self.max_model_len - len(ids), 0)}, got {params.max_tokens}")
+
+    def engine_request(self, tracker: RequestTracker, arrival_time: float) -> EngineRequest:
+        return EngineRequest(request_id=tracker.request_id, prompt_token_ids=tracker.output.prompt_token_ids,
+                             sampling_params=tracker.params, eos_token_id=self.eos_token_id,
+                             arrival_time=arrival_time)
+
+    def render_chat(self, conversation: list[dict], chat_template: str | None = None,
+                    add_generation_prompt: bool = True) -> dict:
+        """A conversation as a prompt dict (text and token ids), through the tokenizer's template."""
+        if self.tokenizer is None:
+            raise InvalidParameter("messages", "chat needs a tokenizer (skip_tokenizer_init is set)")
+        if getattr(self.tokenizer, "chat_template", None) is None and chat_template is None:
+            raise InvalidParameter("messages", "the model's tokenizer has no chat template")
+        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=chat_template,
+                                                  add_generation_prompt=add_generation_prompt)
+        return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
+
+
+def per_prompt(params: SamplingParams | list[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if len(params) != n:
+        raise InvalidParameter("sampling_params", f"needs one per prompt ({n}), got {len(params)}")
+    return list(params)
