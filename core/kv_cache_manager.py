@@ -100,19 +100,19 @@ class KVCacheManager:
         or None — with nothing changed — when the free blocks do not suffice."""
         rid = request.request_id
         table = self.tables.get(rid)
-        if table is None:  # registered only once something is allocated
-            table = []
-        start = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        bs = self.block_size
+        start = request.num_computed_tokens + len(computed_blocks) * bs
         end = start + num_new_tokens
-        num_new_blocks = max(0, cdiv(end, self.block_size) - len(table) - len(computed_blocks))
-        shared = self._shared_partial_block(table, start)
-        if not (num_new_blocks or shared or computed_blocks):  # the common decode step
-            if rid not in self.tables:
-                self._register(rid, table)
-            elif self.enable_caching:
+        if table is not None and not computed_blocks and end <= len(table) * bs and (
+                start % bs == 0 or table[start // bs].ref_cnt == 1):
+            # the common decode step: the table already holds the slots, and they are its own
+            if self.enable_caching and end // bs > self._num_hashed[rid]:
                 self._cache_full_blocks(request, table, end)
             return len(table), []
-
+        if table is None:  # registered only once something is allocated
+            table = []
+        num_new_blocks = max(0, cdiv(end, bs) - len(table) - len(computed_blocks))
+        shared = self._shared_partial_block(table, start)
         revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         if num_new_blocks + (shared is not None) > self.pool.num_free - revived:
             return None

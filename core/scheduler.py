@@ -147,28 +147,29 @@ class Scheduler:
     def _schedule_running(self, step: StepBuilder) -> None:
         """Running requests: decodes first, then unfinished prefills in chunks."""
         left = [(r, r.fork_point - r.num_computed_tokens) for r in self.running]
-        decodes = [r for r, n in left if n == 1]
-        prefills = [r for r, n in left if n > 1]
-        for request in decodes + prefills:
+        allocate = self.kv.allocate_slots
+        for request, num_left in [d for d in left if d[1] == 1] + [p for p in left if p[1] > 1]:
             if step.budget <= 0:
                 break
             if request.status != RUNNING:
                 continue  # preempted as a victim earlier in this loop
-            num_new = min(request.fork_point - request.num_computed_tokens, step.budget)
-            delta = self._allocate_or_preempt(request, num_new, step)
+            num_new = min(num_left, step.budget)
+            delta = allocate(request, num_new)
+            if delta is None:
+                delta = self._preempt_until_fits(request, num_new, step)
             if delta is not None:
                 step.add(request, num_new, delta)
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, step: StepBuilder):
-        """Blocks for `num_new` more tokens, preempting others until they fit; None if the
-        request itself had to be preempted."""
+    def _preempt_until_fits(self, request: Request, num_new: int, step: StepBuilder):
+        """Preempt others until `num_new` more tokens of `request` fit; None if the request
+        itself had to be preempted."""
         while True:
-            delta = self.kv.allocate_slots(request, num_new)
-            if delta is not None:
-                return delta
             self._preempt(self._pick_victim(request, step), step)
             if request.status != RUNNING:
                 return None
+            delta = self.kv.allocate_slots(request, num_new)
+            if delta is not None:
+                return delta
 
     def _schedule_beam_groups(self, step: StepBuilder) -> None:
         """A beam group decodes together: all of its beams in this step, or none."""
