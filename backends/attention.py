@@ -81,18 +81,21 @@ class AttentionOps:
     def prepare_model(self, model) -> None:
         """A chance to adapt the loaded model to this backend (e.g. pack weights)."""
 
-    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
         """key/value: [T, KVH, D]. Stores token t at slot slot_mapping[t]."""
         raise NotImplementedError
 
-    def decode_attention(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: DecodeMetadata,
-                         scale: float) -> torch.Tensor:
+    def decode_attention(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: DecodeMetadata, scale: float
+    ) -> torch.Tensor:
         """query: [D, H, Dh], one token per request; returns [D, H, Dh]."""
         raise NotImplementedError
 
-    def prefill_attention(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: PrefillMetadata,
-                          scale: float) -> torch.Tensor:
+    def prefill_attention(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: PrefillMetadata, scale: float
+    ) -> torch.Tensor:
         """query: [Tp, H, Dh]; query i of request r sits at position context_len - query_len + i
         and attends causally to every cached position up to its own. Returns [Tp, H, Dh]."""
         raise NotImplementedError
@@ -105,8 +108,7 @@ class AttentionOps:
         dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=kv_caches.device)
         kv_caches[:, :, dst] = kv_caches[:, :, src]
 
-    def swap_blocks(self, src_caches: torch.Tensor, dst_caches: torch.Tensor,
-                    pairs: list[tuple[int, int]]) -> None:
+    def swap_blocks(self, src_caches: torch.Tensor, dst_caches: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
         """Move blocks between the device pool and the host swap space (either direction)."""
         if not pairs:
             return

@@ -22,7 +22,7 @@ BUILTIN_BACKENDS = {
 ALIASES = {
     # Triton's prefill uses tensor cores (flash-attention tiles); cuda-native's kernels do not,
     # and need a compiler. Either passes the same conformance suite.
-    "cuda": ("cuda-triton", "cuda-native"),
+    "cuda": ("cuda-triton", "cuda-native")
 }
 
 
@@ -78,7 +78,7 @@ def check_available(name: str) -> BackendSpec:
     module_name, _, attr = spec.target.partition(":")
     try:
         factory = getattr(importlib.import_module(module_name), attr)
-    except Exception as e:  # noqa: BLE001 - a plugin that cannot import is unavailable, with why
+    except Exception as e:  # a plugin that cannot import is unavailable, with why
         raise BackendUnavailable(f"{name}: cannot be imported: {e}") from e
     reason = getattr(factory, "unavailable_reason", lambda: None)()
     if reason:

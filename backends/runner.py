@@ -42,7 +42,7 @@ def prepare_batch(seqs: list[SeqInput], block_size: int, device="cpu") -> StepBa
     tables = np.zeros((len(order), max_blocks), dtype=np.int32)
     for row, i in enumerate(order):
         ids = seqs[i].block_ids[:max_blocks]
-        tables[row, :len(ids)] = ids
+        tables[row, : len(ids)] = ids
     num_tokens = int(q_lens.sum())
     ends = np.cumsum(q_lens)
     seq_of_token = np.repeat(np.arange(len(order)), q_lens)
@@ -57,25 +57,38 @@ def prepare_batch(seqs: list[SeqInput], block_size: int, device="cpu") -> StepBa
     ctx_t = torch.from_numpy(ctx_lens.astype(np.int32)).to(device)
     decode = prefill = None
     if nd:
-        decode = DecodeMetadata(block_tables=tables_t[:nd], context_lens=ctx_t[:nd],
-                                max_context_len=int(ctx_lens[:nd].max()))
+        decode = DecodeMetadata(
+            block_tables=tables_t[:nd], context_lens=ctx_t[:nd], max_context_len=int(ctx_lens[:nd].max())
+        )
     if len(prefills):
         p_q = q_lens[nd:]
         qsl = np.concatenate(([0], np.cumsum(p_q))).astype(np.int32)
         prefill = PrefillMetadata(
-            block_tables=tables_t[nd:], query_start_loc=torch.from_numpy(qsl).to(device),
-            context_lens=ctx_t[nd:], query_lens=p_q.tolist(), context_lens_list=ctx_lens[nd:].tolist(),
-            max_query_len=int(p_q.max()), max_context_len=int(ctx_lens[nd:].max()))
+            block_tables=tables_t[nd:],
+            query_start_loc=torch.from_numpy(qsl).to(device),
+            context_lens=ctx_t[nd:],
+            query_lens=p_q.tolist(),
+            context_lens_list=ctx_lens[nd:].tolist(),
+            max_query_len=int(p_q.max()),
+            max_context_len=int(ctx_lens[nd:].max()),
+        )
     meta = AttentionMetadata(
-        slot_mapping=torch.from_numpy(slots).to(device), num_decode_tokens=nd,
-        num_prefill_tokens=num_tokens - nd, decode=decode, prefill=prefill)
-    return StepBatch(torch.from_numpy(input_ids).to(device), torch.from_numpy(positions).to(device),
-                     meta, torch.from_numpy(logits_rows).to(device))
+        slot_mapping=torch.from_numpy(slots).to(device),
+        num_decode_tokens=nd,
+        num_prefill_tokens=num_tokens - nd,
+        decode=decode,
+        prefill=prefill,
+    )
+    return StepBatch(
+        torch.from_numpy(input_ids).to(device),
+        torch.from_numpy(positions).to(device),
+        meta,
+        torch.from_numpy(logits_rows).to(device),
+    )
 
 
 class ModelRunner:
-    def __init__(self, model, ops: AttentionOps, kv_caches: torch.Tensor, block_size: int,
-                 device="cpu"):
+    def __init__(self, model, ops: AttentionOps, kv_caches: torch.Tensor, block_size: int, device="cpu"):
         self.model = model
         self.ops = ops
         ops.prepare_model(model)
@@ -94,8 +107,15 @@ class ModelRunner:
         return self.model.compute_logits(hidden[batch.logits_indices])
 
 
-def allocate_kv_caches(model_config, num_blocks: int, block_size: int, dtype=None,
-                       device="cpu") -> torch.Tensor:
+def allocate_kv_caches(model_config, num_blocks: int, block_size: int, dtype=None, device="cpu") -> torch.Tensor:
     cfg = model_config
-    return torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                       dtype=dtype or cfg.dtype, device=device)
+    return torch.zeros(
+        cfg.num_layers,
+        2,
+        num_blocks,
+        block_size,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        dtype=dtype or cfg.dtype,
+        device=device,
+    )

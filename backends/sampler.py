@@ -29,11 +29,11 @@ class SamplingRow:
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[:self.num_prompt_tokens]
+        return self.token_ids[: self.num_prompt_tokens]
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
 
 @dataclass
@@ -89,8 +89,11 @@ class Sampler:
         noise = torch.empty_like(probs)
         for j, row in enumerate(rows):
             seed = row.params.seed
-            gen = self.generator if seed is None else \
-                torch.Generator().manual_seed(_seed_for(seed, row.num_output_tokens))
+            gen = (
+                self.generator
+                if seed is None
+                else torch.Generator().manual_seed(_seed_for(seed, row.num_output_tokens))
+            )
             noise[j].exponential_(generator=gen)
         return (probs / noise).argmax(dim=-1)
 
@@ -141,8 +144,9 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     """repetition: a seen token's logit is divided by the penalty if positive, multiplied if
     not (HF/vLLM); frequency: minus penalty x count in the output; presence: minus penalty
     if in the output at all."""
-    if not any(r.params.repetition_penalty != 1.0 or r.params.presence_penalty
-               or r.params.frequency_penalty for r in rows):
+    if not any(
+        r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty for r in rows
+    ):
         return logits
     batch, vocab = logits.shape
     counts = torch.zeros(batch, vocab, dtype=logits.dtype)
@@ -166,5 +170,4 @@ def _logprobs(row_logprobs: torch.Tensor, token: int, k: int) -> Logprobs:
     token_lp = row_logprobs[token]
     rank = int((row_logprobs > token_lp).sum()) + 1
     top = row_logprobs.topk(k) if k else None
-    return Logprobs(float(token_lp), rank, top.indices.tolist() if k else [],
-                    top.values.tolist() if k else [])
+    return Logprobs(float(token_lp), rank, top.indices.tolist() if k else [], top.values.tolist() if k else [])

@@ -14,6 +14,7 @@ import signal
 import sys
 import time
 import traceback
+
 import msgspec
 import numpy as np
 import torch
@@ -22,9 +23,20 @@ import zmq
 from pagedllm.core import shm
 from pagedllm.core.config import EngineConfig
 from pagedllm.core.ipc import Channel
+from pagedllm.core.logs import setup_logging
 from pagedllm.core.outputs import SchedulerOutput
-from pagedllm.core.protocol import (InitCache, KVSpec, Shutdown, Step, StepResult, TokenLogprobs, ToWorker,
-                                    WorkerFailed, WorkerHello, WorkerReady)
+from pagedllm.core.protocol import (
+    InitCache,
+    KVSpec,
+    Shutdown,
+    Step,
+    StepResult,
+    TokenLogprobs,
+    ToWorker,
+    WorkerFailed,
+    WorkerHello,
+    WorkerReady,
+)
 from pagedllm.core.worker_state import WorkerState
 
 from .gpu.dtype import default_dtype
@@ -58,13 +70,20 @@ class Worker:
 
     def hello(self) -> WorkerHello:
         cfg = self.model_config
-        kv_spec = KVSpec(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_size=cfg.head_dim,
-                         dtype=DTYPE_NAMES[cfg.dtype])
+        kv_spec = KVSpec(
+            num_layers=cfg.num_layers,
+            num_kv_heads=cfg.num_kv_heads,
+            head_size=cfg.head_dim,
+            dtype=DTYPE_NAMES[cfg.dtype],
+        )
         return WorkerHello(
-            rank=self.rank, kv_spec=kv_spec,
-            max_position_embeddings=cfg.max_position_embeddings, sliding_window=cfg.sliding_window,
+            rank=self.rank,
+            kv_spec=kv_spec,
+            max_position_embeddings=cfg.max_position_embeddings,
+            sliding_window=cfg.sliding_window,
             kv_in_shared_memory=self.ops.kv_in_shared_memory,
-            num_device_blocks=self._profile_num_blocks(kv_spec.bytes_per_block_slot))
+            num_device_blocks=self._profile_num_blocks(kv_spec.bytes_per_block_slot),
+        )
 
     def _profile_num_blocks(self, slot_bytes: int) -> int | None:
         cfg = self.config
@@ -72,9 +91,17 @@ class Worker:
             return None
         max_len = cfg.max_model_len or self.model_config.max_position_embeddings
         from .gpu.memory import profile_num_blocks
-        return profile_num_blocks(self.model, self.ops, cfg.block_size, slot_bytes,
-                                      cfg.max_num_batched_tokens or max(2048, max_len), max_len,
-                                      cfg.gpu_memory_utilization, self.device)
+
+        return profile_num_blocks(
+            self.model,
+            self.ops,
+            cfg.block_size,
+            slot_bytes,
+            cfg.max_num_batched_tokens or max(2048, max_len),
+            max_len,
+            cfg.gpu_memory_utilization,
+            self.device,
+        )
 
     def _cache_tensor(self, segment: str | None, num_blocks: int, block_size: int) -> torch.Tensor:
         cfg = self.model_config
@@ -87,8 +114,9 @@ class Worker:
 
     def init_cache(self, msg: InitCache) -> WorkerReady:
         kv = self._cache_tensor(msg.kv_segment, msg.num_blocks, msg.block_size)
-        self.swap = self._cache_tensor(msg.swap_segment, msg.num_swap_blocks, msg.block_size) \
-            if msg.num_swap_blocks else None
+        self.swap = (
+            self._cache_tensor(msg.swap_segment, msg.num_swap_blocks, msg.block_size) if msg.num_swap_blocks else None
+        )
         self.runner = ModelRunner(self.model, self.ops, kv, msg.block_size, self.device)
         if self.on_gpu:
             self._prepare_gpu(kv, msg)
@@ -102,8 +130,14 @@ class Worker:
             logger.warning("could not pin the swap space; swapping will be slower")
         if self.config.enforce_eager:
             return
-        graphs = DecodeGraphs(self.model, self.ops, kv, msg.block_size,
-                              min(self.config.max_num_seqs, GRAPH_BATCH_SIZES[-1]), msg.max_model_len)
+        graphs = DecodeGraphs(
+            self.model,
+            self.ops,
+            kv,
+            msg.block_size,
+            min(self.config.max_num_seqs, GRAPH_BATCH_SIZES[-1]),
+            msg.max_model_len,
+        )
         try:
             graphs.capture()
             self.runner.decode_graphs = graphs
@@ -125,18 +159,25 @@ class Worker:
             batch = [chunks[i] for i in rows]
             if len(rows) < len(chunks):
                 logits = logits[rows]
-            out = self.sampler(logits, [SamplingRow(c.state.params, c.state.token_ids, c.state.num_prompt_tokens,
-                                                    c.state.eos_token_id) for c in batch])
+            out = self.sampler(
+                logits,
+                [
+                    SamplingRow(c.state.params, c.state.token_ids, c.state.num_prompt_tokens, c.state.eos_token_id)
+                    for c in batch
+                ],
+            )
             for i, chunk, token in zip(rows, batch, out.token_ids):
                 self.state.add_sampled(chunk.state, token)
                 sampled[i] = token
             for chunk, lp in zip(batch, out.logprobs):
                 if lp is not None:
                     logprobs = logprobs or {}
-                    logprobs[chunk.request_id] = TokenLogprobs(lp.token_logprob, lp.rank, lp.top_token_ids,
-                                                               lp.top_logprobs)
-        return StepResult(step_id=plan.step_id, sampled_token_ids=sampled, logprobs=logprobs,
-                          forward_seconds=time.perf_counter() - t0)
+                    logprobs[chunk.request_id] = TokenLogprobs(
+                        lp.token_logprob, lp.rank, lp.top_token_ids, lp.top_logprobs
+                    )
+        return StepResult(
+            step_id=plan.step_id, sampled_token_ids=sampled, logprobs=logprobs, forward_seconds=time.perf_counter() - t0
+        )
 
 
 def main(argv=None) -> int:
@@ -146,6 +187,7 @@ def main(argv=None) -> int:
     ap.add_argument("--output", required=True)
     ap.add_argument("--config", required=True)
     args = ap.parse_args(argv)
+    setup_logging()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend orchestrates shutdown
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     parent = os.getppid()

@@ -33,8 +33,15 @@ def small_llama_dir(path: str, dtype: str) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
-                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048)
+    cfg = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+    )
     LlamaForCausalLM(cfg).to(getattr(torch, dtype)).save_pretrained(path)
     return path
 
@@ -68,7 +75,7 @@ def main(argv=None):
     runner = ModelRunner(model, CpuAttentionOps(), kv, bs)
     # scattered blocks, as in a pool that has served many requests
     ids = (torch.randperm(args.batch * blocks_each, generator=gen) + 1).tolist()
-    tables = [ids[i * blocks_each:(i + 1) * blocks_each] for i in range(args.batch)]
+    tables = [ids[i * blocks_each : (i + 1) * blocks_each] for i in range(args.batch)]
     tokens = [p.tolist() for p in prompts]
     for i in range(args.batch):
         logits = runner.execute([SeqInput(tokens[i], 0, tables[i])])
@@ -82,8 +89,10 @@ def main(argv=None):
 
     # transformers: one padded-free batch (equal lengths), its DynamicCache
     from transformers import AutoModelForCausalLM
+
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
     from transformers import DynamicCache
+
     cache = DynamicCache(config=hf.config)
     out = hf(prompts, cache=cache, use_cache=True)
     state = {"next": out.logits[:, -1].argmax(-1, keepdim=True)}
@@ -100,8 +109,7 @@ def main(argv=None):
         ours += time_steps(paged_step, 1)
         theirs += time_steps(hf_step, 1)
     ours_ms, theirs_ms = statistics.median(ours) * 1e3, statistics.median(theirs) * 1e3
-    print(f"decode step, {args.batch} requests x {args.context}-token context, {args.dtype}, "
-          f"median of {args.steps}:")
+    print(f"decode step, {args.batch} requests x {args.context}-token context, {args.dtype}, median of {args.steps}:")
     print(f"  pagedllm runner (cpu backend): {ours_ms:8.1f} ms")
     print(f"  transformers forward + cache:  {theirs_ms:8.1f} ms")
     print(f"  ratio (transformers / pagedllm): {theirs_ms / ours_ms:.2f}x")

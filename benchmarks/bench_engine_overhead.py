@@ -33,8 +33,9 @@ def main(argv=None):
         prompts = [[10 + (i % 300)] * args.prompt_len for i in range(args.requests)]
         llm.generate(prompts[:4], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
         before = llm.last_stats
-        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True),
-                     use_tqdm=False)
+        llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True), use_tqdm=False
+        )
         after = llm.last_stats
     finally:
         llm.shutdown()
@@ -42,8 +43,10 @@ def main(argv=None):
     wall = (after.step_seconds - before.step_seconds) / steps
     forward = (after.forward_seconds - before.forward_seconds) / steps
     print(f"start-up (LLM() to ready): {startup:.2f} s")
-    print(f"{args.requests} running requests, {steps} steps: {wall * 1e3:.2f} ms per step, of which "
-          f"forward+sampling {forward * 1e3:.2f} ms; engine overhead {(wall - forward) * 1e3:.2f} ms per step")
+    print(
+        f"{args.requests} running requests, {steps} steps: {wall * 1e3:.2f} ms per step, of which "
+        f"forward+sampling {forward * 1e3:.2f} ms; engine overhead {(wall - forward) * 1e3:.2f} ms per step"
+    )
 
 
 if __name__ == "__main__":

@@ -33,8 +33,12 @@ async def _at_rate(engine, prompts, max_tokens, rate: float, seed: int) -> dict:
     seconds = time.monotonic() - start
     ttft = [timing.first_token - timing.submitted for timing, _ in done if timing.first_token is not None]
     itl = [gap for timing, _ in done for gap in timing.token_gaps]
-    return {"rate": rate, "ttft_ms": report.percentiles_ms(ttft), "itl_ms": report.percentiles_ms(itl),
-            "output_tok_s": sum(n for _, n in done) / seconds}
+    return {
+        "rate": rate,
+        "ttft_ms": report.percentiles_ms(ttft),
+        "itl_ms": report.percentiles_ms(itl),
+        "output_tok_s": sum(n for _, n in done) / seconds,
+    }
 
 
 def measure(model_dir: str, prompts, max_tokens, rates, seed: int = 0, **engine_args) -> list[dict]:
@@ -52,6 +56,8 @@ def print_rows(rows: list[dict]) -> None:
     print(head + "\n" + "-" * len(head))
     for r in rows:
         t, i = r["ttft_ms"], r["itl_ms"]
-        print(f"{r['rate']:7.1f} {t['p50']:9.1f} {t['p90']:8.1f} {t['p99']:8.1f} {i['p50']:9.1f} {i['p90']:8.1f} "
-              f"{i['p99']:8.1f} {r['output_tok_s']:10.0f}")
+        print(
+            f"{r['rate']:7.1f} {t['p50']:9.1f} {t['p90']:8.1f} {t['p99']:8.1f} {i['p50']:9.1f} {i['p90']:8.1f} "
+            f"{i['p99']:8.1f} {r['output_tok_s']:10.0f}"
+        )
     print("(milliseconds)")

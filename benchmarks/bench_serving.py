@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -27,10 +28,30 @@ from pagedllm.core.ipc import free_tcp_port
 def start_server(model_dir: str, backend: str, dtype: str, kv_cache_memory: str) -> tuple[subprocess.Popen, str]:
     port = free_tcp_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--model", model_dir, "--backend", backend,
-         "--dtype", dtype, "--kv-cache-memory", kv_cache_memory, "--port", str(port), "--zmq-endpoint", "none",
-         "--max-queue-len", "100000"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "pagedllm.entrypoints.cli",
+            "serve",
+            "--model",
+            model_dir,
+            "--backend",
+            backend,
+            "--dtype",
+            dtype,
+            "--kv-cache-memory",
+            kv_cache_memory,
+            "--port",
+            str(port),
+            "--zmq-endpoint",
+            "none",
+            "--max-queue-len",
+            "100000",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     banner = proc.stdout.readline()
     if "serving" not in banner:
         proc.kill()
@@ -53,8 +74,10 @@ async def sse_events(host: str, port: int, path: str, payload: dict):
     take CPU from the engine and be counted as server overhead."""
     reader, writer = await asyncio.open_connection(host, port)
     body = json.dumps(payload).encode()
-    writer.write(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
-                 b"Connection: close\r\n\r\n%s" % (path.encode(), host.encode(), len(body), body))
+    writer.write(
+        b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+        b"Connection: close\r\n\r\n%s" % (path.encode(), host.encode(), len(body), body)
+    )
     status = await reader.readline()
     if b" 200 " not in status:
         raise RuntimeError(f"{path}: {status.decode().strip()} {await reader.read()!r}")
@@ -75,13 +98,19 @@ async def sse_events(host: str, port: int, path: str, payload: dict):
         writer.close()
 
 
-async def _one(host: str, port: int, model: str, ids: list[int], max_tokens: int, delay: float,
-               record: list) -> None:
+async def _one(host: str, port: int, model: str, ids: list[int], max_tokens: int, delay: float, record: list) -> None:
     await asyncio.sleep(delay)
     sent = time.monotonic()
     times, tokens = [], 0
-    payload = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-               "stream_options": {"include_usage": True}, "ignore_eos": True}
+    payload = {
+        "model": model,
+        "prompt": ids,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
     async for data in sse_events(host, port, "/v1/completions", payload):
         if b'"usage":{' in data:
             tokens = json.loads(data)["usage"]["completion_tokens"]
@@ -101,17 +130,24 @@ def run_rate(base_url: str, model: str, prompts, max_tokens, rate: float, seed: 
     record: list = []
 
     async def main():
-        await asyncio.gather(*(_one(host, int(port), model, p, m, d, record)
-                               for p, m, d in zip(prompts, max_tokens, delays)))
+        await asyncio.gather(
+            *(_one(host, int(port), model, p, m, d, record) for p, m, d in zip(prompts, max_tokens, delays))
+        )
 
     start = time.monotonic()
     asyncio.run(main())
     seconds = time.monotonic() - start
     ttft = [times[0] - sent for sent, times, _ in record if times]
-    itl = [b - a for _, times, _ in record for a, b in zip(times, times[1:])]
+    itl = [b - a for _, times, _ in record for a, b in itertools.pairwise(times)]
     tokens = sum(n for _, _, n in record)
-    return {"rate": rate, "seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds,
-            "ttft_ms": percentiles_ms(ttft), "itl_ms": percentiles_ms(itl)}
+    return {
+        "rate": rate,
+        "seconds": seconds,
+        "output_tokens": tokens,
+        "output_tok_s": tokens / seconds,
+        "ttft_ms": percentiles_ms(ttft),
+        "itl_ms": percentiles_ms(itl),
+    }
 
 
 def run_offline(model_dir: str, prompts, max_tokens, backend: str, dtype: str, kv_cache_memory: str) -> dict:
@@ -127,9 +163,17 @@ def run_offline(model_dir: str, prompts, max_tokens, backend: str, dtype: str, k
     return {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds}
 
 
-def serving_benchmark(model_dir: str, prompts, max_tokens, rates: list[float], backend: str = "cpu",
-                      dtype: str = "float32", kv_cache_memory: str = "2GiB", seed: int = 0,
-                      rounds: int = 2) -> dict:
+def serving_benchmark(
+    model_dir: str,
+    prompts,
+    max_tokens,
+    rates: list[float],
+    backend: str = "cpu",
+    dtype: str = "float32",
+    kv_cache_memory: str = "2GiB",
+    seed: int = 0,
+    rounds: int = 2,
+) -> dict:
     """The rate sweep, then `rounds` alternating offline and saturated served runs (the best
     of each): this machine's run-to-run noise is larger than the difference being measured."""
     proc, base_url = start_server(model_dir, backend, dtype, kv_cache_memory)
@@ -143,24 +187,32 @@ def serving_benchmark(model_dir: str, prompts, max_tokens, rates: list[float], b
         stop_server(proc)
     best_offline = max(offline, key=lambda r: r["output_tok_s"])
     best_served = max(served, key=lambda r: r["output_tok_s"])
-    return {"offline": best_offline, "served_saturated": best_served, "rows": rows,
-            "offline_runs": [r["output_tok_s"] for r in offline],
-            "served_saturated_runs": [r["output_tok_s"] for r in served],
-            "served_over_offline": best_served["output_tok_s"] / best_offline["output_tok_s"]}
+    return {
+        "offline": best_offline,
+        "served_saturated": best_served,
+        "rows": rows,
+        "offline_runs": [r["output_tok_s"] for r in offline],
+        "served_saturated_runs": [r["output_tok_s"] for r in served],
+        "served_over_offline": best_served["output_tok_s"] / best_offline["output_tok_s"],
+    }
 
 
 def print_report(result: dict) -> None:
-    head = (f"{'req/s':>7} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>8} {'out tok/s':>10}")
+    head = f"{'req/s':>7} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>8} {'out tok/s':>10}"
     print(head + "\n" + "-" * len(head))
     for r in result["rows"]:
         t, i = r["ttft_ms"], r["itl_ms"]
-        print(f"{r['rate']:7.1f} {t['p50']:9.1f} {t['p99']:8.1f} {i['p50']:8.1f} {i['p99']:8.1f} "
-              f"{r['output_tok_s']:10.0f}")
+        print(
+            f"{r['rate']:7.1f} {t['p50']:9.1f} {t['p99']:8.1f} {i['p50']:8.1f} {i['p99']:8.1f} "
+            f"{r['output_tok_s']:10.0f}"
+        )
     print(f"{'offline':>7} {'':>9} {'':>8} {'':>8} {'':>8} {result['offline']['output_tok_s']:10.0f}")
-    runs = lambda key: ", ".join(f"{v:.0f}" for v in result[key])  # noqa: E731
-    print(f"(milliseconds) saturated runs: served {runs('served_saturated_runs')} tok/s, offline "
-          f"{runs('offline_runs')} tok/s; best served / best offline: {result['served_over_offline']:.2f} "
-          f"(goal >= 0.90)")
+    runs = lambda key: ", ".join(f"{v:.0f}" for v in result[key])
+    print(
+        f"(milliseconds) saturated runs: served {runs('served_saturated_runs')} tok/s, offline "
+        f"{runs('offline_runs')} tok/s; best served / best offline: {result['served_over_offline']:.2f} "
+        f"(goal >= 0.90)"
+    )
 
 
 def main(argv=None) -> None:
@@ -181,14 +233,27 @@ def main(argv=None) -> None:
     model_dir = args.model or default_model_dir()
     with open(os.path.join(model_dir, "config.json")) as f:
         cfg = json.load(f)
-    lengths = synthetic_lengths(args.num_prompts, seed=args.seed,
-                                max_len=min(1000, cfg.get("max_position_embeddings", 2048) // 2 - 1))
+    lengths = synthetic_lengths(
+        args.num_prompts, seed=args.seed, max_len=min(1000, cfg.get("max_position_embeddings", 2048) // 2 - 1)
+    )
     prompts = synthetic_prompts(lengths, cfg["vocab_size"], args.seed)
     max_tokens = [o for _, o in lengths]
-    print(f"{len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {sum(max_tokens)} output tokens; "
-          f"model {model_dir}; {args.dtype}", flush=True)
-    result = serving_benchmark(model_dir, prompts, max_tokens, [float(r) for r in args.rates.split(",")],
-                               args.backend, args.dtype, args.kv_cache_memory, args.seed, args.rounds)
+    print(
+        f"{len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {sum(max_tokens)} output tokens; "
+        f"model {model_dir}; {args.dtype}",
+        flush=True,
+    )
+    result = serving_benchmark(
+        model_dir,
+        prompts,
+        max_tokens,
+        [float(r) for r in args.rates.split(",")],
+        args.backend,
+        args.dtype,
+        args.kv_cache_memory,
+        args.seed,
+        args.rounds,
+    )
     print_report(result)
     if args.json:
         with open(args.json, "w") as f:

@@ -35,6 +35,7 @@ def make_workload(kind: str, num: int, seed: int, vocab: int):
 
 def run_pagedllm(model_dir, prompts, max_tokens, dtype, kv_cache_memory, backend="cpu"):
     from pagedllm import LLM, SamplingParams
+
     t0 = time.perf_counter()
     llm = LLM(model_dir, backend=backend, dtype=dtype, skip_tokenizer_init=True, kv_cache_memory=kv_cache_memory)
     startup = time.perf_counter() - t0
@@ -49,8 +50,20 @@ def run_pagedllm(model_dir, prompts, max_tokens, dtype, kv_cache_memory, backend
     return seconds, [o.outputs[0].token_ids for o in outs], startup, stats
 
 
-def compare(hf, model_dir, prompts, max_tokens, peers, *, dtype="float32", kv_cache_memory="2GiB",
-            backend="cpu", batch_size=16, vllm_python=None, vllm_work=None) -> dict:
+def compare(
+    hf,
+    model_dir,
+    prompts,
+    max_tokens,
+    peers,
+    *,
+    dtype="float32",
+    kv_cache_memory="2GiB",
+    backend="cpu",
+    batch_size=16,
+    vllm_python=None,
+    vllm_work=None,
+) -> dict:
     """The workload through pagedllm, then each peer; prints the table and returns the results
     (report.SystemResult, pagedllm first, each with its greedy agreement with pagedllm)."""
     from . import report
@@ -72,11 +85,13 @@ def compare(hf, model_dir, prompts, max_tokens, peers, *, dtype="float32", kv_ca
         elif peer == "vllm":
             print("running vLLM in its own environment (its start-up takes a minute or so)...", flush=True)
             s, toks, vllm_startup, versions["vllm"] = vllm_subprocess(
-                vllm_python, model_dir, prompts, max_tokens, dtype, vllm_work)
+                vllm_python, model_dir, prompts, max_tokens, dtype, vllm_work
+            )
             results.append(report.account(f"vLLM {versions['vllm']} (CPU)", s, prompts, max_tokens, toks))
             results[-1].extra = {"startup_seconds": vllm_startup}
-            print(f"start-up: pagedllm {startup:.1f} s, vLLM {vllm_startup:.1f} s "
-                  f"({vllm_startup / startup:.1f}x faster)")
+            print(
+                f"start-up: pagedllm {startup:.1f} s, vLLM {vllm_startup:.1f} s ({vllm_startup / startup:.1f}x faster)"
+            )
         results[-1].agreement = report.agreement(ours, toks)
     print()
     print(report.format_table(results))
@@ -102,12 +117,23 @@ def main(argv=None):
     model_dir = args.model or small_llama_dir(scratch_dir(), args.dtype)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
     prompts, max_tokens = make_workload(args.workload, args.num_prompts, args.seed, hf.config.vocab_size)
-    print(f"workload: {args.workload}, {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, "
-          f"{sum(max_tokens)} output tokens requested; dtype {args.dtype}")
+    print(
+        f"workload: {args.workload}, {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, "
+        f"{sum(max_tokens)} output tokens requested; dtype {args.dtype}"
+    )
     peers = [p for p in args.vs.split(",") if p in PEERS] + (["vllm"] if args.vllm_python else [])
-    compare(hf, model_dir, prompts, max_tokens, peers, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
-            batch_size=args.batch_size, vllm_python=args.vllm_python,
-            vllm_work=os.path.join(scratch_dir(), "vllm-work"))
+    compare(
+        hf,
+        model_dir,
+        prompts,
+        max_tokens,
+        peers,
+        dtype=args.dtype,
+        kv_cache_memory=args.kv_cache_memory,
+        batch_size=args.batch_size,
+        vllm_python=args.vllm_python,
+        vllm_work=os.path.join(scratch_dir(), "vllm-work"),
+    )
 
 
 if __name__ == "__main__":

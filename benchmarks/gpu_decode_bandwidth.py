@@ -57,11 +57,11 @@ def main(argv=None) -> None:
     num_blocks = batch * blocks_per_seq + 1
     gen = torch.Generator().manual_seed(0)
     kv = torch.randn(2, num_blocks, block, kv_heads, head, generator=gen).to(dtype).to(device)
-    tables = (torch.randperm(num_blocks - 1, generator=gen)[:batch * blocks_per_seq] + 1).view(batch, blocks_per_seq)
+    tables = (torch.randperm(num_blocks - 1, generator=gen)[: batch * blocks_per_seq] + 1).view(batch, blocks_per_seq)
     tables = tables.to(torch.int32).to(device)
     query = torch.randn(batch, heads, head, generator=gen).to(dtype).to(device)
     meta = DecodeMetadata(tables, torch.full((batch,), context, dtype=torch.int32, device=device), context)
-    scale = head ** -0.5
+    scale = head**-0.5
     kv_bytes = 2 * batch * context * kv_heads * head * kv.element_size()
 
     # contiguous copies of each request's K/V for the dense baseline
@@ -90,10 +90,17 @@ def main(argv=None) -> None:
         ops = load_backend(name)
         out = ops.decode_attention(query, kv, meta, scale)
         err = (out.float() - reference).abs().max().item()
-        rows.append((f"{name} paged decode", timed(lambda: ops.decode_attention(query, kv, meta, scale),
-                                                   device, repeats), err))
-    print(f"batch {batch} x context {context}, head {head}, {heads} query / {kv_heads} KV heads, bfloat16, "
-          f"block {block}; K/V read per call: {kv_bytes / 1e9:.3f} GB")
+        rows.append(
+            (
+                f"{name} paged decode",
+                timed(lambda ops=ops: ops.decode_attention(query, kv, meta, scale), device, repeats),
+                err,
+            )
+        )
+    print(
+        f"batch {batch} x context {context}, head {head}, {heads} query / {kv_heads} KV heads, bfloat16, "
+        f"block {block}; K/V read per call: {kv_bytes / 1e9:.3f} GB"
+    )
     print(f"device copy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s")
     print(f"{'kernel':36} {'time (us)':>10} {'KV GB/s':>9} {'of copy bw':>11} {'max err vs SDPA':>16}")
     for name, seconds, err in rows:

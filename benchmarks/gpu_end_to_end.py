@@ -20,12 +20,27 @@ import torch
 
 def make_llama(path: str, smoke: bool) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
+
     if smoke:
-        cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+        cfg = LlamaConfig(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=1024,
+        )
     else:  # 1.1B parameters: Llama-style, GQA 4:1
-        cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                          num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2048)
+        cfg = LlamaConfig(
+            vocab_size=32000,
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            max_position_embeddings=2048,
+        )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(path)
@@ -53,8 +68,11 @@ def main(argv=None) -> None:
         lengths = synthetic_lengths(num, seed=0, max_len=args.max_len if not args.smoke else 48)
         prompts = synthetic_prompts(lengths, 512 if args.smoke else 32000, 0)
         max_tokens = [o for _, o in lengths]
-        print(f"{n_params / 1e9:.2f}B-parameter Llama (random weights, bfloat16); {num} requests, "
-              f"{sum(map(len, prompts))} prompt and {sum(max_tokens)} output tokens", flush=True)
+        print(
+            f"{n_params / 1e9:.2f}B-parameter Llama (random weights, bfloat16); {num} requests, "
+            f"{sum(map(len, prompts))} prompt and {sum(max_tokens)} output tokens",
+            flush=True,
+        )
         t0 = time.perf_counter()
         with LLM(model_dir, backend=backend, dtype="bfloat16", skip_tokenizer_init=True) as llm:
             startup = time.perf_counter() - t0
@@ -69,8 +87,10 @@ def main(argv=None) -> None:
         results.append(account("transformers generate, static batch 16", hf_seconds, prompts, max_tokens, theirs))
         results[1].agreement = agreement(ours, theirs)
         print(format_table(results))
-        print(f"pagedllm start-up {startup:.1f} s; pagedllm / transformers: "
-              f"{results[0].output_tok_s / results[1].output_tok_s:.1f}x (goal >= 15x)")
+        print(
+            f"pagedllm start-up {startup:.1f} s; pagedllm / transformers: "
+            f"{results[0].output_tok_s / results[1].output_tok_s:.1f}x (goal >= 15x)"
+        )
 
 
 if __name__ == "__main__":

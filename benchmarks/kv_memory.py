@@ -15,18 +15,29 @@ from pagedllm.core import CacheConfig, EngineRequest, SamplingParams, Scheduler,
 from .workload import synthetic_lengths, synthetic_prompts
 
 
-def measure_kv_utilisation(num_requests: int = 1000, block_size: int = 16, num_blocks: int = 4096,
-                           max_model_len: int = 2048, max_num_seqs: int = 256, seed: int = 0) -> dict:
+def measure_kv_utilisation(
+    num_requests: int = 1000,
+    block_size: int = 16,
+    num_blocks: int = 4096,
+    max_model_len: int = 2048,
+    max_num_seqs: int = 256,
+    seed: int = 0,
+) -> dict:
     lengths = synthetic_lengths(num_requests, seed=seed)
     prompts = synthetic_prompts(lengths, vocab_size=32000, seed=seed)
     sched = Scheduler(
-        SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=4096,
-                        max_model_len=max_model_len),
-        CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=False))
+        SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=4096, max_model_len=max_model_len),
+        CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=False),
+    )
     final_len = {}
     for i, (prompt, (_, out_len)) in enumerate(zip(prompts, lengths)):
-        sched.add_request(EngineRequest(request_id=str(i), prompt_token_ids=prompt,
-                                        sampling_params=SamplingParams(max_tokens=out_len, ignore_eos=True)))
+        sched.add_request(
+            EngineRequest(
+                request_id=str(i),
+                prompt_token_ids=prompt,
+                sampling_params=SamplingParams(max_tokens=out_len, ignore_eos=True),
+            )
+        )
         final_len[str(i)] = len(prompt) + out_len
     live = paged = contiguous_max = contiguous_exact = 0
     steps = 0
@@ -43,7 +54,9 @@ def measure_kv_utilisation(num_requests: int = 1000, block_size: int = 16, num_b
         contiguous_exact += sum(final_len[r.request_id] for r in running)
         series.append((step_live, sched.kv.pool.num_used * block_size, len(running) * max_model_len))
     return {
-        "requests": num_requests, "steps": steps, "block_size": block_size,
+        "requests": num_requests,
+        "steps": steps,
+        "block_size": block_size,
         "mean_prompt": sum(p for p, _ in lengths) / num_requests,
         "mean_output": sum(o for _, o in lengths) / num_requests,
         "paged": live / paged,
@@ -56,8 +69,10 @@ def measure_kv_utilisation(num_requests: int = 1000, block_size: int = 16, num_b
 
 def main():
     r = measure_kv_utilisation()
-    print(f"trace: {r['requests']} requests, mean prompt {r['mean_prompt']:.0f}, mean output "
-          f"{r['mean_output']:.0f} tokens, {r['steps']} steps, {r['preemptions']} preemptions")
+    print(
+        f"trace: {r['requests']} requests, mean prompt {r['mean_prompt']:.0f}, mean output "
+        f"{r['mean_output']:.0f} tokens, {r['steps']} steps, {r['preemptions']} preemptions"
+    )
     print("share of allocated KV slots holding live tokens:")
     print(f"  paged (block size {r['block_size']}):             {r['paged']:.1%}")
     print(f"  contiguous, max_model_len per request: {r['contiguous_max_model_len']:.1%}")

@@ -14,8 +14,14 @@ import torch
 
 def _greedy_config(model, max_new_tokens: int):
     from transformers import GenerationConfig
-    return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
-                            pad_token_id=0, bos_token_id=model.config.bos_token_id)
+
+    return GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        bos_token_id=model.config.bos_token_id,
+    )
 
 
 @torch.inference_mode()
@@ -25,18 +31,21 @@ def hf_static(model, prompts: list[list[int]], max_tokens: list[int], batch_size
     outputs: list[list[int]] = []
     t0 = time.perf_counter()
     for start in range(0, len(prompts), batch_size):
-        batch = prompts[start:start + batch_size]
-        wants = max_tokens[start:start + batch_size]
+        batch = prompts[start : start + batch_size]
+        wants = max_tokens[start : start + batch_size]
         width = max(map(len, batch))
         ids = torch.zeros(len(batch), width, dtype=torch.long)
         mask = torch.zeros(len(batch), width, dtype=torch.long)
         for i, p in enumerate(batch):  # left padding
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
-        out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
-                             generation_config=_greedy_config(model, max(wants)))
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        out = model.generate(
+            input_ids=ids.to(model.device),
+            attention_mask=mask.to(model.device),
+            generation_config=_greedy_config(model, max(wants)),
+        )
         for i, want in enumerate(wants):
-            outputs.append(out[i, width:width + want].tolist())
+            outputs.append(out[i, width : width + want].tolist())
     return time.perf_counter() - t0, outputs
 
 
@@ -47,8 +56,10 @@ def hf_continuous(model, prompts: list[list[int]], max_tokens: list[int]):
     outputs: dict[str, list[int]] = {}
     t0 = time.perf_counter()
     with model.continuous_batching_context_manager(generation_config=cfg, block=True, timeout=5) as manager:
-        ids = [manager.add_request(p, request_id=f"r{i}", max_new_tokens=m)
-               for i, (p, m) in enumerate(zip(prompts, max_tokens))]
+        ids = [
+            manager.add_request(p, request_id=f"r{i}", max_new_tokens=m)
+            for i, (p, m) in enumerate(zip(prompts, max_tokens))
+        ]
         while len(outputs) < len(ids):
             result = manager.get_result(timeout=1)
             if result is not None and result.is_finished():
@@ -58,8 +69,17 @@ def hf_continuous(model, prompts: list[list[int]], max_tokens: list[int]):
     return seconds, ordered
 
 
-def vllm_subprocess(python: str, model_dir: str, prompts: list[list[int]], max_tokens: list[int], dtype: str,
-                    work_dir: str, kv_cache_gib: int = 2, max_num_seqs: int = 256, timeout_s: float = 1800):
+def vllm_subprocess(
+    python: str,
+    model_dir: str,
+    prompts: list[list[int]],
+    max_tokens: list[int],
+    dtype: str,
+    work_dir: str,
+    kv_cache_gib: int = 2,
+    max_num_seqs: int = 256,
+    timeout_s: float = 1800,
+):
     """vLLM's LLM.generate on the same token ids, run by `python` (an interpreter with vllm
     installed) through benchmarks/vllm_peer.py. Returns (seconds, outputs, startup seconds,
     vLLM version). Its caches go under work_dir."""
@@ -69,18 +89,30 @@ def vllm_subprocess(python: str, model_dir: str, prompts: list[list[int]], max_t
     with open(os.path.join(model_dir, "config.json")) as f:
         context = json.load(f).get("max_position_embeddings", 2048)
     with open(job, "w") as f:
-        json.dump({"model": os.path.abspath(model_dir), "dtype": dtype, "prompts": prompts, "max_tokens": max_tokens,
-                   "max_num_seqs": max_num_seqs, "max_model_len": context}, f)
-    env = {**os.environ,
-           "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}",  # all cores (it keeps one back by default)
-           "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),  # GiB, allocated at start-up
-           "VLLM_CACHE_ROOT": os.path.join(work_dir, "vllm-cache"),
-           "TORCHINDUCTOR_CACHE_DIR": os.path.join(work_dir, "inductor-cache"),
-           "VLLM_LOGGING_LEVEL": "WARNING"}
+        json.dump(
+            {
+                "model": os.path.abspath(model_dir),
+                "dtype": dtype,
+                "prompts": prompts,
+                "max_tokens": max_tokens,
+                "max_num_seqs": max_num_seqs,
+                "max_model_len": context,
+            },
+            f,
+        )
+    env = {
+        **os.environ,
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}",  # all cores (it keeps one back by default)
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),  # GiB, allocated at start-up
+        "VLLM_CACHE_ROOT": os.path.join(work_dir, "vllm-cache"),
+        "TORCHINDUCTOR_CACHE_DIR": os.path.join(work_dir, "inductor-cache"),
+        "VLLM_LOGGING_LEVEL": "WARNING",
+    }
     env.pop("PYTHONPATH", None)  # nothing of this environment may leak into vLLM's
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_peer.py")
-    proc = subprocess.run([python, script, job, result], env=env, capture_output=True, text=True,
-                          timeout=timeout_s, cwd=work_dir)
+    proc = subprocess.run(
+        [python, script, job, result], env=env, capture_output=True, text=True, timeout=timeout_s, cwd=work_dir
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"vLLM ({python}) failed with code {proc.returncode}:\n{proc.stderr[-3000:]}")
     with open(result) as f:

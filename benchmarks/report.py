@@ -27,8 +27,9 @@ class SystemResult:
         return (self.useful_tokens + self.prompt_tokens) / self.seconds
 
 
-def account(name: str, seconds: float, prompts: list[list[int]], max_tokens: list[int],
-            outputs: list[list[int]]) -> SystemResult:
+def account(
+    name: str, seconds: float, prompts: list[list[int]], max_tokens: list[int], outputs: list[list[int]]
+) -> SystemResult:
     """Count only the tokens each request asked for; a request that came back short counts
     what it returned and is flagged."""
     useful = sum(min(len(o), m) for o, m in zip(outputs, max_tokens))
@@ -59,14 +60,17 @@ def write_json(path: str, payload: dict) -> None:
 
 def _figure(ncols: int = 1, figsize=(7, 3.5)):
     import matplotlib
+
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(1, ncols, figsize=figsize)
     return fig, axes
 
 
 def _save(fig, path: str) -> None:
     import matplotlib.pyplot as plt
+
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -99,6 +103,7 @@ def plot_kv_usage(path: str, series: list[tuple[int, int, int]], block_size: int
 def percentiles_ms(seconds: list[float]) -> dict[str, float]:
     """p50 / p90 / p99 of durations, in milliseconds (NaN when there are none)."""
     import numpy as np
+
     if not seconds:
         return {"p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
     p50, p90, p99 = np.percentile(np.asarray(seconds) * 1e3, [50, 90, 99])

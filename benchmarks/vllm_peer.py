@@ -21,8 +21,14 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=job["model"], dtype=job["dtype"], max_num_seqs=job["max_num_seqs"],
-              max_model_len=job["max_model_len"], seed=0, enforce_eager=False)
+    llm = LLM(
+        model=job["model"],
+        dtype=job["dtype"],
+        max_num_seqs=job["max_num_seqs"],
+        max_model_len=job["max_model_len"],
+        seed=0,
+        enforce_eager=False,
+    )
     startup = time.monotonic() - t0
     prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in job["max_tokens"]]
@@ -31,8 +37,15 @@ def main() -> None:
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.monotonic() - start
     with open(sys.argv[2], "w") as f:
-        json.dump({"vllm_version": vllm.__version__, "startup_seconds": startup, "seconds": seconds,
-                   "outputs": [list(o.outputs[0].token_ids) for o in outs]}, f)
+        json.dump(
+            {
+                "vllm_version": vllm.__version__,
+                "startup_seconds": startup,
+                "seconds": seconds,
+                "outputs": [list(o.outputs[0].token_ids) for o in outs],
+            },
+            f,
+        )
 
 
 if __name__ == "__main__":  # vLLM spawns its workers: the guard is required

@@ -11,15 +11,21 @@ from __future__ import annotations
 import numpy as np
 
 
-def synthetic_lengths(num_requests: int, seed: int = 0, prompt_median: float = 120.0,
-                      output_median: float = 150.0, prompt_sigma: float = 1.0,
-                      output_sigma: float = 0.9, min_len: int = 4, max_len: int = 1024
-                      ) -> list[tuple[int, int]]:
+def synthetic_lengths(
+    num_requests: int,
+    seed: int = 0,
+    prompt_median: float = 120.0,
+    output_median: float = 150.0,
+    prompt_sigma: float = 1.0,
+    output_sigma: float = 0.9,
+    min_len: int = 4,
+    max_len: int = 1024,
+) -> list[tuple[int, int]]:
     """[(prompt_len, output_len)] for `num_requests` requests."""
     rng = np.random.default_rng(seed)
     prompts = rng.lognormal(np.log(prompt_median), prompt_sigma, num_requests)
     outputs = rng.lognormal(np.log(output_median), output_sigma, num_requests)
-    clip = lambda x: np.clip(np.rint(x), min_len, max_len).astype(int)  # noqa: E731
+    clip = lambda x: np.clip(np.rint(x), min_len, max_len).astype(int)
     return list(zip(clip(prompts).tolist(), clip(outputs).tolist()))
 
 

@@ -14,10 +14,10 @@ from pagedllm.core.protocol import InitCache
 from pagedllm.core.request import EngineRequest
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.entrypoints.tiny_models import ARCHITECTURES, load_hf
 
 from .op_cases import slots_of
 from .results import CheckResult, compare, tolerance_text
-from pagedllm.entrypoints.tiny_models import ARCHITECTURES, load_hf
 
 
 def _prompts(n: int, seed: int, lo: int = 1, hi: int = 120, vocab: int = 400) -> list[list[int]]:
@@ -35,22 +35,34 @@ def _generate(llm, prompts, params):
 
 def _engine(backend: str, model: str, **kw):
     from pagedllm.entrypoints.llm import LLM
+
     kw.setdefault("max_model_len", 512)
     kw.setdefault("num_kv_blocks", 512)
     return LLM(model, backend=backend, dtype="float32", **kw)
 
 
 def _mismatches(name: str, got, want, prompts) -> list[str]:
-    return [f"{name}: request {i} (prompt of {len(prompts[i])} tokens) generated {g[0][:8]}..., "
-            f"expected {w[0][:8]}..." for i, (g, w) in enumerate(zip(got, want)) if g != w]
+    return [
+        f"{name}: request {i} (prompt of {len(prompts[i])} tokens) generated {g[0][:8]}..., expected {w[0][:8]}..."
+        for i, (g, w) in enumerate(zip(got, want))
+        if g != w
+    ]
 
 
 def check_engine_behaviour(backend: str, model: str, quick: bool) -> list[CheckResult]:
     prompts = _prompts(12 if quick else 24, seed=1)
     params = [_greedy(8 + (i * 5) % 17) for i in range(len(prompts))]
-    rows = {name: CheckResult(name) for name in (
-        "batching_invariance", "chunked_prefill_equivalence", "preemption_recompute",
-        "preemption_swap", "fork_copy_on_write", "prefix_cache_reuse")}
+    rows = {
+        name: CheckResult(name)
+        for name in (
+            "batching_invariance",
+            "chunked_prefill_equivalence",
+            "preemption_recompute",
+            "preemption_swap",
+            "fork_copy_on_write",
+            "prefix_cache_reuse",
+        )
+    }
 
     with _engine(backend, model, enable_prefix_caching=False) as llm:
         alone = [_generate(llm, [p], [sp])[0] for p, sp in zip(prompts[:4], params[:4])]
@@ -60,8 +72,12 @@ def check_engine_behaviour(backend: str, model: str, quick: bool) -> list[CheckR
         # n=2 at temperature 0: both forks must continue exactly like the single sequence,
         # after the shared partial block was copied on write
         forked = _generate(llm, prompts[:6], [_greedy(sp.max_tokens, n=2) for sp in params[:6]])
-        bad = [f"request {i}: sample {j} of 2 differs from the n=1 output"
-               for i, (f, b) in enumerate(zip(forked, batched)) for j in range(2) if f[j] != b[0]]
+        bad = [
+            f"request {i}: sample {j} of 2 differs from the n=1 output"
+            for i, (f, b) in enumerate(zip(forked, batched))
+            for j in range(2)
+            if f[j] != b[0]
+        ]
         rows["fork_copy_on_write"].record(not bad, failure="; ".join(bad[:3]) or None)
     reference = batched
 
@@ -71,8 +87,15 @@ def check_engine_behaviour(backend: str, model: str, quick: bool) -> list[CheckR
         rows["chunked_prefill_equivalence"].record(not bad, failure="; ".join(bad[:3]) or None)
 
     for mode in ("recompute", "swap"):
-        with _engine(backend, model, enable_prefix_caching=False, num_kv_blocks=20, max_model_len=256,
-                     preemption_mode=mode, swap_space=0.01) as llm:
+        with _engine(
+            backend,
+            model,
+            enable_prefix_caching=False,
+            num_kv_blocks=20,
+            max_model_len=256,
+            preemption_mode=mode,
+            swap_space=0.01,
+        ) as llm:
             got = _generate(llm, prompts, params)
             preempted = llm.last_stats.scheduler.num_preemptions
         bad = _mismatches(f"{mode} preemption", got, reference, prompts)
@@ -125,8 +148,10 @@ def check_cache_placement(backend: str, model: str) -> CheckResult:
         noise = torch.randn(worker.runner.kv_caches.shape, generator=torch.Generator().manual_seed(0))
         worker.runner.kv_caches.copy_(noise.to(worker.runner.kv_caches.device))
         ref.runner.kv_caches.copy_(noise)
-        sched = Scheduler(SchedulerConfig(max_num_batched_tokens=40, max_model_len=512),
-                          CacheConfig(block_size=bs, num_blocks=num_blocks, enable_prefix_caching=False))
+        sched = Scheduler(
+            SchedulerConfig(max_num_batched_tokens=40, max_model_len=512),
+            CacheConfig(block_size=bs, num_blocks=num_blocks, enable_prefix_caching=False),
+        )
         for i, p in enumerate(_prompts(6, seed=3, lo=1, hi=70)):
             sched.add_request(EngineRequest(request_id=f"r{i}", prompt_token_ids=p, sampling_params=_greedy(6)))
         _run_placement_steps(res, sched, worker, ref, read_pool, bs)
@@ -157,7 +182,9 @@ def _run_placement_steps(res, sched, worker, ref, read_pool, bs) -> None:
         if changed - wanted:
             problems.append(f"step {plan.step_id}: slots no token maps to changed: {sorted(changed - wanted)[:6]}")
         if wanted - changed:
-            problems.append(f"step {plan.step_id}: slots the core chose were not written: {sorted(wanted - changed)[:6]}")
+            problems.append(
+                f"step {plan.step_id}: slots the core chose were not written: {sorted(wanted - changed)[:6]}"
+            )
         idx = torch.tensor(sorted(wanted))
         ok, err = compare(flat_after[:, :, idx], flat_ref[:, :, idx], torch.float32)
         if not ok:
@@ -180,11 +207,18 @@ def check_end_to_end(backend: str, model_dirs: dict[str, str], quick: bool) -> C
         hf = load_hf(path)
         prompts = _prompts(3, seed=7, lo=1, hi=60)
         with torch.inference_mode():
-            want = [hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None,
-                                pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+            want = [
+                hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)[
+                    0, len(p) :
+                ].tolist()
+                for p in prompts
+            ]
         with _engine(backend, path) as llm:
             got = [g[0] for g in _generate(llm, prompts, [_greedy(12)] * len(prompts))]
-        bad = [f"{arch}: prompt of {len(p)} tokens: {g} != transformers {w}"
-               for p, g, w in zip(prompts, got, want) if g != w]
+        bad = [
+            f"{arch}: prompt of {len(p)} tokens: {g} != transformers {w}"
+            for p, g, w in zip(prompts, got, want)
+            if g != w
+        ]
         res.record(not bad, failure="; ".join(bad) or None)
     return res

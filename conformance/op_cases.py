@@ -35,10 +35,14 @@ class PagedCase:
         for n in self.query_lens:
             qsl.append(qsl[-1] + n)
         return PrefillMetadata(
-            block_tables=self.block_tables, query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            block_tables=self.block_tables,
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
             context_lens=torch.tensor(self.context_lens, dtype=torch.int32, device=dev),
-            query_lens=list(self.query_lens), context_lens_list=list(self.context_lens),
-            max_query_len=max(self.query_lens), max_context_len=max(self.context_lens))
+            query_lens=list(self.query_lens),
+            context_lens_list=list(self.context_lens),
+            max_query_len=max(self.query_lens),
+            max_context_len=max(self.context_lens),
+        )
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -54,9 +58,19 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     return torch.einsum("hls,shd->lhd", scores.softmax(-1), v)
 
 
-def make_case(query_lens: list[int], context_lens: list[int], block_size: int, head_size: int,
-              num_kv_heads: int, group: int, dtype=torch.float32, share_prefix_blocks: int = 0,
-              seed: int = 0, device="cpu", spare_blocks: int = 3) -> PagedCase:
+def make_case(
+    query_lens: list[int],
+    context_lens: list[int],
+    block_size: int,
+    head_size: int,
+    num_kv_heads: int,
+    group: int,
+    dtype=torch.float32,
+    share_prefix_blocks: int = 0,
+    seed: int = 0,
+    device="cpu",
+    spare_blocks: int = 3,
+) -> PagedCase:
     """Requests r with context_lens[r] tokens of which the last query_lens[r] are queries.
     With share_prefix_blocks, every request's first blocks are the same physical blocks, and
     their K/V is the same tokens' (as after a prefix-cache hit or a fork)."""
@@ -71,11 +85,11 @@ def make_case(query_lens: list[int], context_lens: list[int], block_size: int, h
     shared_ids, ids = ids[:shared], ids[shared:]
     tables = []
     for b in blocks_per:
-        tables.append(shared_ids + ids[:b - shared])
-        ids = ids[b - shared:]
+        tables.append(shared_ids + ids[: b - shared])
+        ids = ids[b - shared :]
     kv = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_size, dtype=dtype)
     kv.normal_(generator=gen)  # garbage in unused slots: an op that reads them fails
-    scale = head_size ** -0.5
+    scale = head_size**-0.5
     shared_k = torch.randn(shared * block_size, num_kv_heads, head_size, generator=gen)
     shared_v = torch.randn(shared * block_size, num_kv_heads, head_size, generator=gen)
     queries, expected = [], []
@@ -94,9 +108,16 @@ def make_case(query_lens: list[int], context_lens: list[int], block_size: int, h
     width = max(blocks_per)
     table_t = torch.zeros(len(tables), width, dtype=torch.int32)
     for r, t in enumerate(tables):
-        table_t[r, :len(t)] = torch.tensor(t, dtype=torch.int32)
-    return PagedCase(kv.to(device), torch.cat(queries).to(device), list(query_lens), list(context_lens),
-                     table_t.to(device), torch.cat(expected), scale)
+        table_t[r, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    return PagedCase(
+        kv.to(device),
+        torch.cat(queries).to(device),
+        list(query_lens),
+        list(context_lens),
+        table_t.to(device),
+        torch.cat(expected),
+        scale,
+    )
 
 
 def slots_of(block_ids: list[int], positions, block_size: int) -> torch.Tensor:

@@ -40,7 +40,7 @@ def _per_request_errors(out, case, dtype) -> str:
     """Which requests are off, with their context lengths: the clue to what is wrong."""
     bad, start = [], 0
     for r, (q_len, ctx) in enumerate(zip(case.query_lens, case.context_lens)):
-        ok, err = compare(out[start:start + q_len], case.expected[start:start + q_len], dtype)
+        ok, err = compare(out[start : start + q_len], case.expected[start : start + q_len], dtype)
         if not ok:
             bad.append(f"request {r} (context {ctx}, {q_len} new) off by {err:.3g}")
         start += q_len
@@ -80,8 +80,9 @@ def check_prefill(ops, quick: bool, device, dtype, chunked: bool) -> CheckResult
         else:
             q_lens = list(ctx)
         case = make_case(q_lens, ctx, bs, hs, NUM_KV_HEADS, grp, dt, seed=100 + i, device=device)
-        _check_attention(res, ops, case, dt, f"{_label(bs, hs, grp, dt)} (query, context) "
-                                             f"{list(zip(q_lens, ctx))}", "prefill")
+        _check_attention(
+            res, ops, case, dt, f"{_label(bs, hs, grp, dt)} (query, context) {list(zip(q_lens, ctx))}", "prefill"
+        )
     return res
 
 
@@ -90,8 +91,17 @@ def check_shared_blocks(ops, device) -> CheckResult:
     res = CheckResult("shared_blocks", tolerance_text((torch.float32,)))
     for bs in (8, 16):
         for phase, q_lens in (("decode", [1, 1, 1]), ("prefill", [5, 2 * bs + 1, 1])):
-            case = make_case(q_lens, [3 * bs + 1, 4 * bs - 1, 2 * bs + 1], bs, 64, NUM_KV_HEADS, 4,
-                             share_prefix_blocks=2, seed=bs, device=device)
+            case = make_case(
+                q_lens,
+                [3 * bs + 1, 4 * bs - 1, 2 * bs + 1],
+                bs,
+                64,
+                NUM_KV_HEADS,
+                4,
+                share_prefix_blocks=2,
+                seed=bs,
+                device=device,
+            )
             _check_attention(res, ops, case, torch.float32, f"block_size={bs} {phase}", phase)
     return res
 
@@ -117,16 +127,20 @@ def check_write_kv(ops, quick: bool, device) -> CheckResult:
             if not torch.equal(flat_after[0, slot], key[t]) or not torch.equal(flat_after[1, slot], value[t]):
                 found = [s for s in range(flat_after.shape[1]) if torch.equal(flat_after[0, s], key[t])]
                 where = f"it is at slot {found[0]} instead" if found else "it is nowhere in the cache"
-                problems.append(f"token {t}'s K/V should be at slot {slot} (block {slot // bs}, offset "
-                                f"{slot % bs}); {where}")
+                problems.append(
+                    f"token {t}'s K/V should be at slot {slot} (block {slot // bs}, offset {slot % bs}); {where}"
+                )
         untouched = torch.ones(flat_after.shape[1], dtype=torch.bool)
         untouched[slots] = False
         changed = (flat_after[:, untouched] != flat_before[:, untouched]).flatten(2).any(-1).any(0)
         if changed.any():
             idx = untouched.nonzero().flatten()[changed].tolist()
             problems.append(f"slots that no token maps to were changed: {idx[:6]}")
-        res.record(not problems, 0.0 if not problems else 1.0,
-                   f"block_size={bs} {DTYPE_NAMES[dt]}: " + "; ".join(problems[:3]) if problems else None)
+        res.record(
+            not problems,
+            0.0 if not problems else 1.0,
+            f"block_size={bs} {DTYPE_NAMES[dt]}: " + "; ".join(problems[:3]) if problems else None,
+        )
     return res
 
 
@@ -138,13 +152,19 @@ def check_copy_and_swap(ops, device) -> CheckResult:
     dev = caches.to(device)
     ops.copy_blocks(dev, [(1, 7), (2, 8), (3, 9)])
     after = dev.cpu()
-    ok = (torch.equal(after[:, :, 7:10], before[:, :, 1:4]) and torch.equal(after[:, :, :7], before[:, :, :7]))
-    res.record(ok, 0.0 if ok else 1.0, None if ok else "copy_blocks: destination blocks do not hold the "
-                                                     "sources, or other blocks changed")
+    ok = torch.equal(after[:, :, 7:10], before[:, :, 1:4]) and torch.equal(after[:, :, :7], before[:, :, :7])
+    res.record(
+        ok,
+        0.0 if ok else 1.0,
+        None if ok else "copy_blocks: destination blocks do not hold the sources, or other blocks changed",
+    )
     host = torch.zeros(3, 2, 4, 8, 2, 16)
     ops.swap_blocks(dev, host, [(4, 0), (6, 3)])
-    ok = torch.equal(host[:, :, 0], after[:, :, 4]) and torch.equal(host[:, :, 3], after[:, :, 6]) \
+    ok = (
+        torch.equal(host[:, :, 0], after[:, :, 4])
+        and torch.equal(host[:, :, 3], after[:, :, 6])
         and not host[:, :, 1:3].any()
+    )
     res.record(ok, 0.0 if ok else 1.0, None if ok else "swap_blocks device->host: wrong blocks in swap space")
     back = torch.zeros_like(after).to(device)
     ops.swap_blocks(host, back, [(3, 5)])
@@ -160,9 +180,12 @@ def op_checks(ops, quick: bool = False) -> list[tuple[str, object]]:
     checks = [("write_kv", lambda: check_write_kv(ops, quick, device))]
     for dtype in checked_dtypes(ops, quick):
         name = DTYPE_NAMES[dtype]
-        checks += [(f"decode_attention {name}", lambda dt=dtype: check_decode(ops, quick, device, dt)),
-                   (f"prefill_attention {name}", lambda dt=dtype: check_prefill(ops, quick, device, dt, False)),
-                   (f"chunked_prefill_attention {name}",
-                    lambda dt=dtype: check_prefill(ops, quick, device, dt, True))]
-    return checks + [("shared_blocks", lambda: check_shared_blocks(ops, device)),
-                     ("copy_blocks / swap_blocks", lambda: check_copy_and_swap(ops, device))]
+        checks += [
+            (f"decode_attention {name}", lambda dt=dtype: check_decode(ops, quick, device, dt)),
+            (f"prefill_attention {name}", lambda dt=dtype: check_prefill(ops, quick, device, dt, False)),
+            (f"chunked_prefill_attention {name}", lambda dt=dtype: check_prefill(ops, quick, device, dt, True)),
+        ]
+    return checks + [
+        ("shared_blocks", lambda: check_shared_blocks(ops, device)),
+        ("copy_blocks / swap_blocks", lambda: check_copy_and_swap(ops, device)),
+    ]

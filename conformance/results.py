@@ -7,11 +7,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 # |got - want| <= atol + rtol * |want|, per dtype (in the spirit of torch.testing's defaults)
-TOLERANCES = {
-    torch.float32: (1e-5, 1e-5),
-    torch.bfloat16: (2e-2, 1.6e-2),
-    torch.float16: (5e-3, 5e-3),
-}
+TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 1.6e-2), torch.float16: (5e-3, 5e-3)}
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -65,8 +61,10 @@ def format_table(backend: str, results: list[CheckResult]) -> str:
         lines.append(f"{r.check:36} {r.cases:>6} {r.passed:>7} {err:>12}  {status:6}  {r.skipped or r.tolerance}")
     failed = [r for r in results if not r.ok]
     lines.append("")
-    lines.append(f"{sum(r.ok for r in results)} of {len(results)} checks passed" +
-                 ("" if not failed else f"; FAILED: {', '.join(r.check for r in failed)}"))
+    lines.append(
+        f"{sum(r.ok for r in results)} of {len(results)} checks passed"
+        + ("" if not failed else f"; FAILED: {', '.join(r.check for r in failed)}")
+    )
     for r in failed:
         lines.append(f"\n{r.check}:")
         lines += [f"  - {f}" for f in r.failures[:8]]

@@ -19,8 +19,9 @@ import tempfile
 import time
 import traceback
 
-from .results import CheckResult, format_table
 from pagedllm.entrypoints.tiny_models import ARCHITECTURES, make_model_dir
+
+from .results import CheckResult, format_table
 
 
 @functools.lru_cache(maxsize=1)
@@ -73,7 +74,16 @@ def main(args) -> int:
     print(f"\n({'quick' if args.quick else 'full'}{', ops only' if args.ops_only else ''} suite, {elapsed:.0f} s)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"backend": args.backend, "quick": args.quick, "ops_only": args.ops_only,
-                       "seconds": elapsed, "ok": all(r.ok for r in results),
-                       "checks": [r.to_dict() for r in results]}, f, indent=2)
+            json.dump(
+                {
+                    "backend": args.backend,
+                    "quick": args.quick,
+                    "ops_only": args.ops_only,
+                    "seconds": elapsed,
+                    "ok": all(r.ok for r in results),
+                    "checks": [r.to_dict() for r in results],
+                },
+                f,
+                indent=2,
+            )
     return 0 if all(r.ok for r in results) else 1

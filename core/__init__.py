@@ -6,5 +6,13 @@ from .request import EngineRequest, Request, RequestStatus
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 
-__all__ = ["CacheConfig", "SchedulerConfig", "InvalidParameter", "EngineRequest", "Request",
-           "RequestStatus", "SamplingParams", "Scheduler"]
+__all__ = [
+    "CacheConfig",
+    "SchedulerConfig",
+    "InvalidParameter",
+    "EngineRequest",
+    "Request",
+    "RequestStatus",
+    "SamplingParams",
+    "Scheduler",
+]

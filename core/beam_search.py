@@ -77,27 +77,31 @@ class BeamGroup:
                 flat.append((np.float32(score + np.float32(logprob)), b, token))
         # topk over the flattened (beam, vocab) scores: best first, ties to the lower index
         flat.sort(key=lambda c: (-c[0], c[1], c[2]))
-        top = flat[:2 * width]
+        top = flat[: 2 * width]
         gen_len = self.generated + 1
-        hits = [(self.eos_token_id is not None and tok == self.eos_token_id) or gen_len >= self.max_tokens
-                for _, _, tok in top]
+        hits = [
+            (self.eos_token_id is not None and tok == self.eos_token_id) or gen_len >= self.max_tokens
+            for _, _, tok in top
+        ]
 
         ranked = sorted(range(len(top)), key=lambda i: (-(top[i][0] + (NEG if hits[i] else 0)), i))
         running = [Continuation(top[i][1], top[i][2], top[i][0]) for i in ranked[:width] if not hits[i]]
 
         if self.improvement_possible:
-            penalty = np.float32(gen_len ** self.length_penalty)
+            penalty = np.float32(gen_len**self.length_penalty)
             for i in range(min(width, len(top))):
                 if hits[i]:
                     score, b, tok = top[i]
-                    self.finished.append(Hypothesis(histories[b] + [tok], float(score), float(np.float32(score / penalty))))
+                    self.finished.append(
+                        Hypothesis(histories[b] + [tok], float(score), float(np.float32(score / penalty)))
+                    )
             self.finished.sort(key=lambda h: -h.score)  # stable: earlier hypotheses win ties
             del self.finished[width:]
 
         self.generated = gen_len
         self.scores = [c.score for c in running]
         if running and len(self.finished) == width:
-            best_possible = float(np.float32(running[0].score / np.float32(gen_len ** self.length_penalty)))
+            best_possible = float(np.float32(running[0].score / np.float32(gen_len**self.length_penalty)))
             if best_possible <= min(h.score for h in self.finished):
                 self.improvement_possible = False
         done = all(hits) or not self.improvement_possible or not running
@@ -124,8 +128,9 @@ class BeamSearches:
         return bool(self.groups)
 
     def start(self, request, params, max_tokens: int) -> None:
-        group = BeamGroup(request.request_id, params.beam_width, max_tokens, params.length_penalty,
-                          request.eos_token_id)
+        group = BeamGroup(
+            request.request_id, params.beam_width, max_tokens, params.length_penalty, request.eos_token_id
+        )
         group.members = [request]
         request.beam_group = group
         self.groups[request.request_id] = group
@@ -143,8 +148,12 @@ class BeamSearches:
         """A beam may not be preempted for another request while a sibling runs in this step
         (the group would be split); for its own group's sake it may."""
         group = request.beam_group
-        return (group is None or request is current or group is current.beam_group
-                or not any(m.request_id in scheduled for m in group.members))
+        return (
+            group is None
+            or request is current
+            or group is current.beam_group
+            or not any(m.request_id in scheduled for m in group.members)
+        )
 
     def preemption_unit(self, request, scheduled) -> tuple[list, bool]:
         """(requests to preempt in place of `request`, whether only recompute will do). A beam
@@ -162,14 +171,14 @@ class BeamSearches:
     @staticmethod
     def decodes_now(group: BeamGroup, scheduled) -> bool:
         """Every beam has computed all but its newest token and none runs yet in this step."""
-        return all(m.num_computed_tokens == m.num_tokens - 1 and m.request_id not in scheduled
-                   for m in group.members)
+        return all(m.num_computed_tokens == m.num_tokens - 1 and m.request_id not in scheduled for m in group.members)
 
     def report(self, request, logprobs) -> None:
         """A beam's top tokens from this step; the group chooses once every beam reported."""
         group = request.beam_group
         self._candidates.setdefault(group.group_id, {})[request.request_id] = list(
-            zip(logprobs.top_token_ids, logprobs.top_logprobs))
+            zip(logprobs.top_token_ids, logprobs.top_logprobs)
+        )
         if group not in self._reported:
             self._reported.append(group)
 
@@ -225,9 +234,16 @@ class BeamSearches:
         return appended
 
 
-def check_beams_fit(width: int, num_tokens: int, block_size: int, num_usable_blocks: int) -> None:
-    """After a recompute preemption the beams share nothing: all of them must fit alone."""
+def check_beams_fit(width: int, num_tokens: int, block_size: int, num_usable_blocks: int, max_num_seqs: int) -> None:
+    """A group runs all its beams at once, so they must fit the sequence cap; and after a
+    recompute preemption the beams share nothing, so all of them must fit the pool alone."""
+    if width > max_num_seqs:
+        raise InvalidParameter(
+            "beam_width", f"must be <= max_num_seqs ({max_num_seqs}): all beams of a search run together; got {width}"
+        )
     need = width * cdiv(num_tokens, block_size)
     if need > num_usable_blocks:
-        raise InvalidParameter("beam_width", f"{width} beams of {num_tokens} tokens need up to {need} KV "
-                                             f"blocks; the cache has {num_usable_blocks}")
+        raise InvalidParameter(
+            "beam_width",
+            f"{width} beams of {num_tokens} tokens need up to {need} KV blocks; the cache has {num_usable_blocks}",
+        )

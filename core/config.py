@@ -99,11 +99,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.swap_space < 0:
             raise InvalidParameter("swap_space", f"must be >= 0, got {self.swap_space}")
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise InvalidParameter("gpu_memory_utilization",
-                                   f"must be in (0, 1], got {self.gpu_memory_utilization}")
+            raise InvalidParameter("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.tensor_parallel_size != 1:
-            raise InvalidParameter("tensor_parallel_size",
-                                   f"only 1 is supported so far, got {self.tensor_parallel_size}")
+            raise InvalidParameter(
+                "tensor_parallel_size", f"only 1 is supported so far, got {self.tensor_parallel_size}"
+            )
 
 
 def parse_size(value, field: str) -> int:
@@ -112,12 +112,22 @@ def parse_size(value, field: str) -> int:
         return int(value)
     if isinstance(value, str):
         text = value.strip().lower().replace(" ", "")
-        for suffix, scale in (("gib", 1 << 30), ("gb", 1 << 30), ("g", 1 << 30), ("mib", 1 << 20),
-                              ("mb", 1 << 20), ("m", 1 << 20), ("kib", 1 << 10), ("kb", 1 << 10),
-                              ("k", 1 << 10), ("b", 1), ("", 1)):
+        for suffix, scale in (
+            ("gib", 1 << 30),
+            ("gb", 1 << 30),
+            ("g", 1 << 30),
+            ("mib", 1 << 20),
+            ("mb", 1 << 20),
+            ("m", 1 << 20),
+            ("kib", 1 << 10),
+            ("kb", 1 << 10),
+            ("k", 1 << 10),
+            ("b", 1),
+            ("", 1),
+        ):
             if text.endswith(suffix):
                 try:
-                    return int(float(text[:len(text) - len(suffix)] or "x") * scale)
+                    return int(float(text[: len(text) - len(suffix)] or "x") * scale)
                 except ValueError:
                     break
     raise InvalidParameter(field, f"must be a size such as 4GiB or 512MiB, got {value!r}")

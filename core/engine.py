@@ -19,9 +19,25 @@ from . import shm
 from .config import CacheConfig, EngineConfig, SchedulerConfig
 from .errors import InvalidParameter
 from .ipc import Channel, PeerGone, remove_ipc_dir
-from .protocol import (AbortRequests, AddRequests, EngineDead, EngineOutputs, EngineReady, EngineStats,
-                       FromWorker, FrontendMessage, InitCache, RequestOutputDelta, RequestRejected,
-                       Shutdown, Step, StepResult, WorkerFailed, WorkerHello, WorkerReady)
+from .protocol import (
+    AbortRequests,
+    AddRequests,
+    EngineDead,
+    EngineOutputs,
+    EngineReady,
+    EngineStats,
+    FromWorker,
+    FrontendMessage,
+    InitCache,
+    RequestOutputDelta,
+    RequestRejected,
+    Shutdown,
+    Step,
+    StepResult,
+    WorkerFailed,
+    WorkerHello,
+    WorkerReady,
+)
 from .scheduler import Scheduler
 
 POLL_MS = 100  # how often a blocked loop checks that its peers are alive
@@ -34,14 +50,14 @@ class EngineFailure(RuntimeError):
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, input_endpoint: str, output_endpoint: str,
-                 worker_in: str, worker_out: str):
+    def __init__(
+        self, config: EngineConfig, input_endpoint: str, output_endpoint: str, worker_in: str, worker_out: str
+    ):
         self.config = config
         self.input_endpoint = input_endpoint
         self.parent_pid = os.getppid()
         self.ctx = zmq.Context()
-        self.from_frontend = Channel(self.ctx, zmq.PULL, input_endpoint, bind=True,
-                                     message_type=FrontendMessage)
+        self.from_frontend = Channel(self.ctx, zmq.PULL, input_endpoint, bind=True, message_type=FrontendMessage)
         self.to_frontend = Channel(self.ctx, zmq.PUSH, output_endpoint, bind=True)
         self.to_worker = Channel(self.ctx, zmq.PUSH, worker_in, bind=True)
         self.from_worker = Channel(self.ctx, zmq.PULL, worker_out, bind=True, message_type=FromWorker)
@@ -62,25 +78,54 @@ class EngineCore:
     def start(self) -> None:
         shm.remove_stale_segments()
         self.worker = subprocess.Popen(
-            [sys.executable, "-m", "pagedllm.backends.worker", "--rank", "0",
-             "--input", self.worker_endpoints[0], "--output", self.worker_endpoints[1],
-             "--config", msgspec.json.encode(self.config).decode()],
-            stdin=subprocess.DEVNULL)
+            [
+                sys.executable,
+                "-m",
+                "pagedllm.backends.worker",
+                "--rank",
+                "0",
+                "--input",
+                self.worker_endpoints[0],
+                "--output",
+                self.worker_endpoints[1],
+                "--config",
+                msgspec.json.encode(self.config).decode(),
+            ],
+            stdin=subprocess.DEVNULL,
+        )
         hello = self._expect_from_worker(WorkerHello, WORKER_START_TIMEOUT_S)
         cache_config, sched_config = self._size_cache(hello)
         self.scheduler = Scheduler(sched_config, cache_config)  # checks that max_model_len fits
         block_bytes = hello.kv_spec.bytes_per_block_slot * cache_config.block_size
-        kv_segment = self._create_segment("kv", cache_config.num_blocks * block_bytes) \
-            if hello.kv_in_shared_memory else None
-        swap_segment = self._create_segment("swap", cache_config.num_swap_blocks * block_bytes) \
-            if cache_config.num_swap_blocks else None
-        self.to_worker.send(InitCache(num_blocks=cache_config.num_blocks, num_swap_blocks=cache_config.num_swap_blocks,
-                                      block_size=cache_config.block_size, kv_segment=kv_segment,
-                                      swap_segment=swap_segment, max_model_len=sched_config.max_model_len))
+        kv_segment = (
+            self._create_segment("kv", cache_config.num_blocks * block_bytes) if hello.kv_in_shared_memory else None
+        )
+        swap_segment = (
+            self._create_segment("swap", cache_config.num_swap_blocks * block_bytes)
+            if cache_config.num_swap_blocks
+            else None
+        )
+        self.to_worker.send(
+            InitCache(
+                num_blocks=cache_config.num_blocks,
+                num_swap_blocks=cache_config.num_swap_blocks,
+                block_size=cache_config.block_size,
+                kv_segment=kv_segment,
+                swap_segment=swap_segment,
+                max_model_len=sched_config.max_model_len,
+            )
+        )
         self._expect_from_worker(WorkerReady, WORKER_START_TIMEOUT_S)
-        self._to_frontend(EngineReady(num_blocks=cache_config.num_blocks, num_swap_blocks=cache_config.num_swap_blocks,
-                                      block_size=cache_config.block_size, max_model_len=sched_config.max_model_len,
-                                      backend=self.config.backend, kv_segment=kv_segment))
+        self._to_frontend(
+            EngineReady(
+                num_blocks=cache_config.num_blocks,
+                num_swap_blocks=cache_config.num_swap_blocks,
+                block_size=cache_config.block_size,
+                max_model_len=sched_config.max_model_len,
+                backend=self.config.backend,
+                kv_segment=kv_segment,
+            )
+        )
 
     def _size_cache(self, hello: WorkerHello) -> tuple[CacheConfig, SchedulerConfig]:
         """The KV pool from the configured memory (or the worker's profile on a GPU), and the
@@ -99,12 +144,19 @@ class EngineCore:
         num_blocks = max(num_blocks, 2)
         if cfg.max_model_len is None:
             max_model_len = min(max_model_len, (num_blocks - 1) * cfg.block_size)
-        cache = CacheConfig(block_size=cfg.block_size, num_blocks=num_blocks,
-                            num_swap_blocks=cfg.swap_space // block_bytes,
-                            enable_prefix_caching=cfg.enable_prefix_caching)
+        cache = CacheConfig(
+            block_size=cfg.block_size,
+            num_blocks=num_blocks,
+            num_swap_blocks=cfg.swap_space // block_bytes,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+        )
         sched = SchedulerConfig(
-            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens or max(2048, max_model_len),
-            max_model_len=max_model_len, policy=cfg.scheduler_policy, preemption_mode=cfg.preemption_mode)
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens or max(2048, max_model_len),
+            max_model_len=max_model_len,
+            policy=cfg.scheduler_policy,
+            preemption_mode=cfg.preemption_mode,
+        )
         return cache, sched
 
     def _create_segment(self, role: str, size: int) -> str:
@@ -206,8 +258,14 @@ class EngineCore:
     def _stats(self) -> EngineStats:
         sizes, tokens = self._batch_sizes, self._batch_tokens
         self._batch_sizes, self._batch_tokens = [], []
-        return EngineStats(scheduler=self.scheduler.stats(), steps=self.steps, step_seconds=self.step_seconds,
-                           forward_seconds=self.forward_seconds, batch_sizes=sizes, batch_tokens=tokens)
+        return EngineStats(
+            scheduler=self.scheduler.stats(),
+            steps=self.steps,
+            step_seconds=self.step_seconds,
+            forward_seconds=self.forward_seconds,
+            batch_sizes=sizes,
+            batch_tokens=tokens,
+        )
 
     def _take_frontend_messages(self, timeout_ms: int) -> None:
         sock = self.from_frontend
@@ -245,7 +303,7 @@ class EngineCore:
         self.ctx.term()
         if os.getppid() != self.parent_pid and self.input_endpoint.startswith("ipc://"):
             # the frontend died without cleaning up: its private socket folder goes too
-            remove_ipc_dir(os.path.dirname(self.input_endpoint[len("ipc://"):]))
+            remove_ipc_dir(os.path.dirname(self.input_endpoint[len("ipc://") :]))
 
     def _to_frontend(self, message) -> None:
         try:
@@ -266,4 +324,3 @@ class EngineCore:
 def sampled_by_request(plan, result: StepResult) -> dict[str, int]:
     """The worker's sampled tokens by request id (prefill chunks that sampled nothing left out)."""
     return {rid: tok for rid, tok in zip(plan.num_scheduled_tokens, result.sampled_token_ids.tolist()) if tok >= 0}
-

@@ -11,6 +11,7 @@ import msgspec
 
 from .config import EngineConfig
 from .engine import EngineCore, EngineFailure
+from .logs import setup_logging
 
 
 def main(argv=None) -> int:
@@ -21,6 +22,7 @@ def main(argv=None) -> int:
     ap.add_argument("--worker-input", required=True)
     ap.add_argument("--worker-output", required=True)
     args = ap.parse_args(argv)
+    setup_logging()
     # Ctrl-C reaches the whole process group; the frontend decides how to shut down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # unwinds through close()

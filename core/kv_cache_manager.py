@@ -16,8 +16,7 @@ TableDelta = tuple[int, list[int]]
 
 
 class KVCacheManager:
-    def __init__(self, block_size: int, num_blocks: int, enable_caching: bool = True,
-                 num_swap_blocks: int = 0):
+    def __init__(self, block_size: int, num_blocks: int, enable_caching: bool = True, num_swap_blocks: int = 0):
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks)
@@ -65,7 +64,7 @@ class KVCacheManager:
         tokens = request.all_token_ids
         while len(hashes) < num_full:
             i = len(hashes)
-            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs]))
         return hashes
 
     def _cache_full_blocks(self, request: Request, table: list[KVBlock], num_tokens: int) -> None:
@@ -93,8 +92,9 @@ class KVCacheManager:
         block = table[start // self.block_size]
         return block if block.ref_cnt > 1 else None
 
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: list[KVBlock] = ()) -> TableDelta | None:
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock] = ()
+    ) -> TableDelta | None:
         """Make room for `num_new_tokens` more tokens after the request's computed ones (and
         after `computed_blocks`, prefix hits taken now). Returns how the block table changed,
         or None — with nothing changed — when the free blocks do not suffice."""
@@ -103,8 +103,12 @@ class KVCacheManager:
         bs = self.block_size
         start = request.num_computed_tokens + len(computed_blocks) * bs
         end = start + num_new_tokens
-        if table is not None and not computed_blocks and end <= len(table) * bs and (
-                start % bs == 0 or table[start // bs].ref_cnt == 1):
+        if (
+            table is not None
+            and not computed_blocks
+            and end <= len(table) * bs
+            and (start % bs == 0 or table[start // bs].ref_cnt == 1)
+        ):
             # the common decode step: the table already holds the slots, and they are its own
             if self.enable_caching and end // bs > self._num_hashed[rid]:
                 self._cache_full_blocks(request, table, end)

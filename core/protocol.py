@@ -13,8 +13,6 @@ Worker -> core:    WorkerHello, WorkerReady, StepResult, WorkerFailed
 
 from __future__ import annotations
 
-from typing import Union
-
 import msgspec
 import numpy as np
 
@@ -28,6 +26,7 @@ _NDARRAY_EXT = 1
 class AddRequests(msgspec.Struct, tag="add"):
     """One or more requests; a batch arrives whole, so the core schedules it as one (an offline
     `generate` call is then independent of how fast the frontend sends)."""
+
     requests: list[EngineRequest]
 
 
@@ -73,8 +72,8 @@ class EngineDead(msgspec.Struct, tag="dead"):
     reason: str
 
 
-FrontendMessage = Union[AddRequests, AbortRequests, Shutdown]
-CoreMessage = Union[EngineReady, EngineOutputs, RequestRejected, EngineDead]
+FrontendMessage = AddRequests | AbortRequests | Shutdown
+CoreMessage = EngineReady | EngineOutputs | RequestRejected | EngineDead
 
 
 # --- core <-> worker -----------------------------------------------------------------------
@@ -131,8 +130,8 @@ class WorkerFailed(msgspec.Struct, tag="failed"):
     reason: str
 
 
-ToWorker = Union[InitCache, Step, Shutdown]
-FromWorker = Union[WorkerHello, WorkerReady, StepResult, WorkerFailed]
+ToWorker = InitCache | Step | Shutdown
+FromWorker = WorkerHello | WorkerReady | StepResult | WorkerFailed
 
 
 # --- encoding ------------------------------------------------------------------------------
@@ -161,8 +160,7 @@ class Encoder:
 
 class Decoder:
     def __init__(self, message_type):
-        self._decoder = msgspec.msgpack.Decoder(message_type, ext_hook=self._ext_hook,
-                                                dec_hook=self._dec_hook)
+        self._decoder = msgspec.msgpack.Decoder(message_type, ext_hook=self._ext_hook, dec_hook=self._dec_hook)
         self._frames: list = []
 
     def decode(self, frames: list):

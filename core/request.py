@@ -57,15 +57,37 @@ class Request:
     prefix hits and recompute are all that one rule."""
 
     __slots__ = (
-        "request_id", "prompt_token_ids", "sampling_params", "eos_token_id", "arrival_time",
-        "priority", "all_token_ids", "num_prompt_tokens", "num_computed_tokens", "status",
-        "max_tokens", "min_tokens", "stop_ids", "block_hashes", "num_preemptions",
-        "num_cached_tokens", "stop_reason", "forks_pending", "beam_group", "queued_seconds",
+        "request_id",
+        "prompt_token_ids",
+        "sampling_params",
+        "eos_token_id",
+        "arrival_time",
+        "priority",
+        "all_token_ids",
+        "num_prompt_tokens",
+        "num_computed_tokens",
+        "status",
+        "max_tokens",
+        "min_tokens",
+        "stop_ids",
+        "block_hashes",
+        "num_preemptions",
+        "num_cached_tokens",
+        "stop_reason",
+        "forks_pending",
+        "beam_group",
+        "queued_seconds",
     )
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 eos_token_id: int | None = None, arrival_time: float | None = None,
-                 max_tokens: int = 16):
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None = None,
+        arrival_time: float | None = None,
+        max_tokens: int = 16,
+    ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -90,9 +112,15 @@ class Request:
         self.queued_seconds: float | None = None  # arrival to first scheduled, set on first admission
 
     @classmethod
-    def from_engine_request(cls, req: EngineRequest, max_tokens: int) -> "Request":
-        return cls(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_id,
-                   req.arrival_time or None, max_tokens)
+    def from_engine_request(cls, req: EngineRequest, max_tokens: int) -> Request:
+        return cls(
+            req.request_id,
+            req.prompt_token_ids,
+            req.sampling_params,
+            req.eos_token_id,
+            req.arrival_time or None,
+            max_tokens,
+        )
 
     @property
     def fork_point(self) -> int:
@@ -114,9 +142,9 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[self.num_prompt_tokens:]
+        return self.all_token_ids[self.num_prompt_tokens :]
 
-    def fork(self, child_id: str) -> "Request":
+    def fork(self, child_id: str) -> Request:
         child = Request.__new__(Request)
         for name in Request.__slots__:
             setattr(child, name, getattr(self, name))
@@ -127,5 +155,7 @@ class Request:
         return child
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id!r}, tokens={self.num_tokens}, "
-                f"computed={self.num_computed_tokens}, {self.status.name})")
+        return (
+            f"Request({self.request_id!r}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, {self.status.name})"
+        )

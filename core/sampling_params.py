@@ -46,9 +46,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             _check_int("max_tokens", self.max_tokens, lo=1)
         _check_int("min_tokens", self.min_tokens, lo=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise InvalidParameter(
-                "min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
-            )
+            raise InvalidParameter("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         for token_id in self.stop_token_ids or ():
             _check_int("stop_token_ids", token_id, lo=0)
         for s in self.stop or ():
@@ -72,8 +70,7 @@ def _check_int(field: str, value, lo: int | None = None, hi: int | None = None) 
         raise InvalidParameter(field, f"must be <= {hi}, got {value}")
 
 
-def _check_float(field: str, value, lo: float | None = None, hi: float | None = None,
-                 lo_open: bool = False) -> None:
+def _check_float(field: str, value, lo: float | None = None, hi: float | None = None, lo_open: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise InvalidParameter(field, f"must be a finite number, got {value!r}")
     if lo is not None and (value <= lo if lo_open else value < lo):
@@ -99,5 +96,10 @@ class BeamSearchParams(msgspec.Struct, kw_only=True):
             raise InvalidParameter("temperature", f"beam search is deterministic: must be 0, got {self.temperature}")
 
     def to_sampling_params(self) -> SamplingParams:
-        return SamplingParams(temperature=0.0, max_tokens=self.max_tokens, ignore_eos=self.ignore_eos,
-                              beam_width=self.beam_width, length_penalty=self.length_penalty)
+        return SamplingParams(
+            temperature=0.0,
+            max_tokens=self.max_tokens,
+            ignore_eos=self.ignore_eos,
+            beam_width=self.beam_width,
+            length_penalty=self.length_penalty,
+        )

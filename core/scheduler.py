@@ -34,8 +34,12 @@ class Scheduler:
         self.config = scheduler_config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
-        self.kv = KVCacheManager(cache_config.block_size, cache_config.num_blocks,
-                                 cache_config.enable_prefix_caching, cache_config.num_swap_blocks)
+        self.kv = KVCacheManager(
+            cache_config.block_size,
+            cache_config.num_blocks,
+            cache_config.enable_prefix_caching,
+            cache_config.num_swap_blocks,
+        )
         by_priority = scheduler_config.policy == "priority"
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
@@ -60,12 +64,16 @@ class Scheduler:
             raise InvalidParameter("n", f"must be <= max_num_seqs ({max_seqs}), got {params.n}")
         if len(prompt) >= max_len:
             raise InvalidParameter(
-                "prompt", f"has {len(prompt)} tokens; max_model_len is {max_len}, "
-                          f"which leaves room for at most {max_len - 1} prompt tokens")
+                "prompt",
+                f"has {len(prompt)} tokens; max_model_len is {max_len}, "
+                f"which leaves room for at most {max_len - 1} prompt tokens",
+            )
         room = max_len - len(prompt)
         max_tokens = min(params.max_tokens or room, room)
         if params.beam_width:
-            check_beams_fit(params.beam_width, len(prompt) + max_tokens, self.block_size, self.kv.pool.num_usable)
+            check_beams_fit(
+                params.beam_width, len(prompt) + max_tokens, self.block_size, self.kv.pool.num_usable, max_seqs
+            )
             params = msgspec.structs.replace(params, logprobs=2 * params.beam_width)
             engine_request = msgspec.structs.replace(engine_request, sampling_params=params)
         request = Request.from_engine_request(engine_request, max_tokens)
@@ -101,8 +109,7 @@ class Scheduler:
             self.waiting.remove(request)
         self._finish(request, status)
 
-    def fork_request(self, parent_id: str, child_id: str,
-                     sampling_params: SamplingParams | None = None) -> Request:
+    def fork_request(self, parent_id: str, child_id: str, sampling_params: SamplingParams | None = None) -> Request:
         """A running request splits in two that share every block (parallel sampling, beams)."""
         if child_id in self.requests:
             raise InvalidParameter("request_id", f"{child_id!r} is already in use")
@@ -121,8 +128,9 @@ class Scheduler:
         """n > 1: the prompt (but its last token) is computed; split into n samples."""
         params = parent.sampling_params
         for i in range(1, parent.forks_pending + 1):
-            child_params = params if params.seed is None else \
-                msgspec.structs.replace(params, seed=child_seed(params.seed, i))
+            child_params = (
+                params if params.seed is None else msgspec.structs.replace(params, seed=child_seed(params.seed, i))
+            )
             self.fork_request(parent.request_id, child_request_id(parent.request_id, i), child_params)
         parent.forks_pending = 0
 
@@ -141,8 +149,12 @@ class Scheduler:
             self._schedule_waiting(step)
         for request, num_tokens in zip(step.requests, step.scheduled.values()):
             request.num_computed_tokens += num_tokens
-        return step.build(next(self._step_ids), self.kv.take_block_copies(),
-                          self.beams.take_appended(self.worker.known), self.config.max_num_batched_tokens)
+        return step.build(
+            next(self._step_ids),
+            self.kv.take_block_copies(),
+            self.beams.take_appended(self.worker.known),
+            self.config.max_num_batched_tokens,
+        )
 
     def _schedule_running(self, step: StepBuilder) -> None:
         """Running requests: decodes first, then unfinished prefills in chunks."""
@@ -209,8 +221,12 @@ class Scheduler:
     def _schedule_waiting(self, step: StepBuilder) -> None:
         """Waiting requests, with their prefix-cache hits, while budget, sequences and blocks allow."""
         max_seqs = self.config.max_num_seqs
-        while (self.waiting and not self.swapped and step.budget > 0
-               and len(self.running) + 1 + self.waiting.peek().forks_pending <= max_seqs):
+        while (
+            self.waiting
+            and not self.swapped
+            and step.budget > 0
+            and len(self.running) + 1 + self.waiting.peek().forks_pending <= max_seqs
+        ):
             request = self.waiting.peek()
             computed_blocks, num_hit = self.kv.get_computed_blocks(request)
             num_new = min(request.fork_point - num_hit, step.budget)
@@ -232,8 +248,9 @@ class Scheduler:
                 step.add(request, num_new, delta)
 
     # --- results --------------------------------------------------------------------------
-    def update(self, plan: SchedulerOutput, sampled_token_ids: dict[str, int],
-               logprobs: dict | None = None) -> list[RequestOutputDelta]:
+    def update(
+        self, plan: SchedulerOutput, sampled_token_ids: dict[str, int], logprobs: dict | None = None
+    ) -> list[RequestOutputDelta]:
         """Apply the tokens the worker sampled. Requests in the middle of a chunked prefill
         sampled nothing; requests aborted since `schedule()` are skipped. Beams append nothing
         themselves: their group chooses from the top tokens in `logprobs`."""
@@ -271,15 +288,19 @@ class Scheduler:
         if status is None:
             return RequestOutputDelta(request.request_id, [token], queued_seconds=queued)
         self._finish(request, status)
-        return RequestOutputDelta(request.request_id, [token], status.finish_reason, request.stop_reason,
-                                  queued_seconds=queued)
+        return RequestOutputDelta(
+            request.request_id, [token], status.finish_reason, request.stop_reason, queued_seconds=queued
+        )
 
     # --- preemption -----------------------------------------------------------------------
     def _pick_victim(self, current: Request, step: StepBuilder) -> Request:
         by_priority = self.config.policy == "priority"
         preemptible = self.beams.preemptible
-        candidates = [r for r in self.running
-                      if r.status == RUNNING and r.request_id not in step and preemptible(r, current, step)]
+        candidates = [
+            r
+            for r in self.running
+            if r.status == RUNNING and r.request_id not in step and preemptible(r, current, step)
+        ]
         return max(candidates, key=lambda r: (r.priority if by_priority else 0, r.arrival_time))
 
     def _preempt(self, request: Request, step: StepBuilder) -> None:
@@ -311,10 +332,16 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         pool = self.kv.pool
         return SchedulerStats(
-            num_running=len(self.running), num_waiting=len(self.waiting), num_swapped=len(self.swapped),
-            kv_cache_usage=pool.usage, prefix_cache_queries=pool.prefix_queries,
-            prefix_cache_hits=pool.prefix_hits, num_preemptions=self.num_preemptions,
-            peak_blocks_used=pool.peak_used, num_blocks=pool.num_blocks)
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_swapped=len(self.swapped),
+            kv_cache_usage=pool.usage,
+            prefix_cache_queries=pool.prefix_queries,
+            prefix_cache_hits=pool.prefix_hits,
+            num_preemptions=self.num_preemptions,
+            peak_blocks_used=pool.peak_used,
+            num_blocks=pool.num_blocks,
+        )
 
     def check_invariants(self) -> None:
         self.kv.check_invariants()
@@ -322,15 +349,15 @@ class Scheduler:
         waiting = {r.request_id for r in self.waiting}
         swapped = {r.request_id for r in self.swapped}
         assert len(running) == len(self.running), "a request is twice in running"
-        assert not (running & waiting or running & swapped or waiting & swapped), \
-            "a request is in two queues"
+        assert not (running & waiting or running & swapped or waiting & swapped), "a request is in two queues"
         assert running | waiting | swapped == set(self.requests), "queues and requests disagree"
         assert set(self.kv.tables) == running, "only running requests hold device blocks"
         assert set(self.kv.swapped) == swapped, "only swapped requests hold swap blocks"
         for request in self.running:
             assert request.status == RUNNING
-            assert len(self.kv.tables[request.request_id]) >= self.kv.num_blocks_for(request.num_computed_tokens), \
+            assert len(self.kv.tables[request.request_id]) >= self.kv.num_blocks_for(request.num_computed_tokens), (
                 f"{request} lacks blocks"
+            )
         for request in self.waiting:
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             assert request.num_computed_tokens == 0

@@ -57,16 +57,32 @@ class StepBuilder:
         self.budget -= num_tokens
         if rid not in self.worker.known:
             self.worker.known.add(rid)
-            self.new_requests.append(NewRequestData(
-                rid, np.array(request.all_token_ids, dtype=np.int32), request.num_prompt_tokens,
-                request.sampling_params, self.kv.block_ids(rid), request.num_computed_tokens, request.eos_token_id))
+            self.new_requests.append(
+                NewRequestData(
+                    rid,
+                    np.array(request.all_token_ids, dtype=np.int32),
+                    request.num_prompt_tokens,
+                    request.sampling_params,
+                    self.kv.block_ids(rid),
+                    request.num_computed_tokens,
+                    request.eos_token_id,
+                )
+            )
         elif delta[1]:
             self.deltas[rid] = delta
 
     def build(self, step_id: int, block_copies, appended: dict[str, int], total_budget: int) -> SchedulerOutput:
         finished, preempted = self.worker.take_dropped()
         return SchedulerOutput(
-            step_id=step_id, new_requests=self.new_requests, num_scheduled_tokens=self.scheduled,
-            block_table_deltas=self.deltas, block_copies=block_copies, swap_out=self.swap_out,
-            swap_in=self.swap_in, finished_request_ids=finished, preempted_request_ids=preempted,
-            appended_token_ids=appended, total_num_scheduled_tokens=total_budget - self.budget)
+            step_id=step_id,
+            new_requests=self.new_requests,
+            num_scheduled_tokens=self.scheduled,
+            block_table_deltas=self.deltas,
+            block_copies=block_copies,
+            swap_out=self.swap_out,
+            swap_in=self.swap_in,
+            finished_request_ids=finished,
+            preempted_request_ids=preempted,
+            appended_token_ids=appended,
+            total_num_scheduled_tokens=total_budget - self.budget,
+        )

@@ -23,8 +23,15 @@ class ProtocolError(RuntimeError):
 class RequestState:
     __slots__ = ("token_ids", "num_prompt_tokens", "params", "block_ids", "num_computed", "eos_token_id")
 
-    def __init__(self, token_ids: list[int], num_prompt_tokens: int, params: SamplingParams,
-                 block_ids: list[int], num_computed: int, eos_token_id: int | None):
+    def __init__(
+        self,
+        token_ids: list[int],
+        num_prompt_tokens: int,
+        params: SamplingParams,
+        block_ids: list[int],
+        num_computed: int,
+        eos_token_id: int | None,
+    ):
         self.token_ids = token_ids
         self.num_prompt_tokens = num_prompt_tokens
         self.params = params
@@ -48,7 +55,7 @@ class ScheduledChunk(NamedTuple):
 
     @property
     def token_ids(self) -> list[int]:
-        return self.state.token_ids[self.start:self.start + self.num_tokens]
+        return self.state.token_ids[self.start : self.start + self.num_tokens]
 
 
 class WorkerState:
@@ -67,8 +74,13 @@ class WorkerState:
             if new.request_id in requests:
                 raise ProtocolError(f"request {new.request_id!r} sent as new while the worker holds it")
             requests[new.request_id] = RequestState(
-                new.token_ids.tolist(), new.num_prompt_tokens, new.sampling_params, list(new.block_ids),
-                new.num_computed_tokens, new.eos_token_id)
+                new.token_ids.tolist(),
+                new.num_prompt_tokens,
+                new.sampling_params,
+                list(new.block_ids),
+                new.num_computed_tokens,
+                new.eos_token_id,
+            )
         for rid, (start, ids) in plan.block_table_deltas.items():
             blocks = requests[rid].block_ids
             del blocks[start:]

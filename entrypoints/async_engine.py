@@ -103,8 +103,9 @@ class AsyncEngine:
             return self.engine.dead_reason
         return "shut down" if self.engine.closed else None
 
-    def render_chat(self, conversation: list[dict], chat_template: str | None = None,
-                    add_generation_prompt: bool = True) -> dict:
+    def render_chat(
+        self, conversation: list[dict], chat_template: str | None = None, add_generation_prompt: bool = True
+    ) -> dict:
         return self.inputs.render_chat(conversation, chat_template, add_generation_prompt)
 
     # --- the reader thread ----------------------------------------------------------------
@@ -159,8 +160,7 @@ class AsyncEngine:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
 
     # --- requests -------------------------------------------------------------------------
-    def add_request(self, prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> RequestStream:
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> RequestStream:
         """Check and submit a request now (raising InvalidParameter or EngineOverloaded here, before
         any response is started); iterate the returned stream for its outputs."""
         params = params or SamplingParams()
@@ -168,8 +168,10 @@ class AsyncEngine:
         self.inputs.check_room(item, params)
         tracker = self.inputs.tracker(item, params, request_id or f"async-{next(self._ids)}")
         if self.max_queue_len is not None and self.num_queued >= self.max_queue_len:
-            raise EngineOverloaded(f"{self.num_queued} requests are waiting for their first token "
-                                   f"(limit {self.max_queue_len}); retry later")
+            raise EngineOverloaded(
+                f"{self.num_queued} requests are waiting for their first token "
+                f"(limit {self.max_queue_len}); retry later"
+            )
         stream = RequestStream(self, tracker, asyncio.get_running_loop())
         with self._lock:
             self.outputs.add(tracker)  # raises if the id is in use

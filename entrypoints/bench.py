@@ -1,5 +1,5 @@
-"""`pagedllm bench throughput|latency|serving|scaling|memory`: one workload through pagedllm and its peers, side by side,
-with a table on the terminal, a JSON file and PNG plots in --out."""
+"""`pagedllm bench throughput|latency|serving|scaling|memory`: one workload through pagedllm and its
+peers, side by side, with a table on the terminal, a JSON file and PNG plots in --out."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ def load_dataset(spec: str, num: int, seed: int, tokenizer, vocab_size: int, max
     prompt and output lengths are each clipped to half the model's context."""
     if spec == "synthetic":
         from pagedllm.benchmarks.workload import synthetic_lengths, synthetic_prompts
+
         lengths = synthetic_lengths(num, seed=seed, max_len=min(1000, max_len // 2 - 1))
         return synthetic_prompts(lengths, vocab_size, seed), [o for _, o in lengths]
     prompts, outs = [], []
@@ -47,8 +48,9 @@ def _token_workload(args):
 
     model_dir = args.model or default_model_dir()
     folder = ModelFolder(model_dir)
-    prompts, max_tokens = load_dataset(args.dataset, args.num_prompts, args.seed, None, folder.vocab_size,
-                                       folder.max_position_embeddings)
+    prompts, max_tokens = load_dataset(
+        args.dataset, args.num_prompts, args.seed, None, folder.vocab_size, folder.max_position_embeddings
+    )
     return model_dir, prompts, max_tokens
 
 
@@ -64,10 +66,13 @@ def cmd_bench(args) -> int:
         return _serving(args, out_dir)
     if args.mode == "memory":
         from pagedllm.benchmarks.kv_memory import measure_kv_utilisation
+
         r = measure_kv_utilisation(num_requests=args.num_prompts, seed=args.seed)
-        print(f"{r['requests']} requests, {r['steps']} steps: live share of allocated KV slots — paged "
-              f"{r['paged']:.1%}, contiguous max_model_len {r['contiguous_max_model_len']:.1%}, "
-              f"contiguous exact length {r['contiguous_exact_length']:.1%}")
+        print(
+            f"{r['requests']} requests, {r['steps']} steps: live share of allocated KV slots — paged "
+            f"{r['paged']:.1%}, contiguous max_model_len {r['contiguous_max_model_len']:.1%}, "
+            f"contiguous exact length {r['contiguous_exact_length']:.1%}"
+        )
         report.write_json(os.path.join(out_dir, "memory.json"), {k: v for k, v in r.items() if k != "series"})
         report.plot_kv_usage(os.path.join(out_dir, "kv_usage.png"), r["series"], r["block_size"])
         return 0
@@ -99,23 +104,48 @@ def _throughput(args, out_dir: str) -> int:
     tokenizer = None
     if args.dataset != "synthetic":
         from transformers import AutoTokenizer
+
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompts, max_tokens = load_dataset(args.dataset, args.num_prompts, args.seed, tokenizer, hf.config.vocab_size,
-                                       hf.config.max_position_embeddings)
-    print(f"{len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {sum(max_tokens)} output tokens "
-          f"requested; model {model_dir}; dtype {args.dtype}")
-    run = compare(hf, model_dir, prompts, max_tokens, peers, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
-                  backend=args.backend, batch_size=args.batch_size, vllm_python=args.vllm_python,
-                  vllm_work=os.path.join(out_dir, "vllm-work"))
+    prompts, max_tokens = load_dataset(
+        args.dataset, args.num_prompts, args.seed, tokenizer, hf.config.vocab_size, hf.config.max_position_embeddings
+    )
+    print(
+        f"{len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {sum(max_tokens)} output tokens "
+        f"requested; model {model_dir}; dtype {args.dtype}"
+    )
+    run = compare(
+        hf,
+        model_dir,
+        prompts,
+        max_tokens,
+        peers,
+        dtype=args.dtype,
+        kv_cache_memory=args.kv_cache_memory,
+        backend=args.backend,
+        batch_size=args.batch_size,
+        vllm_python=args.vllm_python,
+        vllm_work=os.path.join(out_dir, "vllm-work"),
+    )
     results = run["results"]
-    report.write_json(os.path.join(out_dir, "throughput.json"), {
-        "date": time.strftime("%Y-%m-%d"), "model": model_dir, "dtype": args.dtype, "dataset": args.dataset,
-        "requests": len(prompts), "transformers": transformers.__version__, "torch": torch.__version__,
-        "peer_versions": run["peer_versions"],
-        "results": [{**r.__dict__, "output_tok_s": r.output_tok_s, "total_tok_s": r.total_tok_s}
-                    for r in results]})
-    report.plot_throughput(os.path.join(out_dir, "throughput.png"), results,
-                           f"{len(prompts)} requests, {args.dtype}, {os.path.basename(model_dir.rstrip('/'))}")
+    report.write_json(
+        os.path.join(out_dir, "throughput.json"),
+        {
+            "date": time.strftime("%Y-%m-%d"),
+            "model": model_dir,
+            "dtype": args.dtype,
+            "dataset": args.dataset,
+            "requests": len(prompts),
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+            "peer_versions": run["peer_versions"],
+            "results": [{**r.__dict__, "output_tok_s": r.output_tok_s, "total_tok_s": r.total_tok_s} for r in results],
+        },
+    )
+    report.plot_throughput(
+        os.path.join(out_dir, "throughput.png"),
+        results,
+        f"{len(prompts)} requests, {args.dtype}, {os.path.basename(model_dir.rstrip('/'))}",
+    )
     print(f"wrote {out_dir}/throughput.json and throughput.png")
     return 0
 
@@ -128,11 +158,20 @@ def _latency(args, out_dir: str) -> int:
 
     model_dir, prompts, max_tokens = _token_workload(args)
     rates = [float(r) for r in args.rates.split(",")]
-    rows = measure(model_dir, prompts, max_tokens, rates, args.seed, backend=args.backend, dtype=args.dtype,
-                   kv_cache_memory=args.kv_cache_memory)
+    rows = measure(
+        model_dir,
+        prompts,
+        max_tokens,
+        rates,
+        args.seed,
+        backend=args.backend,
+        dtype=args.dtype,
+        kv_cache_memory=args.kv_cache_memory,
+    )
     print_rows(rows)
-    report.write_json(os.path.join(out_dir, "latency.json"), {"model": model_dir, "requests": len(prompts),
-                                                              "rows": rows})
+    report.write_json(
+        os.path.join(out_dir, "latency.json"), {"model": model_dir, "requests": len(prompts), "rows": rows}
+    )
     report.plot_latency(os.path.join(out_dir, "latency.png"), rows)
     return 0
 
@@ -146,15 +185,24 @@ def _serving(args, out_dir: str) -> int:
     rates = [float(r) for r in args.rates.split(",")]
     if float("inf") not in rates:
         rates.append(float("inf"))  # saturation, for the served / offline ratio
-    result = serving_benchmark(model_dir, prompts, max_tokens, rates, args.backend, args.dtype,
-                               args.kv_cache_memory, args.seed)
+    result = serving_benchmark(
+        model_dir, prompts, max_tokens, rates, args.backend, args.dtype, args.kv_cache_memory, args.seed
+    )
     print_report(result)
-    finite = lambda r: {**r, "rate": "inf" if r["rate"] == float("inf") else r["rate"]}  # noqa: E731 - valid JSON
-    report.write_json(os.path.join(out_dir, "serving.json"), {
-        "model": model_dir, "requests": len(prompts), **result, "rows": [finite(r) for r in result["rows"]],
-        "served_saturated": finite(result["served_saturated"])})
-    report.plot_latency(os.path.join(out_dir, "serving_latency.png"),
-                        [r for r in result["rows"] if r["rate"] != float("inf")])
+    finite = lambda r: {**r, "rate": "inf" if r["rate"] == float("inf") else r["rate"]}
+    report.write_json(
+        os.path.join(out_dir, "serving.json"),
+        {
+            "model": model_dir,
+            "requests": len(prompts),
+            **result,
+            "rows": [finite(r) for r in result["rows"]],
+            "served_saturated": finite(result["served_saturated"]),
+        },
+    )
+    report.plot_latency(
+        os.path.join(out_dir, "serving_latency.png"), [r for r in result["rows"] if r["rate"] != float("inf")]
+    )
     print(f"wrote {out_dir}/serving.json and serving_latency.png")
     return 0
 
@@ -169,16 +217,23 @@ def _scaling(args, out_dir: str) -> int:
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     rows = []
     for concurrency in (int(c) for c in args.concurrency.split(",")):
-        with LLM(model_dir, backend=args.backend, dtype=args.dtype, skip_tokenizer_init=True,
-                 kv_cache_memory=args.kv_cache_memory, max_num_seqs=concurrency) as llm:
+        with LLM(
+            model_dir,
+            backend=args.backend,
+            dtype=args.dtype,
+            skip_tokenizer_init=True,
+            kv_cache_memory=args.kv_cache_memory,
+            max_num_seqs=concurrency,
+        ) as llm:
             start = time.monotonic()
             outs = llm.generate(prompts, params, use_tqdm=False)
             seconds = time.monotonic() - start
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         rows.append({"concurrency": concurrency, "output_tok_s": tokens / seconds, "seconds": seconds})
         print(f"max_num_seqs {concurrency:4d}: {tokens / seconds:8.0f} output tok/s", flush=True)
-    report.write_json(os.path.join(out_dir, "scaling.json"), {"model": model_dir, "requests": len(prompts),
-                                                              "rows": rows})
+    report.write_json(
+        os.path.join(out_dir, "scaling.json"), {"model": model_dir, "requests": len(prompts), "rows": rows}
+    )
     report.plot_scaling(os.path.join(out_dir, "scaling.png"), rows)
     return 0
 
@@ -190,16 +245,28 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--backend", default="cpu")
     bench.add_argument("--dtype", default="float32")
     bench.add_argument("--num-prompts", type=int, default=200)
-    bench.add_argument("--dataset", default="synthetic",
-                       help="synthetic (seeded, long-tailed) or a JSONL file of {prompt|prompt_token_ids, output_len}")
-    bench.add_argument("--vs", default="hf-static,hf-cb",
-                       help="comma-separated peers: hf-static, hf-cb, vllm (needs --vllm-python), or none")
-    bench.add_argument("--vllm-python", default=None,
-                       help="python of an environment with vLLM installed; vLLM then joins the throughput table")
+    bench.add_argument(
+        "--dataset",
+        default="synthetic",
+        help="synthetic (seeded, long-tailed) or a JSONL file of {prompt|prompt_token_ids, output_len}",
+    )
+    bench.add_argument(
+        "--vs",
+        default="hf-static,hf-cb",
+        help="comma-separated peers: hf-static, hf-cb, vllm (needs --vllm-python), or none",
+    )
+    bench.add_argument(
+        "--vllm-python",
+        default=None,
+        help="python of an environment with vLLM installed; vLLM then joins the throughput table",
+    )
     bench.add_argument("--batch-size", type=int, default=16, help="transformers static batch size")
     bench.add_argument("--kv-cache-memory", default="2GiB")
-    bench.add_argument("--rates", default="1,2,4,8",
-                       help="latency and serving: request rates (req/s) to sweep; serving adds inf (all at once)")
+    bench.add_argument(
+        "--rates",
+        default="1,2,4,8",
+        help="latency and serving: request rates (req/s) to sweep; serving adds inf (all at once)",
+    )
     bench.add_argument("--concurrency", default="1,4,16,64,256", help="scaling: max_num_seqs values to sweep")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--out", default="bench-results")

@@ -14,8 +14,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     """Engine flags, named as vLLM names them."""
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None, help="Hugging Face model folder (default: the built-in demo model)")
-    g.add_argument("--backend", default="cpu",
-                   help="cpu, cuda (the best CUDA backend here), cuda-triton, cuda-native, or a plugin")
+    g.add_argument(
+        "--backend", default="cpu", help="cpu, cuda (the best CUDA backend here), cuda-triton, cuda-native, or a plugin"
+    )
     g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--max-num-seqs", type=int, default=256)
@@ -27,8 +28,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--swap-space", type=float, default=None, help="GiB of host swap space")
     g.add_argument("--kv-cache-memory", default="1GiB", help="KV pool size, e.g. 512MiB or 4GiB")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides the above)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="GPU: fraction of device memory for weights, activations and the KV pool")
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="GPU: fraction of device memory for weights, activations and the KV pool",
+    )
     g.add_argument("--enforce-eager", action="store_true", help="GPU: no CUDA graphs for decode steps")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--tensor-parallel-size", type=int, default=1)
@@ -55,23 +60,46 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args) -> dict:
-    return dict(model=args.model, backend=args.backend, dtype=args.dtype, block_size=args.block_size,
-                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
-                scheduler_policy=args.scheduler_policy, preemption_mode=args.preemption_mode,
-                swap_space=args.swap_space, kv_cache_memory=args.kv_cache_memory,
-                gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
-                num_kv_blocks=args.num_kv_blocks, enforce_eager=args.enforce_eager,
-                tensor_parallel_size=args.tensor_parallel_size)
+    return dict(
+        model=args.model,
+        backend=args.backend,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=args.enable_prefix_caching,
+        scheduler_policy=args.scheduler_policy,
+        preemption_mode=args.preemption_mode,
+        swap_space=args.swap_space,
+        kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        seed=args.seed,
+        num_kv_blocks=args.num_kv_blocks,
+        enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size,
+    )
 
 
 def sampling_params(args):
     from pagedllm.core.sampling_params import SamplingParams
+
     return SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-        max_tokens=args.max_tokens, min_tokens=args.min_tokens, repetition_penalty=args.repetition_penalty,
-        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty, n=args.n,
-        seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos, logprobs=args.logprobs)
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        max_tokens=args.max_tokens,
+        min_tokens=args.min_tokens,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        n=args.n,
+        seed=args.sampling_seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+        logprobs=args.logprobs,
+    )
 
 
 def read_jsonl(path: str) -> list:
@@ -103,45 +131,48 @@ def cmd_generate(args) -> int:
         raise ValueError("give prompts as arguments or --input prompts.jsonl")
     if args.beam_width:
         from pagedllm.core.sampling_params import BeamSearchParams
-        beam_params = BeamSearchParams(beam_width=args.beam_width, max_tokens=args.max_tokens,
-                                       ignore_eos=args.ignore_eos, length_penalty=args.length_penalty)
+
+        beam_params = BeamSearchParams(
+            beam_width=args.beam_width,
+            max_tokens=args.max_tokens,
+            ignore_eos=args.ignore_eos,
+            length_penalty=args.length_penalty,
+        )
         with LLM(**engine_kwargs(args)) as llm:
-            return write_beams(llm.beam_search(prompts, beam_params, use_tqdm=not args.no_progress),
-                               prompts, args.output)
+            return write_beams(
+                llm.beam_search(prompts, beam_params, use_tqdm=not args.no_progress), prompts, args.output
+            )
     params = sampling_params(args)
     with LLM(**engine_kwargs(args)) as llm:
         outputs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
-        out = open(args.output, "w") if args.output else None
-        try:
-            for o in outputs:
-                if out is not None:
-                    out.write(json.dumps({
-                        "prompt": o.prompt, "prompt_token_ids": o.prompt_token_ids,
-                        "outputs": [{"text": c.text, "token_ids": c.token_ids,
-                                     "finish_reason": c.finish_reason} for c in o.outputs]}) + "\n")
-                else:
-                    for c in o.outputs:
-                        print(f"{o.prompt or o.prompt_token_ids!r} -> {c.text!r} [{c.finish_reason}]")
-        finally:
-            if out is not None:
-                out.close()
+    if not args.output:
+        for o in outputs:
+            for c in o.outputs:
+                print(f"{o.prompt or o.prompt_token_ids!r} -> {c.text!r} [{c.finish_reason}]")
+        return 0
+    with open(args.output, "w") as out:
+        for o in outputs:
+            completions = [
+                {"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason} for c in o.outputs
+            ]
+            row = {"prompt": o.prompt, "prompt_token_ids": o.prompt_token_ids, "outputs": completions}
+            out.write(json.dumps(row) + "\n")
     return 0
 
 
 def write_beams(outputs, prompts, path: str | None) -> int:
-    out = open(path, "w") if path else None
-    try:
+    if not path:
         for prompt, o in zip(prompts, outputs):
-            if out is not None:
-                out.write(json.dumps({"prompt": prompt, "beams": [
-                    {"text": b.text, "token_ids": b.tokens, "cum_logprob": b.cum_logprob, "score": b.score}
-                    for b in o.sequences]}) + "\n")
-            else:
-                for rank, b in enumerate(o.sequences):
-                    print(f"{prompt!r} beam {rank} (score {b.score:.3f}) -> {b.text!r}")
-    finally:
-        if out is not None:
-            out.close()
+            for rank, b in enumerate(o.sequences):
+                print(f"{prompt!r} beam {rank} (score {b.score:.3f}) -> {b.text!r}")
+        return 0
+    with open(path, "w") as out:
+        for prompt, o in zip(prompts, outputs):
+            beams = [
+                {"text": b.text, "token_ids": b.tokens, "cum_logprob": b.cum_logprob, "score": b.score}
+                for b in o.sequences
+            ]
+            out.write(json.dumps({"prompt": prompt, "beams": beams}) + "\n")
     return 0
 
 
@@ -151,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     gen = sub.add_parser("generate", help="generate completions offline")
     gen.add_argument("prompts", nargs="*", metavar="PROMPT")
-    gen.add_argument("--input", help="JSONL file: one {\"prompt\": ...} or {\"prompt_token_ids\": [...]} per line")
+    gen.add_argument("--input", help='JSONL file: one {"prompt": ...} or {"prompt_token_ids": [...]} per line')
     gen.add_argument("--output", help="write JSONL results here instead of printing")
     gen.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_engine_flags(gen)
@@ -161,18 +192,29 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API and the ZMQ entrypoint")
     srv.add_argument("--host", default="127.0.0.1", help="HTTP address (loopback unless told otherwise)")
     srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--zmq-endpoint", default="tcp://127.0.0.1:5555",
-                     help="where the ZMQ entrypoint binds (tcp:// or ipc://); 'none' turns it off")
-    srv.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY"),
-                     help="require 'Authorization: Bearer KEY' on /v1 (default: $PAGEDLLM_API_KEY)")
+    srv.add_argument(
+        "--zmq-endpoint",
+        default="tcp://127.0.0.1:5555",
+        help="where the ZMQ entrypoint binds (tcp:// or ipc://); 'none' turns it off",
+    )
+    srv.add_argument(
+        "--api-key",
+        default=os.environ.get("PAGEDLLM_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1 (default: $PAGEDLLM_API_KEY)",
+    )
     srv.add_argument("--served-model-name", default=None, help="the model's name in the API (default: --model)")
-    srv.add_argument("--max-queue-len", type=int, default=1024,
-                     help="requests waiting for a first token beyond which new ones get 503")
+    srv.add_argument(
+        "--max-queue-len",
+        type=int,
+        default=1024,
+        help="requests waiting for a first token beyond which new ones get 503",
+    )
     srv.add_argument("--log-level", default="warning", help="uvicorn's log level")
     add_engine_flags(srv)
     srv.set_defaults(func=cmd_serve)
 
     from .bench import add_bench_parser
+
     add_bench_parser(sub)
 
     conf = sub.add_parser("conformance", help="run the backend conformance suite")
@@ -186,28 +228,40 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_serve(args) -> int:
     from .serve import run_server
+
     if args.max_queue_len < 0:
         raise ValueError(f"--max-queue-len: must be >= 0, got {args.max_queue_len}")
-    run_server(engine_kwargs(args), host=args.host, port=args.port,
-               zmq_endpoint=None if args.zmq_endpoint == "none" else args.zmq_endpoint,
-               api_key=args.api_key, model_name=args.served_model_name, max_queue_len=args.max_queue_len,
-               log_level=args.log_level)
+    run_server(
+        engine_kwargs(args),
+        host=args.host,
+        port=args.port,
+        zmq_endpoint=None if args.zmq_endpoint == "none" else args.zmq_endpoint,
+        api_key=args.api_key,
+        model_name=args.served_model_name,
+        max_queue_len=args.max_queue_len,
+        log_level=args.log_level,
+    )
     return 0
 
 
 def cmd_conformance(args) -> int:
     from pagedllm.conformance.suite import main as run
+
     return run(args)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from pagedllm.core.logs import setup_logging
+
+    setup_logging()
     if args.command is None:
         parser.print_help()
         return 2
-    from pagedllm.core.errors import InvalidParameter
     from pagedllm.backends.registry import BackendUnavailable, UnknownBackend
+    from pagedllm.core.errors import InvalidParameter
+
     try:
         return args.func(args)
     except InvalidParameter as e:

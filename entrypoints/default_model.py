@@ -34,6 +34,7 @@ def default_model_dir() -> str:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one process builds it; the others wait
         if not os.path.isfile(os.path.join(path, "config.json")):
             from .tiny_models import make_model_dir
+
             tmp = tempfile.mkdtemp(dir=root)
             make_model_dir(os.path.join(tmp, "m"), "llama", seed=0)
             shutil.rmtree(path, ignore_errors=True)

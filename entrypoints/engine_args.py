@@ -56,6 +56,7 @@ class EngineArgs:
         model = self.model
         if model is None:
             from .default_model import default_model_dir
+
             model = default_model_dir()
         if not os.path.isfile(os.path.join(model, "config.json")):
             raise InvalidParameter("model", f"{model!r} is not a folder with a config.json")
@@ -65,11 +66,20 @@ class EngineArgs:
             swap = parse_size(self.swap_space, "swap_space")
         else:
             swap = int(self.swap_space * GiB)  # vLLM's unit: GiB
-        fields = {k: v for k, v in asdict(self).items()
-                  if k not in ("tokenizer", "skip_tokenizer_init", "transport", "swap_space")}
-        return EngineConfig(**{**fields, "model": os.path.abspath(model), "backend": backend,
-                               "kv_cache_memory": parse_size(self.kv_cache_memory, "kv_cache_memory"),
-                               "swap_space": swap})
+        fields = {
+            k: v
+            for k, v in asdict(self).items()
+            if k not in ("tokenizer", "skip_tokenizer_init", "transport", "swap_space")
+        }
+        return EngineConfig(
+            **{
+                **fields,
+                "model": os.path.abspath(model),
+                "backend": backend,
+                "kv_cache_memory": parse_size(self.kv_cache_memory, "kv_cache_memory"),
+                "swap_space": swap,
+            }
+        )
 
 
 def start_engine(args: EngineArgs) -> tuple[EngineClient, InputProcessor]:
@@ -81,6 +91,7 @@ def start_engine(args: EngineArgs) -> tuple[EngineClient, InputProcessor]:
         tokenizer = None
         if not args.skip_tokenizer_init:
             from transformers import AutoTokenizer
+
             tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or config.model)
         folder = ModelFolder(config.model)
         ready = engine.wait_ready()

@@ -14,8 +14,7 @@ import zmq
 from pagedllm.core import shm
 from pagedllm.core.config import EngineConfig
 from pagedllm.core.ipc import Channel, free_tcp_endpoint, ipc_endpoint, make_ipc_dir, remove_ipc_dir
-from pagedllm.core.protocol import (AbortRequests, AddRequests, CoreMessage, EngineDead, EngineReady,
-                                    Shutdown)
+from pagedllm.core.protocol import AbortRequests, AddRequests, CoreMessage, EngineDead, EngineReady, Shutdown
 from pagedllm.core.request import EngineRequest
 
 POLL_MS = 100
@@ -33,21 +32,33 @@ class EngineClient:
         self.config = config
         self.ipc_dir = make_ipc_dir()
         names = ("input", "output", "worker-input", "worker-output")
-        self.endpoints = {n: ipc_endpoint(self.ipc_dir, n) if transport == "ipc" else free_tcp_endpoint()
-                          for n in names}
+        self.endpoints = {
+            n: ipc_endpoint(self.ipc_dir, n) if transport == "ipc" else free_tcp_endpoint() for n in names
+        }
         self.ctx = zmq.Context()
         self.to_core = Channel(self.ctx, zmq.PUSH, self.endpoints["input"], bind=False)
-        self.from_core = Channel(self.ctx, zmq.PULL, self.endpoints["output"], bind=False,
-                                 message_type=CoreMessage)
+        self.from_core = Channel(self.ctx, zmq.PULL, self.endpoints["output"], bind=False, message_type=CoreMessage)
         # A session of its own: a Ctrl-C in the terminal reaches only the frontend, which then
         # shuts the engine down in order.
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pagedllm.core.engine_main",
-             "--config", msgspec.json.encode(config).decode(),
-             "--input", self.endpoints["input"], "--output", self.endpoints["output"],
-             "--worker-input", self.endpoints["worker-input"],
-             "--worker-output", self.endpoints["worker-output"]],
-            stdin=subprocess.DEVNULL, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "pagedllm.core.engine_main",
+                "--config",
+                msgspec.json.encode(config).decode(),
+                "--input",
+                self.endpoints["input"],
+                "--output",
+                self.endpoints["output"],
+                "--worker-input",
+                self.endpoints["worker-input"],
+                "--worker-output",
+                self.endpoints["worker-output"],
+            ],
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         self.ready: EngineReady | None = None
         self.dead_reason: str | None = None
         self.closed = False

@@ -22,8 +22,7 @@ class InputProcessor:
 
     def prompts(self, prompts) -> list[Prompt]:
         """One prompt or a list: strings, token id lists, {"prompt": ...} or {"prompt_token_ids": [...]}."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         items = [self._prompt(p) for p in prompts]
         if not items:
@@ -40,8 +39,10 @@ class InputProcessor:
             return None, list(p)
         text = p["prompt"] if isinstance(p, dict) and "prompt" in p else p
         if not isinstance(text, str):
-            raise InvalidParameter("prompts", "each prompt must be a string, a list of token ids, "
-                                              "or a dict with 'prompt' or 'prompt_token_ids'")
+            raise InvalidParameter(
+                "prompts",
+                "each prompt must be a string, a list of token ids, or a dict with 'prompt' or 'prompt_token_ids'",
+            )
         if self.tokenizer is None:
             raise InvalidParameter("prompts", "text prompts need a tokenizer (skip_tokenizer_init is set)")
         return text, self.tokenizer.encode(text)
@@ -50,12 +51,14 @@ class InputProcessor:
         """The frontend's state for one request, after checking it fits this model."""
         text, ids = prompt
         if len(ids) >= self.max_model_len:
-            raise InvalidParameter("prompt", f"has {len(ids)} tokens; max_model_len is {self.max_model_len}, "
-                                             f"which leaves room for at most {self.max_model_len - 1}")
+            raise InvalidParameter(
+                "prompt",
+                f"has {len(ids)} tokens; max_model_len is {self.max_model_len}, "
+                f"which leaves room for at most {self.max_model_len - 1}",
+            )
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise InvalidParameter("prompt_token_ids",
-                                   f"token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+            raise InvalidParameter("prompt_token_ids", f"token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
         if self.tokenizer is None and params.stop:
             raise InvalidParameter("stop", "stop strings need a tokenizer (skip_tokenizer_init is set)")
         return RequestTracker(request_id, text, ids, params, self.tokenizer)
@@ -65,24 +68,32 @@ class InputProcessor:
         ids = prompt[1]
         if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
             raise InvalidParameter(
-                "max_tokens", f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
-                              f"has {len(ids)}, so max_tokens can be at most "
-                              f"{max(self.max_model_len - len(ids), 0)}, got {params.max_tokens}")
+                "max_tokens",
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
+                f"has {len(ids)}, so max_tokens can be at most "
+                f"{max(self.max_model_len - len(ids), 0)}, got {params.max_tokens}",
+            )
 
     def engine_request(self, tracker: RequestTracker, arrival_time: float) -> EngineRequest:
-        return EngineRequest(request_id=tracker.request_id, prompt_token_ids=tracker.output.prompt_token_ids,
-                             sampling_params=tracker.params, eos_token_id=self.eos_token_id,
-                             arrival_time=arrival_time)
+        return EngineRequest(
+            request_id=tracker.request_id,
+            prompt_token_ids=tracker.output.prompt_token_ids,
+            sampling_params=tracker.params,
+            eos_token_id=self.eos_token_id,
+            arrival_time=arrival_time,
+        )
 
-    def render_chat(self, conversation: list[dict], chat_template: str | None = None,
-                    add_generation_prompt: bool = True) -> dict:
+    def render_chat(
+        self, conversation: list[dict], chat_template: str | None = None, add_generation_prompt: bool = True
+    ) -> dict:
         """A conversation as a prompt dict (text and token ids), through the tokenizer's template."""
         if self.tokenizer is None:
             raise InvalidParameter("messages", "chat needs a tokenizer (skip_tokenizer_init is set)")
         if getattr(self.tokenizer, "chat_template", None) is None and chat_template is None:
             raise InvalidParameter("messages", "the model's tokenizer has no chat template")
-        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=chat_template,
-                                                  add_generation_prompt=add_generation_prompt)
+        text = self.tokenizer.apply_chat_template(
+            conversation, tokenize=False, chat_template=chat_template, add_generation_prompt=add_generation_prompt
+        )
         return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
 
 

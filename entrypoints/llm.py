@@ -1,8 +1,8 @@
 """`LLM`: the offline Python API, following vLLM's.
 
-    from pagedllm import LLM, SamplingParams
-    with LLM(model="path/to/hf-folder") as llm:
-        outputs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+from pagedllm import LLM, SamplingParams
+with LLM(model="path/to/hf-folder") as llm:
+    outputs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from pagedllm.core.protocol import EngineOutputs, EngineStats, RequestRejected
 from pagedllm.core.sampling_params import BeamSearchParams, SamplingParams
 
 from .engine_args import EngineArgs, start_engine
+from .input_processor import per_prompt
 from .output_processor import OutputProcessor
 from .outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from .request_tracker import RequestTracker
-from .input_processor import per_prompt
 
 
 class LLM:
@@ -68,8 +68,13 @@ class LLM:
         self.engine.shutdown()
 
     # --- generation -----------------------------------------------------------------------
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: list[int] | None = None,
+    ) -> list[RequestOutput]:
         items = self.inputs.prompts(prompts)
         params = per_prompt(sampling_params, len(items))
         if priority is not None:
@@ -91,13 +96,22 @@ class LLM:
     def _beam_sequence(self, tracker: RequestTracker, beam, params: BeamSearchParams) -> BeamSearchSequence:
         ended = bool(beam.token_ids) and beam.token_ids[-1] == self.eos_token_id and not params.ignore_eos
         text = self.tokenizer.decode(beam.token_ids, skip_special_tokens=True) if self.tokenizer is not None else None
-        return BeamSearchSequence(tokens=tracker.output.prompt_token_ids + beam.token_ids, text=text,
-                                  cum_logprob=beam.cum_logprob, score=beam.score,
-                                  finish_reason="stop" if ended else "length")
+        return BeamSearchSequence(
+            tokens=tracker.output.prompt_token_ids + beam.token_ids,
+            text=text,
+            cum_logprob=beam.cum_logprob,
+            score=beam.score,
+            finish_reason="stop" if ended else "length",
+        )
 
-    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = True, chat_template: str | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.inputs.render_chat(conv, chat_template, add_generation_prompt) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -11,10 +11,48 @@ from pagedllm.core.protocol import EngineStats, SchedulerStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                    7.5, 10.0, 20.0, 40.0, 80.0)
-_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-                    120.0, 240.0, 480.0, 960.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_REQUEST_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
@@ -31,28 +69,35 @@ class EngineMetrics:
         self.running = metric(Gauge, "num_requests_running", "Requests in the running batch.")
         self.waiting = metric(Gauge, "num_requests_waiting", "Requests waiting to be scheduled.")
         self.swapped = metric(Gauge, "num_requests_swapped", "Requests whose KV cache is swapped out.")
-        self.kv_usage = metric(Gauge, "kv_cache_usage_perc",
-                               "Fraction of KV-cache blocks held by requests (1 = full).")
-        self.prefix_queries = metric(Counter, "prefix_cache_queries",
-                                     "Prompt tokens looked up in the prefix cache.")
+        self.kv_usage = metric(Gauge, "kv_cache_usage_perc", "Fraction of KV-cache blocks held by requests (1 = full).")
+        self.prefix_queries = metric(Counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = metric(Counter, "prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = metric(Counter, "num_preemptions", "Preemptions of running requests.")
         self.prompt_tokens = metric(Counter, "prompt_tokens", "Prompt tokens of requests that started.")
         self.generation_tokens = metric(Counter, "generation_tokens", "Generated tokens.")
-        self.batch_size = metric(Histogram, "batch_size", "Requests in each step's batch.",
-                                 buckets=_BATCH_BUCKETS)
-        self.iteration_tokens = metric(Histogram, "iteration_tokens_total", "Tokens computed in each step.",
-                                       buckets=_TOKEN_BUCKETS)
-        self.ttft = metric(Histogram, "time_to_first_token_seconds", "Time to first token.",
-                           buckets=_LATENCY_BUCKETS)
-        self.itl = metric(Histogram, "inter_token_latency_seconds", "Time between successive tokens.",
-                          buckets=_LATENCY_BUCKETS)
-        self.e2e = metric(Histogram, "e2e_request_latency_seconds", "Request latency, arrival to end.",
-                          buckets=_REQUEST_BUCKETS)
-        self.queue_time = metric(Histogram, "request_queue_time_seconds",
-                                 "Time from arrival to first being scheduled.", buckets=_REQUEST_BUCKETS)
-        self._success = Counter("pagedllm:request_success", "Finished requests by finish reason.",
-                                ["model_name", "finished_reason"], registry=self.registry)
+        self.batch_size = metric(Histogram, "batch_size", "Requests in each step's batch.", buckets=_BATCH_BUCKETS)
+        self.iteration_tokens = metric(
+            Histogram, "iteration_tokens_total", "Tokens computed in each step.", buckets=_TOKEN_BUCKETS
+        )
+        self.ttft = metric(Histogram, "time_to_first_token_seconds", "Time to first token.", buckets=_LATENCY_BUCKETS)
+        self.itl = metric(
+            Histogram, "inter_token_latency_seconds", "Time between successive tokens.", buckets=_LATENCY_BUCKETS
+        )
+        self.e2e = metric(
+            Histogram, "e2e_request_latency_seconds", "Request latency, arrival to end.", buckets=_REQUEST_BUCKETS
+        )
+        self.queue_time = metric(
+            Histogram,
+            "request_queue_time_seconds",
+            "Time from arrival to first being scheduled.",
+            buckets=_REQUEST_BUCKETS,
+        )
+        self._success = Counter(
+            "pagedllm:request_success",
+            "Finished requests by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
         self._last: SchedulerStats | None = None
 
     def observe_stats(self, stats: EngineStats) -> None:

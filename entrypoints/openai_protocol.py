@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -20,26 +20,26 @@ class StreamOptions(msgspec.Struct):
 
 
 class _SamplingFields(msgspec.Struct, kw_only=True):
-    model: Union[str, None] = None
+    model: str | None = None
     n: int = 1
-    best_of: Union[int, None] = None
-    temperature: Union[float, None] = None
-    top_p: Union[float, None] = None
+    best_of: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    seed: Union[int, None] = None
-    stop: Union[str, list[str], None] = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
     stream: bool = False
-    stream_options: Union[StreamOptions, None] = None
-    user: Union[str, None] = None
-    logit_bias: Union[dict[str, float], None] = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
     # vLLM's extras
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     ignore_eos: bool = False
-    stop_token_ids: Union[list[int], None] = None
+    stop_token_ids: list[int] | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
 
@@ -47,24 +47,40 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
         if self.logit_bias:
             raise InvalidParameter("logit_bias", "is not supported")
         if self.best_of is not None and self.best_of != self.n and not self.use_beam_search:
-            raise InvalidParameter("best_of", f"must equal n ({self.n}) unless use_beam_search is set, "
-                                              f"got {self.best_of}")
+            raise InvalidParameter(
+                "best_of", f"must equal n ({self.n}) unless use_beam_search is set, got {self.best_of}"
+            )
         if self.use_beam_search:
             width = self.best_of if self.best_of is not None else self.n
             if self.n != 1:
                 raise InvalidParameter("n", f"beam search returns the best beam: must be 1, got {self.n}")
             if self.stream:
                 raise InvalidParameter("stream", "beam search results cannot be streamed")
-            return SamplingParams(temperature=0.0, max_tokens=max_tokens, beam_width=width,
-                                  length_penalty=self.length_penalty, ignore_eos=self.ignore_eos)
+            return SamplingParams(
+                temperature=0.0,
+                max_tokens=max_tokens,
+                beam_width=width,
+                length_penalty=self.length_penalty,
+                ignore_eos=self.ignore_eos,
+            )
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         return SamplingParams(
-            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k, min_p=self.min_p,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, seed=self.seed, max_tokens=max_tokens,
-            min_tokens=self.min_tokens, stop=stop or None, stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos, logprobs=logprobs)
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=stop or None,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+        )
 
     @property
     def include_usage(self) -> bool:
@@ -72,11 +88,11 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
-    prompt: Union[str, list[Any]]  # a string, token ids, or a list of either (checked in prompts())
-    max_tokens: Union[int, None] = 16
-    logprobs: Union[int, None] = None
+    prompt: str | list[Any]  # a string, token ids, or a list of either (checked in prompts())
+    max_tokens: int | None = 16
+    logprobs: int | None = None
     echo: bool = False
-    suffix: Union[str, None] = None
+    suffix: str | None = None
 
     def prompts(self) -> list:
         """The prompts as strings or token-id lists (a completion request may carry several)."""
@@ -106,21 +122,21 @@ def _is_token_id(x) -> bool:
 
 class TextPart(msgspec.Struct):
     type: str
-    text: Union[str, None] = None
+    text: str | None = None
 
 
 class ChatMessage(msgspec.Struct):
     role: str
-    content: Union[str, list[TextPart], None] = None
-    name: Union[str, None] = None
+    content: str | list[TextPart] | None = None
+    name: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
     messages: list[ChatMessage]
-    max_tokens: Union[int, None] = None
-    max_completion_tokens: Union[int, None] = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: Union[int, None] = None
+    top_logprobs: int | None = None
     add_generation_prompt: bool = True
 
     def conversation(self) -> list[dict]:
@@ -134,8 +150,9 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
                 texts = []
                 for j, part in enumerate(m.content):
                     if part.type != "text" or part.text is None:
-                        raise InvalidParameter(f"messages[{i}].content[{j}]",
-                                               f"only text parts are supported, got type {part.type!r}")
+                        raise InvalidParameter(
+                            f"messages[{i}].content[{j}]", f"only text parts are supported, got type {part.type!r}"
+                        )
                     texts.append(part.text)
                 content = "".join(texts)
             else:
@@ -171,8 +188,11 @@ def now() -> int:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
@@ -200,5 +220,10 @@ def chat_logprobs(entries, token_ids, num_top: int) -> dict:
     def item(lp):
         text = lp.decoded_token or ""
         return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
-    return {"content": [{**item(entry[token]), "top_logprobs": [item(lp) for lp in _ranked(entry, num_top)]}
-                        for token, entry in zip(token_ids, entries)]}
+
+    return {
+        "content": [
+            {**item(entry[token]), "top_logprobs": [item(lp) for lp in _ranked(entry, num_top)]}
+            for token, entry in zip(token_ids, entries)
+        ]
+    }

@@ -17,12 +17,22 @@ from pagedllm.core.errors import InvalidParameter
 from .async_engine import AsyncEngine, EngineOverloaded, RequestStream
 from .engine_client import EngineDeadError
 from .metrics import CONTENT_TYPE, EngineMetrics
-from .openai_protocol import (ChatCompletionRequest, CompletionRequest, chat_logprobs, completion_logprobs,
-                              decode_body, error_body, new_id, now, usage)
+from .openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_logprobs,
+    completion_logprobs,
+    decode_body,
+    error_body,
+    new_id,
+    now,
+    usage,
+)
 
 
-def error_response(status: int, message: str, kind: str, param: str | None = None,
-                   code: str | None = None) -> JSONResponse:
+def error_response(
+    status: int, message: str, kind: str, param: str | None = None, code: str | None = None
+) -> JSONResponse:
     return JSONResponse(error_body(message, kind, param, code), status_code=status)
 
 
@@ -33,8 +43,11 @@ class EventStream(Response):
     def __init__(self, chunks):
         self.status_code = 200
         self.background = None
-        self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-                            (b"x-accel-buffering", b"no")]
+        self.raw_headers = [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no"),
+        ]
         self.chunks = chunks
 
     async def __call__(self, scope, receive, send) -> None:
@@ -52,8 +65,9 @@ class EventStream(Response):
         watcher = asyncio.create_task(watch())
         try:
             async for chunk in self.chunks:
-                await send({"type": "http.response.body", "body": b"data: " + _json(chunk) + b"\n\n",
-                            "more_body": True})
+                await send(
+                    {"type": "http.response.body", "body": b"data: " + _json(chunk) + b"\n\n", "more_body": True}
+                )
             await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
         except asyncio.CancelledError:
             if not gone:
@@ -113,19 +127,22 @@ async def until_disconnect(request: Request) -> None:
 
 
 class OpenAIServer:
-    def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None = None,
-                 metrics: EngineMetrics | None = None):
+    def __init__(
+        self, engine: AsyncEngine, model_name: str, api_key: str | None = None, metrics: EngineMetrics | None = None
+    ):
         self.engine = engine
         self.model_name = model_name
         self.api_key = api_key
         self.metrics = metrics
-        self.app = Starlette(routes=[
-            Route("/health", self.health, methods=["GET"]),
-            Route("/metrics", self.render_metrics, methods=["GET"]),
-            Route("/v1/models", self.models, methods=["GET"]),
-            Route("/v1/completions", self.completions, methods=["POST"]),
-            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
-        ])
+        self.app = Starlette(
+            routes=[
+                Route("/health", self.health, methods=["GET"]),
+                Route("/metrics", self.render_metrics, methods=["GET"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            ]
+        )
         self.app.add_exception_handler(404, self._not_found)
         self.app.add_exception_handler(405, self._not_allowed)
 
@@ -144,33 +161,54 @@ class OpenAIServer:
     async def models(self, request: Request) -> Response:
         if (denied := self._check_key(request)) is not None:
             return denied
-        return JSONResponse({"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": now(), "owned_by": "pagedllm",
-            "max_model_len": self.engine.max_model_len}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.model_name,
+                        "object": "model",
+                        "created": now(),
+                        "owned_by": "pagedllm",
+                        "max_model_len": self.engine.max_model_len,
+                    }
+                ],
+            }
+        )
 
     async def _not_found(self, request: Request, exc) -> Response:
         return error_response(404, f"no route {request.url.path}", "invalid_request_error", code="not_found")
 
     async def _not_allowed(self, request: Request, exc) -> Response:
-        return error_response(405, f"{request.method} is not allowed on {request.url.path}",
-                              "invalid_request_error", code="method_not_allowed")
+        return error_response(
+            405,
+            f"{request.method} is not allowed on {request.url.path}",
+            "invalid_request_error",
+            code="method_not_allowed",
+        )
 
     def _check_key(self, request: Request) -> Response | None:
         if self.api_key is None:
             return None
         if request.headers.get("authorization", "") != f"Bearer {self.api_key}":
-            return error_response(401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
-                                  "invalid_request_error", code="invalid_api_key")
+            return error_response(
+                401,
+                "missing or wrong API key (send 'Authorization: Bearer KEY')",
+                "invalid_request_error",
+                code="invalid_api_key",
+            )
         return None
 
     # --- generation -------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
-        return await self._generate(request, CompletionRequest, self._completion_prompts,
-                                    self._completion_body, self._completion_chunks)
+        return await self._generate(
+            request, CompletionRequest, self._completion_prompts, self._completion_body, self._completion_chunks
+        )
 
     async def chat_completions(self, request: Request) -> Response:
-        return await self._generate(request, ChatCompletionRequest, self._chat_prompts,
-                                    self._chat_body, self._chat_chunks)
+        return await self._generate(
+            request, ChatCompletionRequest, self._chat_prompts, self._chat_body, self._chat_chunks
+        )
 
     async def _generate(self, request: Request, kind, prompts_of, body_of, chunks_of) -> Response:
         if (denied := self._check_key(request)) is not None:
@@ -179,9 +217,13 @@ class OpenAIServer:
         try:
             req = decode_body(await request.body(), kind)
             if req.model is not None and req.model != self.model_name:
-                return error_response(404, f"the model {req.model!r} does not exist; this server has "
-                                           f"{self.model_name!r}", "invalid_request_error", "model",
-                                      "model_not_found")
+                return error_response(
+                    404,
+                    f"the model {req.model!r} does not exist; this server has {self.model_name!r}",
+                    "invalid_request_error",
+                    "model",
+                    "model_not_found",
+                )
             params = req.to_sampling_params()
             for prompt in prompts_of(req):
                 streams.append(self.engine.add_request(prompt, params))
@@ -195,8 +237,11 @@ class OpenAIServer:
             return error_response(503, str(e), "server_error", code="overloaded")
         except EngineDeadError as e:
             return error_response(500, str(e), "server_error", code="engine_dead")
-        meta = {"id": new_id("chatcmpl" if kind is ChatCompletionRequest else "cmpl"), "created": now(),
-                "model": self.model_name}
+        meta = {
+            "id": new_id("chatcmpl" if kind is ChatCompletionRequest else "cmpl"),
+            "created": now(),
+            "model": self.model_name,
+        }
         if req.stream:
             return EventStream(chunks_of(req, params, streams, meta))
         # not streamed: wait for the end, unless the client leaves first
@@ -231,11 +276,17 @@ class OpenAIServer:
         choices = []
         for p, out in enumerate(outputs):
             for comp in out.outputs:
-                choices.append({
-                    "index": p * params.n + comp.index, "text": comp.text,
-                    "logprobs": completion_logprobs(comp.logprobs, comp.token_ids, 0, req.logprobs)
-                    if comp.logprobs is not None else None,
-                    "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason})
+                choices.append(
+                    {
+                        "index": p * params.n + comp.index,
+                        "text": comp.text,
+                        "logprobs": completion_logprobs(comp.logprobs, comp.token_ids, 0, req.logprobs)
+                        if comp.logprobs is not None
+                        else None,
+                        "finish_reason": comp.finish_reason,
+                        "stop_reason": comp.stop_reason,
+                    }
+                )
         return {**meta, "object": "text_completion", "choices": choices, "usage": self._usage(outputs)}
 
     async def _completion_chunks(self, req: CompletionRequest, params, streams, meta):
@@ -251,34 +302,48 @@ class OpenAIServer:
             logprobs = None
             if comp.logprobs is not None:
                 start = sent_lp.get(index, 0)
-                logprobs = completion_logprobs(comp.logprobs[start:], comp.token_ids[start:],
-                                               offsets.get(index, 0), req.logprobs)
+                logprobs = completion_logprobs(
+                    comp.logprobs[start:], comp.token_ids[start:], offsets.get(index, 0), req.logprobs
+                )
                 sent_lp[index] = len(comp.logprobs)
                 offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
-            yield {**meta, "object": "text_completion", "choices": [{
-                "index": index, "text": out.delta_text, "logprobs": logprobs,
-                "finish_reason": out.finish_reason}]}
+            yield {
+                **meta,
+                "object": "text_completion",
+                "choices": [
+                    {"index": index, "text": out.delta_text, "logprobs": logprobs, "finish_reason": out.finish_reason}
+                ],
+            }
         if req.include_usage:
             yield {**meta, "object": "text_completion", "choices": [], "usage": self._usage(last)}
 
     # --- chat -------------------------------------------------------------------------------
     def _chat_prompts(self, req: ChatCompletionRequest) -> list:
-        return [self.engine.render_chat(req.conversation(),
-                                            add_generation_prompt=req.add_generation_prompt)]
+        return [self.engine.render_chat(req.conversation(), add_generation_prompt=req.add_generation_prompt)]
 
     def _chat_body(self, req: ChatCompletionRequest, params, outputs, meta) -> dict:
         out = outputs[0]
-        choices = [{"index": comp.index, "message": {"role": "assistant", "content": comp.text},
-                    "logprobs": chat_logprobs(comp.logprobs, comp.token_ids, req.top_logprobs or 0)
-                    if comp.logprobs is not None else None,
-                    "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}
-                   for comp in out.outputs]
+        choices = [
+            {
+                "index": comp.index,
+                "message": {"role": "assistant", "content": comp.text},
+                "logprobs": chat_logprobs(comp.logprobs, comp.token_ids, req.top_logprobs or 0)
+                if comp.logprobs is not None
+                else None,
+                "finish_reason": comp.finish_reason,
+                "stop_reason": comp.stop_reason,
+            }
+            for comp in out.outputs
+        ]
         return {**meta, "object": "chat.completion", "choices": choices, "usage": self._usage(outputs)}
 
     async def _chat_chunks(self, req: ChatCompletionRequest, params, streams, meta):
         def chunk(index, delta, finish_reason=None, logprobs=None):
-            return {**meta, "object": "chat.completion.chunk", "choices": [{
-                "index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+            return {
+                **meta,
+                "object": "chat.completion.chunk",
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
+            }
 
         for i in range(params.n):
             yield chunk(i, {"role": "assistant", "content": ""})
@@ -294,8 +359,7 @@ class OpenAIServer:
                 start = sent_lp.get(out.index, 0)
                 logprobs = chat_logprobs(comp.logprobs[start:], comp.token_ids[start:], req.top_logprobs or 0)
                 sent_lp[out.index] = len(comp.logprobs)
-            yield chunk(out.index, {"content": out.delta_text} if out.delta_text else {}, out.finish_reason,
-                        logprobs)
+            yield chunk(out.index, {"content": out.delta_text} if out.delta_text else {}, out.finish_reason, logprobs)
         if req.include_usage:
             yield {**meta, "object": "chat.completion.chunk", "choices": [], "usage": self._usage([last])}
 
@@ -303,5 +367,6 @@ class OpenAIServer:
     @staticmethod
     def _usage(outputs) -> dict:
         outputs = [o for o in outputs if o is not None]
-        return usage(sum(len(o.prompt_token_ids) for o in outputs),
-                     sum(len(c.token_ids) for o in outputs for c in o.outputs))
+        return usage(
+            sum(len(o.prompt_token_ids) for o in outputs), sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        )

@@ -59,8 +59,18 @@ class OutputProcessor:
             index, chunk, done, abort = tracker.apply(delta)
             if abort:
                 aborts.append(delta.request_id)
-            updates.append((tracker, StreamOutput(
-                tracker.output, index, chunk, list(delta.new_token_ids), tracker.finished,
-                tracker.output.outputs[index].finish_reason if done else None,
-                first_token=not had_token and tracker.timing.first_token is not None)))
+            updates.append(
+                (
+                    tracker,
+                    StreamOutput(
+                        tracker.output,
+                        index,
+                        chunk,
+                        list(delta.new_token_ids),
+                        tracker.finished,
+                        tracker.output.outputs[index].finish_reason if done else None,
+                        first_token=not had_token and tracker.timing.first_token is not None,
+                    ),
+                )
+            )
         return updates, aborts

@@ -41,20 +41,33 @@ class RequestTiming:
 
 
 class RequestTracker:
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 params: SamplingParams, tokenizer):
+    def __init__(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, tokenizer
+    ):
         self.request_id = request_id
         self.params = params
         self.tokenizer = tokenizer
-        self.output = RequestOutput(request_id, prompt, prompt_token_ids, [
-            CompletionOutput(index=i, text="", token_ids=[],
-                             cumulative_logprob=0.0 if params.logprobs is not None else None,
-                             logprobs=[] if params.logprobs is not None else None)
-            for i in range(params.n)])
+        self.output = RequestOutput(
+            request_id,
+            prompt,
+            prompt_token_ids,
+            [
+                CompletionOutput(
+                    index=i,
+                    text="",
+                    token_ids=[],
+                    cumulative_logprob=0.0 if params.logprobs is not None else None,
+                    logprobs=[] if params.logprobs is not None else None,
+                )
+                for i in range(params.n)
+            ],
+        )
         self.engine_ids = [request_id] + [child_request_id(request_id, i) for i in range(1, params.n)]
         self._index = {rid: i for i, rid in enumerate(self.engine_ids)}
-        self._detok = [IncrementalDetokenizer(tokenizer, prompt_token_ids) if tokenizer is not None else None
-                       for _ in range(params.n)]
+        self._detok = [
+            IncrementalDetokenizer(tokenizer, prompt_token_ids) if tokenizer is not None else None
+            for _ in range(params.n)
+        ]
         self._stops = list(params.stop or ())
         self._holdback = max((len(s) for s in self._stops), default=1) - 1
         self._sent = [0] * params.n  # characters of each completion already handed out as deltas
@@ -92,8 +105,10 @@ class RequestTracker:
         comp.token_ids.extend(delta.new_token_ids)
         if delta.logprobs and comp.logprobs is not None:
             for token, lp in zip(delta.new_token_ids, delta.logprobs):
-                entry = {t: Logprob(v, rank + 1, self._decode_one(t))
-                         for rank, (t, v) in enumerate(zip(lp.top_token_ids, lp.top_logprobs))}
+                entry = {
+                    t: Logprob(v, rank + 1, self._decode_one(t))
+                    for rank, (t, v) in enumerate(zip(lp.top_token_ids, lp.top_logprobs))
+                }
                 entry[token] = Logprob(lp.token_logprob, lp.rank, self._decode_one(token))
                 comp.logprobs.append(entry)
                 comp.cumulative_logprob += lp.token_logprob
@@ -109,7 +124,7 @@ class RequestTracker:
         abort = False
         hit = find_stop(detok.text, len(new_text), self._stops)
         if hit is not None:
-            comp.text = detok.text[:hit[0]]
+            comp.text = detok.text[: hit[0]]
             comp.finish_reason, comp.stop_reason = "stop", hit[1]
             abort = delta.finish_reason is None
         else:
@@ -118,7 +133,7 @@ class RequestTracker:
                 comp.finish_reason, comp.stop_reason = delta.finish_reason, delta.stop_reason
         done = comp.finish_reason is not None
         end = len(comp.text) if done else max(self._sent[i], len(comp.text) - self._holdback)
-        chunk = comp.text[self._sent[i]:end]
+        chunk = comp.text[self._sent[i] : end]
         self._sent[i] = end
         if all(c.finish_reason is not None for c in self.output.outputs):
             self.output.finished = True

@@ -4,6 +4,7 @@ both on one asyncio loop in this process."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import sys
 
@@ -14,6 +15,8 @@ from .metrics import EngineMetrics
 from .openai_server import OpenAIServer
 from .zmq_server import ZmqServer
 
+logger = logging.getLogger("pagedllm.entrypoints")
+
 
 def served_model_name(model: str | None, given: str | None) -> str:
     if given:
@@ -23,10 +26,16 @@ def served_model_name(model: str | None, given: str | None) -> str:
     return "pagedllm-demo"
 
 
-def run_server(engine_kwargs: dict, host: str = "127.0.0.1", port: int = 8000,
-               zmq_endpoint: str | None = "tcp://127.0.0.1:5555", api_key: str | None = None,
-               model_name: str | None = None, max_queue_len: int | None = None,
-               log_level: str = "warning") -> None:
+def run_server(
+    engine_kwargs: dict,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    zmq_endpoint: str | None = "tcp://127.0.0.1:5555",
+    api_key: str | None = None,
+    model_name: str | None = None,
+    max_queue_len: int | None = None,
+    log_level: str = "warning",
+) -> None:
     name = served_model_name(engine_kwargs.get("model"), model_name)
     metrics = EngineMetrics(name)
     engine = AsyncEngine(max_queue_len=max_queue_len, metrics=metrics, **engine_kwargs)
@@ -44,6 +53,7 @@ def run_server(engine_kwargs: dict, host: str = "127.0.0.1", port: int = 8000,
 def _loop_factory():
     try:
         import uvloop
+
         return uvloop.new_event_loop
     except ImportError:
         return None
@@ -51,8 +61,17 @@ def _loop_factory():
 
 async def _serve(engine, name, host, port, zmq_endpoint, api_key, metrics, log_level) -> None:
     app = OpenAIServer(engine, name, api_key, metrics).app
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off",
-                                           timeout_graceful_shutdown=5, access_log=False))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            lifespan="off",
+            timeout_graceful_shutdown=5,
+            access_log=False,
+        )
+    )
     zmq_server = ZmqServer(engine, zmq_endpoint) if zmq_endpoint else None
     zmq_task = asyncio.create_task(zmq_server.serve()) if zmq_server else None
     where = f"http://{host}:{port}" + (f" and {zmq_server.endpoint} (ZMQ)" if zmq_server else "")
@@ -75,5 +94,5 @@ async def _serve(engine, name, host, port, zmq_endpoint, api_key, metrics, log_l
                 pass
             zmq_server.close()
     if not server.started:
-        print(f"pagedllm: could not serve on {host}:{port} (see above)", file=sys.stderr)
+        logger.error("could not serve on %s:%d (see above)", host, port)
         raise SystemExit(1)

@@ -29,7 +29,7 @@ CHAT_TEMPLATE = (
 )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _tokenizer_json(vocab_size: int) -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -37,8 +37,11 @@ def _tokenizer_json(vocab_size: int) -> str:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+        vocab_size=vocab_size,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator([_TEXT] * 4, trainer=trainer)
     return tok.to_str()
 
@@ -49,7 +52,10 @@ def make_tokenizer(vocab_size: int = 400):
 
     tok = PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer.from_str(_tokenizer_json(vocab_size)),
-        bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+    )
     tok.chat_template = CHAT_TEMPLATE
     return tok
 
@@ -57,16 +63,35 @@ def make_tokenizer(vocab_size: int = 400):
 def make_config(arch: str, vocab_size: int, **overrides):
     import transformers as tf
 
-    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                  initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                  rms_norm_eps=1e-6, tie_word_embeddings=False)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
     if arch == "llama":
         cfg = tf.LlamaConfig(**common)
     elif arch == "llama3-rope":  # llama3 rope scaling and tied embeddings
-        cfg = tf.LlamaConfig(**{**common, "tie_word_embeddings": True}, rope_parameters={
-            "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+        cfg = tf.LlamaConfig(
+            **{**common, "tie_word_embeddings": True},
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
     elif arch == "mistral":
         cfg = tf.MistralConfig(**common, sliding_window=None, head_dim=16)
     elif arch == "qwen2":
@@ -80,8 +105,9 @@ def make_config(arch: str, vocab_size: int, **overrides):
     return cfg
 
 
-def make_model_dir(path: str, arch: str = "llama", seed: int = 0, dtype: str = "float32",
-                   vocab_size: int = 400, **config_overrides) -> str:
+def make_model_dir(
+    path: str, arch: str = "llama", seed: int = 0, dtype: str = "float32", vocab_size: int = 400, **config_overrides
+) -> str:
     """Write a random-weight model folder at `path` (reused if already there)."""
     if os.path.isfile(os.path.join(path, "config.json")):
         return path

@@ -1,12 +1,12 @@
 """Python clients of the ZMQ entrypoint, sync and asyncio. Light: no torch, no transformers.
 
-    with ZmqClient("tcp://127.0.0.1:5555") as client:
-        final = client.generate("Hello", max_tokens=16, temperature=0)
-        for msg in client.stream("Hello", max_tokens=16):   # Delta ..., then the Final
-            print(msg)
+with ZmqClient("tcp://127.0.0.1:5555") as client:
+    final = client.generate("Hello", max_tokens=16, temperature=0)
+    for msg in client.stream("Hello", max_tokens=16):   # Delta ..., then the Final
+        print(msg)
 
-    async with AsyncZmqClient("tcp://127.0.0.1:5555") as client:
-        final = await client.generate(prompt_token_ids=[1, 2, 3], max_tokens=8)
+async with AsyncZmqClient("tcp://127.0.0.1:5555") as client:
+    final = await client.generate(prompt_token_ids=[1, 2, 3], max_tokens=8)
 """
 
 from __future__ import annotations
@@ -48,8 +48,13 @@ class _Base:
         self._prefix = uuid.uuid4().hex[:8]
 
     def _generate_message(self, prompt, prompt_token_ids, request_id, stream, params) -> Generate:
-        return Generate(request_id=request_id or f"{self._prefix}-{next(self._ids)}", prompt=prompt,
-                        prompt_token_ids=prompt_token_ids, params=params, stream=stream)
+        return Generate(
+            request_id=request_id or f"{self._prefix}-{next(self._ids)}",
+            prompt=prompt,
+            prompt_token_ids=prompt_token_ids,
+            params=params,
+            stream=stream,
+        )
 
 
 class ZmqClient(_Base):
@@ -61,7 +66,7 @@ class ZmqClient(_Base):
         self.timeout_ms = int(timeout_s * 1000)
         self._inbox: dict[str, collections.deque] = collections.defaultdict(collections.deque)
 
-    def __enter__(self) -> "ZmqClient":
+    def __enter__(self) -> ZmqClient:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -70,16 +75,30 @@ class ZmqClient(_Base):
     def close(self) -> None:
         self.sock.close(linger=0)
 
-    def generate(self, prompt: str | None = None, *, prompt_token_ids: list[int] | None = None,
-                 request_id: str | None = None, **params) -> Final:
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        request_id: str | None = None,
+        **params,
+    ) -> Final:
         final = None
-        for msg in self.stream(prompt, prompt_token_ids=prompt_token_ids, request_id=request_id,
-                               _stream=False, **params):
+        for msg in self.stream(
+            prompt, prompt_token_ids=prompt_token_ids, request_id=request_id, _stream=False, **params
+        ):
             final = msg
         return final
 
-    def stream(self, prompt: str | None = None, *, prompt_token_ids: list[int] | None = None,
-               request_id: str | None = None, _stream: bool = True, **params):
+    def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        request_id: str | None = None,
+        _stream: bool = True,
+        **params,
+    ):
         """Yields Delta messages, then the Final one. Raises ZmqRequestError on an error reply.
         Leaving the loop early aborts the request."""
         msg = self._generate_message(prompt, prompt_token_ids, request_id, _stream, params)
@@ -126,7 +145,7 @@ class AsyncZmqClient(_Base):
         self._queues: dict[str, asyncio.Queue] = {}
         self._reader: asyncio.Task | None = None
 
-    async def __aenter__(self) -> "AsyncZmqClient":
+    async def __aenter__(self) -> AsyncZmqClient:
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -148,8 +167,15 @@ class AsyncZmqClient(_Base):
             if queue is not None:
                 queue.put_nowait(reply)
 
-    async def stream(self, prompt: str | None = None, *, prompt_token_ids: list[int] | None = None,
-                     request_id: str | None = None, _stream: bool = True, **params):
+    async def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        request_id: str | None = None,
+        _stream: bool = True,
+        **params,
+    ):
         if self._reader is None:
             self._reader = asyncio.create_task(self._read())
         msg = self._generate_message(prompt, prompt_token_ids, request_id, _stream, params)
@@ -166,10 +192,17 @@ class AsyncZmqClient(_Base):
             if not done and not self.sock.closed:
                 await self.sock.send(self.encoder.encode(Abort(msg.request_id)))
 
-    async def generate(self, prompt: str | None = None, *, prompt_token_ids: list[int] | None = None,
-                       request_id: str | None = None, **params) -> Final:
+    async def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        request_id: str | None = None,
+        **params,
+    ) -> Final:
         final = None
-        async for msg in self.stream(prompt, prompt_token_ids=prompt_token_ids, request_id=request_id,
-                                     _stream=False, **params):
+        async for msg in self.stream(
+            prompt, prompt_token_ids=prompt_token_ids, request_id=request_id, _stream=False, **params
+        ):
             final = msg
         return final

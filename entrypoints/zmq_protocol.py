@@ -7,7 +7,7 @@ generate with `delta` messages (when streaming), then one `final` — or one `er
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -17,8 +17,8 @@ from pagedllm.core.sampling_params import SamplingParams
 
 class Generate(msgspec.Struct, tag="generate", forbid_unknown_fields=True):
     request_id: str  # chosen by the client; unique among its requests in flight
-    prompt: Union[str, None] = None  # text, or:
-    prompt_token_ids: Union[list[int], None] = None
+    prompt: str | None = None  # text, or:
+    prompt_token_ids: list[int] | None = None
     params: dict[str, Any] = {}  # sampling parameters, named as SamplingParams names them
     stream: bool = True  # send deltas as tokens arrive; otherwise only the final message
 
@@ -32,16 +32,16 @@ class Delta(msgspec.Struct, tag="delta"):
     index: int  # which of the n completions
     text: str  # new text (held back while it could still become a stop string)
     token_ids: list[int]  # new token ids
-    logprobs: Union[list[float], None] = None  # of the new tokens, when asked for
+    logprobs: list[float] | None = None  # of the new tokens, when asked for
 
 
 class Completion(msgspec.Struct):
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: Union[str, None]  # "stop", "length" or "abort"
-    stop_reason: Union[int, str, None] = None  # the stop token id or string that ended it
-    cumulative_logprob: Union[float, None] = None
+    finish_reason: str | None  # "stop", "length" or "abort"
+    stop_reason: int | str | None = None  # the stop token id or string that ended it
+    cumulative_logprob: float | None = None
 
 
 class Usage(msgspec.Struct):
@@ -56,14 +56,14 @@ class Final(msgspec.Struct, tag="final"):
 
 
 class Error(msgspec.Struct, tag="error"):
-    request_id: Union[str, None]  # None when the frame could not be read as a request
+    request_id: str | None  # None when the frame could not be read as a request
     code: int  # 400 bad request, 409 request id in use, 503 overloaded, 500 engine failure
-    field: Union[str, None]  # the offending field, when there is one
+    field: str | None  # the offending field, when there is one
     message: str
 
 
-ClientMessage = Union[Generate, Abort]
-ServerMessage = Union[Delta, Final, Error]
+ClientMessage = Generate | Abort
+ServerMessage = Delta | Final | Error
 
 _SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)
 
@@ -71,8 +71,9 @@ _SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)
 def sampling_params(params: dict[str, Any]) -> SamplingParams:
     unknown = sorted(set(params) - _SAMPLING_FIELDS)
     if unknown:
-        raise InvalidParameter(f"params.{unknown[0]}", f"unknown sampling parameter; known: "
-                                                       f"{', '.join(sorted(_SAMPLING_FIELDS))}")
+        raise InvalidParameter(
+            f"params.{unknown[0]}", f"unknown sampling parameter; known: {', '.join(sorted(_SAMPLING_FIELDS))}"
+        )
     if isinstance(params.get("stop"), str):
         params = {**params, "stop": [params["stop"]]}
     try:
@@ -85,7 +86,6 @@ def sampling_params(params: dict[str, Any]) -> SamplingParams:
         if isinstance(cause, InvalidParameter):
             raise InvalidParameter(f"params.{cause.field}", str(cause).split(": ", 1)[-1]) from None
         field, _, message = text.partition(": ")
-        raise InvalidParameter(f"params.{field}" if field in _SAMPLING_FIELDS else "params",
-                               message or text) from None
+        raise InvalidParameter(f"params.{field}" if field in _SAMPLING_FIELDS else "params", message or text) from None
     except (TypeError, ValueError) as e:  # __post_init__ met a value of an unexpected shape
         raise InvalidParameter("params", str(e)) from None

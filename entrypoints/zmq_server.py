@@ -18,8 +18,8 @@ from pagedllm.core.errors import InvalidParameter, validation_error_parts
 
 from .async_engine import AsyncEngine, EngineOverloaded, RequestStream
 from .engine_client import EngineDeadError
-from .zmq_protocol import (Abort, ClientMessage, Completion, Delta, Error, Final, Generate, Usage,
-                           sampling_params)
+from .zmq_protocol import Abort, ClientMessage, Completion, Delta, Error, Final, Generate, Usage, sampling_params
+
 
 class ClientGone(Exception):
     pass
@@ -43,6 +43,7 @@ class ZmqServer:
         self.decoder = msgspec.msgpack.Decoder(ClientMessage)
         self.encoder = msgspec.msgpack.Encoder()
         self.tasks: dict[tuple[bytes, str], asyncio.Task] = {}
+        self._replies: set[asyncio.Task] = set()  # error replies on their way
         self._ids = itertools.count()
 
     async def serve(self) -> None:
@@ -80,12 +81,14 @@ class ZmqServer:
                 task.cancel()
             return
         if key in self.tasks:
-            self._reply_soon(identity, Error(msg.request_id, 409, "request_id",
-                                             f"request {msg.request_id!r} is still running"))
+            self._reply_soon(
+                identity, Error(msg.request_id, 409, "request_id", f"request {msg.request_id!r} is still running")
+            )
             return
         try:
-            stream = self.engine.add_request(self._prompt(msg), sampling_params(msg.params),
-                                             request_id=f"zmq-{next(self._ids)}")
+            stream = self.engine.add_request(
+                self._prompt(msg), sampling_params(msg.params), request_id=f"zmq-{next(self._ids)}"
+            )
         except InvalidParameter as e:
             self._reply_soon(identity, Error(msg.request_id, 400, e.field, str(e)))
             return
@@ -111,11 +114,15 @@ class ZmqServer:
                 async for out in stream:
                     if msg.stream and out.delta_token_ids:
                         comp = out.output.outputs[out.index]
-                        lps = ([e[t].logprob for t, e in zip(out.delta_token_ids,
-                                                              comp.logprobs[-len(out.delta_token_ids):])]
-                               if comp.logprobs is not None and not stream.tracker.beams else None)
-                        await self._send(identity, Delta(rid, out.index, out.delta_text,
-                                                         out.delta_token_ids, lps))
+                        lps = (
+                            [
+                                e[t].logprob
+                                for t, e in zip(out.delta_token_ids, comp.logprobs[-len(out.delta_token_ids) :])
+                            ]
+                            if comp.logprobs is not None and not stream.tracker.beams
+                            else None
+                        )
+                        await self._send(identity, Delta(rid, out.index, out.delta_text, out.delta_token_ids, lps))
             except asyncio.CancelledError:  # the client aborted, or the server is stopping
                 stream.close()
                 await self._send(identity, self._final(rid, output))
@@ -135,9 +142,16 @@ class ZmqServer:
 
     @staticmethod
     def _final(rid: str, output) -> Final:
-        return Final(rid, [Completion(c.index, c.text, c.token_ids, c.finish_reason or "abort", c.stop_reason,
-                                      c.cumulative_logprob) for c in output.outputs],
-                     Usage(len(output.prompt_token_ids), sum(len(c.token_ids) for c in output.outputs)))
+        return Final(
+            rid,
+            [
+                Completion(
+                    c.index, c.text, c.token_ids, c.finish_reason or "abort", c.stop_reason, c.cumulative_logprob
+                )
+                for c in output.outputs
+            ],
+            Usage(len(output.prompt_token_ids), sum(len(c.token_ids) for c in output.outputs)),
+        )
 
     # --- sending ----------------------------------------------------------------------------
     async def _send(self, identity: bytes, msg) -> None:
@@ -154,7 +168,10 @@ class ZmqServer:
                 await self._send(identity, msg)
             except ClientGone:
                 pass
-        asyncio.ensure_future(reply())
+
+        task = asyncio.ensure_future(reply())
+        self._replies.add(task)  # held until done: the loop keeps only weak references
+        task.add_done_callback(self._replies.discard)
 
     def _forget_client(self, identity: bytes) -> None:
         """The client vanished: abort all its requests."""

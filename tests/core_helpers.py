@@ -13,21 +13,44 @@ from pagedllm.core.protocol import TokenLogprobs
 from pagedllm.core.worker_state import WorkerState, slot_mapping
 
 
-def make_scheduler(block_size=4, num_blocks=64, budget=64, max_num_seqs=16, max_model_len=64,
-                   policy="fcfs", preemption_mode="recompute", num_swap_blocks=0,
-                   enable_prefix_caching=True) -> Scheduler:
+def make_scheduler(
+    block_size=4,
+    num_blocks=64,
+    budget=64,
+    max_num_seqs=16,
+    max_model_len=64,
+    policy="fcfs",
+    preemption_mode="recompute",
+    num_swap_blocks=0,
+    enable_prefix_caching=True,
+) -> Scheduler:
     return Scheduler(
-        SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                        max_model_len=max_model_len, policy=policy, preemption_mode=preemption_mode),
-        CacheConfig(block_size=block_size, num_blocks=num_blocks, num_swap_blocks=num_swap_blocks,
-                    enable_prefix_caching=enable_prefix_caching))
+        SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=max_model_len,
+            policy=policy,
+            preemption_mode=preemption_mode,
+        ),
+        CacheConfig(
+            block_size=block_size,
+            num_blocks=num_blocks,
+            num_swap_blocks=num_swap_blocks,
+            enable_prefix_caching=enable_prefix_caching,
+        ),
+    )
 
 
 def add(sched: Scheduler, rid: str, prompt, max_tokens=8, eos_token_id=None, **params):
     params.setdefault("ignore_eos", eos_token_id is None)
-    return sched.add_request(EngineRequest(
-        request_id=rid, prompt_token_ids=list(prompt), eos_token_id=eos_token_id,
-        sampling_params=SamplingParams(max_tokens=max_tokens, **params)))
+    return sched.add_request(
+        EngineRequest(
+            request_id=rid,
+            prompt_token_ids=list(prompt),
+            eos_token_id=eos_token_id,
+            sampling_params=SamplingParams(max_tokens=max_tokens, **params),
+        )
+    )
 
 
 def fake_token(rid: str, position: int, vocab: int = 50) -> int:
@@ -61,11 +84,12 @@ class FakeWorker:
 
     def _copy_block(self, src_mem, src, dst_mem, dst):
         bs = self.bs
-        dst_mem[dst * bs:(dst + 1) * bs] = src_mem[src * bs:(src + 1) * bs]
+        dst_mem[dst * bs : (dst + 1) * bs] = src_mem[src * bs : (src + 1) * bs]
 
     def _slots(self, block_ids: list[int], start: int, end: int) -> list[int]:
-        return slot_mapping(np.array([block_ids]), np.zeros(end - start, dtype=np.int64),
-                            np.arange(start, end), self.bs).tolist()
+        return slot_mapping(
+            np.array([block_ids]), np.zeros(end - start, dtype=np.int64), np.arange(start, end), self.bs
+        ).tolist()
 
     def execute(self, plan: SchedulerOutput) -> dict[str, int]:
         chunks = self.state.apply(plan)
@@ -78,15 +102,19 @@ class FakeWorker:
         for chunk in chunks:
             blocks = chunk.state.block_ids
             assert 0 not in blocks, "null block 0 in a block table"
-            for pos, slot in zip(range(chunk.start, chunk.start + chunk.num_tokens),
-                                 self._slots(blocks, chunk.start, chunk.start + chunk.num_tokens)):
+            for pos, slot in zip(
+                range(chunk.start, chunk.start + chunk.num_tokens),
+                self._slots(blocks, chunk.start, chunk.start + chunk.num_tokens),
+            ):
                 self.kv[slot] = (chunk.state.token_ids[pos], pos)
         sampled = {}
         self.logprobs = {}
         for chunk in chunks:
             st = chunk.state
             for pos, slot in enumerate(self._slots(st.block_ids, 0, st.num_computed)):  # what attention reads
-                assert self.kv[slot] == (st.token_ids[pos], pos), f"{chunk.request_id} pos {pos}: KV holds {self.kv[slot]}"
+                assert self.kv[slot] == (st.token_ids[pos], pos), (
+                    f"{chunk.request_id} pos {pos}: KV holds {self.kv[slot]}"
+                )
             if st.samples:
                 token = fake_token(chunk.request_id, len(st.token_ids), self.vocab)
                 if st.params.logprobs:
@@ -98,11 +126,9 @@ class FakeWorker:
         return sampled
 
 
-def run_to_completion(sched: Scheduler, worker: FakeWorker | None = None, max_steps=10_000,
-                      check=True):
+def run_to_completion(sched: Scheduler, worker: FakeWorker | None = None, max_steps=10_000, check=True):
     """Steps until every request ended; returns ({rid: output tokens}, {rid: finish_reason}, plans)."""
-    worker = worker or FakeWorker(sched.block_size, sched.cache_config.num_blocks,
-                                  sched.cache_config.num_swap_blocks)
+    worker = worker or FakeWorker(sched.block_size, sched.cache_config.num_blocks, sched.cache_config.num_swap_blocks)
     outputs: dict[str, list[int]] = {}
     reasons: dict[str, str] = {}
     plans = []

@@ -11,8 +11,9 @@ from pagedllm.backends.models.loader import load_model
 from pagedllm.backends.runner import ModelRunner, SeqInput, allocate_kv_caches
 
 
-def make_runner(model_dir: str, dtype: str | None = None, num_blocks: int = 256, block_size: int = 16,
-                ops=None) -> ModelRunner:
+def make_runner(
+    model_dir: str, dtype: str | None = None, num_blocks: int = 256, block_size: int = 16, ops=None
+) -> ModelRunner:
     model = load_model(model_dir, dtype=dtype)
     kv = allocate_kv_caches(model.config, num_blocks, block_size)
     return ModelRunner(model, ops or CpuAttentionOps(), kv, block_size)
@@ -21,11 +22,12 @@ def make_runner(model_dir: str, dtype: str | None = None, num_blocks: int = 256,
 def shuffled_tables(num_requests: int, blocks_each: int, num_blocks: int, seed: int = 0) -> list[list[int]]:
     ids = list(range(1, num_blocks))  # block 0 is the null block
     random.Random(seed).shuffle(ids)
-    return [ids[i * blocks_each:(i + 1) * blocks_each] for i in range(num_requests)]
+    return [ids[i * blocks_each : (i + 1) * blocks_each] for i in range(num_requests)]
 
 
-def greedy_batched(runner: ModelRunner, prompts: list[list[int]], max_new: int,
-                   start_steps: list[int] | None = None) -> list[list[int]]:
+def greedy_batched(
+    runner: ModelRunner, prompts: list[list[int]], max_new: int, start_steps: list[int] | None = None
+) -> list[list[int]]:
     """Greedy decoding of all prompts in shared steps. Request i joins at step start_steps[i],
     so batches mix prefills of newcomers with decodes of the others."""
     bs = runner.block_size
@@ -36,19 +38,21 @@ def greedy_batched(runner: ModelRunner, prompts: list[list[int]], max_new: int,
     computed = [0] * len(prompts)
     step = 0
     while any(len(t) - len(p) < max_new for t, p in zip(tokens, prompts)):
-        active = [i for i in range(len(prompts))
-                  if start_steps[i] <= step and len(tokens[i]) - len(prompts[i]) < max_new]
+        active = [
+            i for i in range(len(prompts)) if start_steps[i] <= step and len(tokens[i]) - len(prompts[i]) < max_new
+        ]
         if active:
-            seqs = [SeqInput(tokens[i][computed[i]:], computed[i], tables[i]) for i in active]
+            seqs = [SeqInput(tokens[i][computed[i] :], computed[i], tables[i]) for i in active]
             logits = runner.execute(seqs)
             for row, i in enumerate(active):
                 computed[i] = len(tokens[i])
                 tokens[i].append(int(logits[row].argmax()))
         step += 1
-    return [t[len(p):] for t, p in zip(tokens, prompts)]
+    return [t[len(p) :] for t, p in zip(tokens, prompts)]
 
 
 def hf_greedy(hf_model, prompt: list[int], max_new: int) -> list[int]:
-    out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False,
-                            eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = hf_model.generate(
+        torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()

@@ -9,10 +9,10 @@ import sys
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
-from proc_helpers import children_of, is_running, segments_of, wait_until
 
 from pagedllm.core.ipc import free_tcp_port
 
+from proc_helpers import children_of, is_running, segments_of, wait_until
 
 
 class ServerProcess:
@@ -21,9 +21,23 @@ class ServerProcess:
         self.zmq_endpoint = f"tcp://127.0.0.1:{free_tcp_port()}"
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--model", model,
-             "--port", str(self.port), "--zmq-endpoint", self.zmq_endpoint, *flags],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            [
+                sys.executable,
+                "-m",
+                "pagedllm.entrypoints.cli",
+                "serve",
+                "--model",
+                model,
+                "--port",
+                str(self.port),
+                "--zmq-endpoint",
+                self.zmq_endpoint,
+                *flags,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         self.banner = self.proc.stdout.readline()
         if "serving" not in self.banner:
             rest = self.proc.stdout.read() if self.proc.poll() is not None else ""
@@ -58,10 +72,9 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-                raise AssertionError("server did not stop on SIGINT")
-        assert wait_until(lambda: not any(is_running(p) for p in self.engine_pids),
-                          timeout_s=10), "engine processes outlived the server"
+                raise AssertionError("server did not stop on SIGINT") from None
+        assert wait_until(lambda: not any(is_running(p) for p in self.engine_pids), timeout_s=10), (
+            "engine processes outlived the server"
+        )
         for pid in self.engine_pids:
             assert not segments_of(pid), f"shared-memory segments of {pid} left behind"
-
-

@@ -60,8 +60,12 @@ def test_a_caller_that_stops_listening_frees_its_blocks(engine):
 
 def test_n_samples_and_request_ids(engine):
     async def main():
-        outs = [o async for o in engine.generate([3, 4, 5], SamplingParams(n=2, temperature=1.0, seed=1,
-                                                                          max_tokens=5), request_id="mine")]
+        outs = [
+            o
+            async for o in engine.generate(
+                [3, 4, 5], SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=5), request_id="mine"
+            )
+        ]
         return outs[-1]
 
     last = asyncio.run(main())

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from pagedllm import BeamSearchParams, LLM
+from pagedllm import LLM, BeamSearchParams
 from pagedllm.entrypoints.tiny_models import load_hf
 
 LENGTHS = [1, 15, 16, 17, 100]
@@ -18,12 +18,20 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 def hf_beams(hf, p, width, eos=None) -> list[list[int]]:
-    out = hf.generate(torch.tensor([p]), num_beams=width, num_return_sequences=width, do_sample=False,
-                      length_penalty=1.0, max_new_tokens=MAX_TOKENS, eos_token_id=eos, pad_token_id=0)
+    out = hf.generate(
+        torch.tensor([p]),
+        num_beams=width,
+        num_return_sequences=width,
+        do_sample=False,
+        length_penalty=1.0,
+        max_new_tokens=MAX_TOKENS,
+        eos_token_id=eos,
+        pad_token_id=0,
+    )
     beams = []
-    for row in out[:, len(p):].tolist():
+    for row in out[:, len(p) :].tolist():
         if eos is not None and eos in row:
-            row = row[:row.index(eos) + 1]  # what follows an early EOS is padding
+            row = row[: row.index(eos) + 1]  # what follows an early EOS is padding
         beams.append(row)
     return beams
 
@@ -31,7 +39,7 @@ def hf_beams(hf, p, width, eos=None) -> list[list[int]]:
 def ours(llm, p, width, ignore_eos) -> list[list[int]]:
     out = llm.beam_search([p], BeamSearchParams(beam_width=width, max_tokens=MAX_TOKENS, ignore_eos=ignore_eos))[0]
     assert [s.score for s in out.sequences] == sorted((s.score for s in out.sequences), reverse=True)
-    return [s.tokens[len(p):] for s in out.sequences]
+    return [s.tokens[len(p) :] for s in out.sequences]
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +89,7 @@ def test_beams_survive_forced_preemption(plain):
         outs = llm.beam_search(prompts, BeamSearchParams(beam_width=4, max_tokens=MAX_TOKENS, ignore_eos=True))
         assert llm.last_stats.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
     for p, out in zip(prompts, outs):
-        assert [s.tokens[len(p):] for s in out.sequences] == hf_beams(hf, p, 4)
+        assert [s.tokens[len(p) :] for s in out.sequences] == hf_beams(hf, p, 4)
 
 
 def test_beams_share_blocks(plain):
@@ -98,6 +106,7 @@ def test_beams_share_blocks(plain):
 
 def test_bad_beam_params_name_the_field():
     from pagedllm import InvalidParameter
+
     with pytest.raises(InvalidParameter, match="beam_width"):
         BeamSearchParams(beam_width=0, max_tokens=4)
     with pytest.raises(InvalidParameter, match="temperature"):

@@ -20,13 +20,18 @@ def test_accounting_counts_only_requested_tokens_and_flags_short_outputs():
 
 
 def run_bench(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", *args],
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_throughput_writes_table_json_and_png(tiny_model, tmp_path):
-    proc = run_bench("throughput", "--model", tiny_model("llama"), "--num-prompts", "4", "--vs", "hf-static",
-                     "--out", str(tmp_path))
+    proc = run_bench(
+        "throughput", "--model", tiny_model("llama"), "--num-prompts", "4", "--vs", "hf-static", "--out", str(tmp_path)
+    )
     assert proc.returncode == 0, proc.stderr
     assert "transformers static batch 16" in proc.stdout and "pagedllm is" in proc.stdout
     data = json.loads((tmp_path / "throughput.json").read_text())
@@ -51,8 +56,9 @@ def test_bad_peer_is_named():
 
 
 def test_latency_sweep_writes_percentiles_and_plot(tiny_model, tmp_path):
-    proc = run_bench("latency", "--model", tiny_model("llama"), "--num-prompts", "6", "--rates", "4,16",
-                     "--out", str(tmp_path))
+    proc = run_bench(
+        "latency", "--model", tiny_model("llama"), "--num-prompts", "6", "--rates", "4,16", "--out", str(tmp_path)
+    )
     assert proc.returncode == 0, proc.stderr
     rows = json.loads((tmp_path / "latency.json").read_text())["rows"]
     assert [r["rate"] for r in rows] == [4.0, 16.0]
@@ -63,8 +69,9 @@ def test_latency_sweep_writes_percentiles_and_plot(tiny_model, tmp_path):
 
 
 def test_scaling_sweep(tiny_model, tmp_path):
-    proc = run_bench("scaling", "--model", tiny_model("llama"), "--num-prompts", "8", "--concurrency", "1,8",
-                     "--out", str(tmp_path))
+    proc = run_bench(
+        "scaling", "--model", tiny_model("llama"), "--num-prompts", "8", "--concurrency", "1,8", "--out", str(tmp_path)
+    )
     assert proc.returncode == 0, proc.stderr
     rows = json.loads((tmp_path / "scaling.json").read_text())["rows"]
     assert [r["concurrency"] for r in rows] == [1, 8]
@@ -73,8 +80,9 @@ def test_scaling_sweep(tiny_model, tmp_path):
 
 
 def test_serving_mode_runs_against_a_real_server(tiny_model, tmp_path):
-    proc = run_bench("serving", "--model", tiny_model("llama"), "--num-prompts", "6", "--rates", "8",
-                     "--out", str(tmp_path))
+    proc = run_bench(
+        "serving", "--model", tiny_model("llama"), "--num-prompts", "6", "--rates", "8", "--out", str(tmp_path)
+    )
     assert proc.returncode == 0, proc.stderr
     data = json.loads((tmp_path / "serving.json").read_text())
     assert [r["rate"] for r in data["rows"]] == [8.0, "inf"]
@@ -84,7 +92,7 @@ def test_serving_mode_runs_against_a_real_server(tiny_model, tmp_path):
     assert (tmp_path / "serving_latency.png").read_bytes()[:4] == b"\x89PNG"
 
 
-FAKE_VLLM = '''
+FAKE_VLLM = """
 __version__ = "0.0-fake"
 class SamplingParams:
     def __init__(self, temperature, max_tokens, ignore_eos):
@@ -98,7 +106,7 @@ class LLM:
     def generate(self, prompts, params, use_tqdm=False):
         # a lazy engine: every request gets one token fewer than it asked for
         return [_Output([7] * (p.max_tokens - 1)) for p in params]
-'''
+"""
 
 
 def test_vllm_peer_runs_through_its_own_interpreter_and_short_outputs_are_flagged(tiny_model, tmp_path):
@@ -107,10 +115,21 @@ def test_vllm_peer_runs_through_its_own_interpreter_and_short_outputs_are_flagge
     (pkg / "__init__.py").write_text(FAKE_VLLM)
     (pkg / "inputs.py").write_text("def TokensPrompt(prompt_token_ids): return prompt_token_ids\n")
     python = tmp_path / "vllm-python"
-    python.write_text(f"#!/bin/sh\nPYTHONPATH={tmp_path / 'fake'} exec {sys.executable} \"$@\"\n")
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={tmp_path / "fake"} exec {sys.executable} "$@"\n')
     python.chmod(0o755)
-    proc = run_bench("throughput", "--model", tiny_model("llama"), "--num-prompts", "3", "--vs", "none",
-                     "--vllm-python", str(python), "--out", str(tmp_path / "out"))
+    proc = run_bench(
+        "throughput",
+        "--model",
+        tiny_model("llama"),
+        "--num-prompts",
+        "3",
+        "--vs",
+        "none",
+        "--vllm-python",
+        str(python),
+        "--out",
+        str(tmp_path / "out"),
+    )
     assert proc.returncode == 0, proc.stderr
     assert "vLLM 0.0-fake (CPU)" in proc.stdout and "FLAGGED: 3 requests returned fewer tokens" in proc.stdout
     assert "start-up: pagedllm" in proc.stdout

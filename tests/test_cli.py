@@ -7,19 +7,24 @@ import pytest
 
 
 def pagedllm(*args, env=None, timeout=180):
-    return subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", *args], capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "pagedllm.entrypoints.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_generate_with_the_default_model(tmp_path):
-    proc = pagedllm("generate", "Hello", "--max-tokens", "8", "--no-progress",
-                    env={"PAGEDLLM_CACHE": str(tmp_path)})
+    proc = pagedllm("generate", "Hello", "--max-tokens", "8", "--no-progress", env={"PAGEDLLM_CACHE": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("'Hello' -> ")
 
 
 def test_fallback_default_model_is_made_when_none_ships(tmp_path, monkeypatch):
     from pagedllm.entrypoints import default_model
+
     monkeypatch.setenv("PAGEDLLM_CACHE", str(tmp_path))
     monkeypatch.setattr(default_model, "shipped_model_dir", lambda: str(tmp_path / "absent"))
     path = default_model.default_model_dir()
@@ -30,8 +35,24 @@ def test_fallback_default_model_is_made_when_none_ships(tmp_path, monkeypatch):
 def test_generate_jsonl_in_and_out(tiny_model, tmp_path):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text(json.dumps({"prompt": "paged"}) + "\n" + json.dumps({"prompt_token_ids": [5, 6, 7]}) + "\n")
-    proc = pagedllm("generate", "--model", tiny_model("llama"), "--input", str(inp), "--output", str(out),
-                    "--max-tokens", "5", "--ignore-eos", "--n", "2", "--temperature", "0.8", "--sampling-seed", "3")
+    proc = pagedllm(
+        "generate",
+        "--model",
+        tiny_model("llama"),
+        "--input",
+        str(inp),
+        "--output",
+        str(out),
+        "--max-tokens",
+        "5",
+        "--ignore-eos",
+        "--n",
+        "2",
+        "--temperature",
+        "0.8",
+        "--sampling-seed",
+        "3",
+    )
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["prompt"] for r in rows] == ["paged", None]
@@ -39,15 +60,18 @@ def test_generate_jsonl_in_and_out(tiny_model, tmp_path):
     assert all(len(r["outputs"]) == 2 and all(len(o["token_ids"]) == 5 for o in r["outputs"]) for r in rows)
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--temperature", "-1"], "--temperature"),
-    (["--top-p", "2"], "--top-p"),
-    (["--block-size", "3"], "--block-size"),
-    (["--scheduler-policy", "lifo"], "--scheduler-policy"),
-    (["--max-tokens", "abc"], "--max-tokens"),
-    (["--backend", "tpu"], "unknown backend 'tpu'"),
-    (["--bogus-flag"], "--bogus-flag"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--temperature", "-1"], "--temperature"),
+        (["--top-p", "2"], "--top-p"),
+        (["--block-size", "3"], "--block-size"),
+        (["--scheduler-policy", "lifo"], "--scheduler-policy"),
+        (["--max-tokens", "abc"], "--max-tokens"),
+        (["--backend", "tpu"], "unknown backend 'tpu'"),
+        (["--bogus-flag"], "--bogus-flag"),
+    ],
+)
 def test_bad_flags_name_the_flag(tiny_model, args, needle):
     proc = pagedllm("generate", "x", "--model", tiny_model("llama"), *args)
     assert proc.returncode == 2
@@ -55,8 +79,17 @@ def test_bad_flags_name_the_flag(tiny_model, args, needle):
 
 
 def test_generate_with_beam_search(tiny_model):
-    proc = pagedllm("generate", "paged attention", "--model", tiny_model("llama"), "--beam-width", "3",
-                    "--max-tokens", "6", "--no-progress")
+    proc = pagedllm(
+        "generate",
+        "paged attention",
+        "--model",
+        tiny_model("llama"),
+        "--beam-width",
+        "3",
+        "--max-tokens",
+        "6",
+        "--no-progress",
+    )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert [line.split(" (")[0] for line in lines] == [f"'paged attention' beam {i}" for i in range(3)]

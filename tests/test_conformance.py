@@ -20,8 +20,9 @@ def plugins_installed(tmp_path_factory):
     """pip-installs the plugin package into a folder put on the path, as a user's install would
     be; engine worker processes inherit it through PYTHONPATH."""
     target = tmp_path_factory.mktemp("site")
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
-                    PLUGIN_SRC], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), PLUGIN_SRC], check=True
+    )
     old = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = str(target) + (os.pathsep + old if old else "")
     sys.path.insert(0, str(target))
@@ -52,13 +53,32 @@ def test_plugin_backend_is_found_and_passes(plugins_installed):
     assert not failed_rows(results), format_table("example", results)
 
 
-@pytest.mark.parametrize("backend,rows,clue", [
-    ("broken-slot-off-by-one", {"write_kv"}, "instead"),
-    ("broken-no-softmax-scale", {"decode_attention float32", "prefill_attention float32",
-                                 "chunked_prefill_attention float32", "shared_blocks"}, "off by"),
-    ("broken-first-block-only", {"decode_attention float32", "prefill_attention float32",
-                                 "chunked_prefill_attention float32", "shared_blocks"}, "context"),
-])
+@pytest.mark.parametrize(
+    "backend,rows,clue",
+    [
+        ("broken-slot-off-by-one", {"write_kv"}, "instead"),
+        (
+            "broken-no-softmax-scale",
+            {
+                "decode_attention float32",
+                "prefill_attention float32",
+                "chunked_prefill_attention float32",
+                "shared_blocks",
+            },
+            "off by",
+        ),
+        (
+            "broken-first-block-only",
+            {
+                "decode_attention float32",
+                "prefill_attention float32",
+                "chunked_prefill_attention float32",
+                "shared_blocks",
+            },
+            "context",
+        ),
+    ],
+)
 def test_broken_backends_fail_on_the_right_rows(plugins_installed, backend, rows, clue):
     results = run_suite(backend, quick=True, ops_only=True)
     failed = failed_rows(results)
@@ -75,9 +95,22 @@ def test_broken_backends_fail_on_the_right_rows(plugins_installed, backend, rows
 
 def test_cli_exits_nonzero_on_failure_and_writes_json(plugins_installed, tmp_path):
     out = tmp_path / "r.json"
-    proc = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "conformance", "--backend",
-                           "broken-no-softmax-scale", "--quick", "--ops-only", "--json", str(out)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pagedllm.entrypoints.cli",
+            "conformance",
+            "--backend",
+            "broken-no-softmax-scale",
+            "--quick",
+            "--ops-only",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 1
     assert "FAIL" in proc.stdout and "decode_attention float32" in proc.stdout
     assert '"ok": false' in out.read_text()
@@ -91,8 +124,12 @@ def test_unknown_backend_lists_known_ones():
 def test_unavailable_backend_says_why(plugins_installed):
     from pagedllm import LLM
     from pagedllm.backends.registry import BackendUnavailable
+
     with pytest.raises(BackendUnavailable, match="needs-hardware: no XPU device"):
         LLM(backend="needs-hardware")
-    proc = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "conformance", "--backend",
-                           "needs-hardware", "--ops-only"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagedllm.entrypoints.cli", "conformance", "--backend", "needs-hardware", "--ops-only"],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and "needs-hardware: no XPU device" in proc.stderr

@@ -10,30 +10,35 @@ from pagedllm.core.protocol import Decoder, Encoder, Step, ToWorker
 
 
 def test_core_imports_no_torch():
-    code = ("import sys, pagedllm.core, pagedllm.core.scheduler, pagedllm.core.kv_cache_manager, "
-            "pagedllm.core.block_pool, pagedllm.core.outputs\n"
-            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton'))\n"
-            "print(bad); sys.exit(1 if bad else 0)")
+    code = (
+        "import sys, pagedllm.core, pagedllm.core.scheduler, pagedllm.core.kv_cache_manager, "
+        "pagedllm.core.block_pool, pagedllm.core.outputs\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton'))\n"
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("field,value,needle", [
-    ("temperature", -0.5, ">= 0.0"),
-    ("top_p", 0.0, "> 0.0"),
-    ("top_p", 1.5, "<= 1.0"),
-    ("top_k", -2, ">= -1"),
-    ("min_p", 2.0, "<= 1.0"),
-    ("presence_penalty", 3.0, "<= 2.0"),
-    ("frequency_penalty", -2.5, ">= -2.0"),
-    ("repetition_penalty", 0.0, "> 0.0"),
-    ("max_tokens", 0, ">= 1"),
-    ("n", 0, ">= 1"),
-    ("min_tokens", -1, ">= 0"),
-    ("logprobs", 21, "<= 20"),
-    ("temperature", float("nan"), "finite"),
-    ("max_tokens", 2.5, "integer"),
-])
+@pytest.mark.parametrize(
+    "field,value,needle",
+    [
+        ("temperature", -0.5, ">= 0.0"),
+        ("top_p", 0.0, "> 0.0"),
+        ("top_p", 1.5, "<= 1.0"),
+        ("top_k", -2, ">= -1"),
+        ("min_p", 2.0, "<= 1.0"),
+        ("presence_penalty", 3.0, "<= 2.0"),
+        ("frequency_penalty", -2.5, ">= -2.0"),
+        ("repetition_penalty", 0.0, "> 0.0"),
+        ("max_tokens", 0, ">= 1"),
+        ("n", 0, ">= 1"),
+        ("min_tokens", -1, ">= 0"),
+        ("logprobs", 21, "<= 20"),
+        ("temperature", float("nan"), "finite"),
+        ("max_tokens", 2.5, "integer"),
+    ],
+)
 def test_sampling_params_errors_name_field_and_range(field, value, needle):
     with pytest.raises(InvalidParameter) as err:
         SamplingParams(**{field: value})
@@ -65,6 +70,7 @@ def test_configs_validate():
 
 def test_scheduler_rejects_model_len_that_cannot_fit():
     from core_helpers import make_scheduler
+
     with pytest.raises(InvalidParameter, match="max_model_len"):
         make_scheduler(block_size=4, num_blocks=5, max_model_len=64)
 
@@ -102,6 +108,7 @@ def test_block_pool_lru_eviction_prefers_uncached_then_oldest():
 
 def test_scheduler_output_is_msgpack_serialisable():
     from core_helpers import add, make_scheduler
+
     sched = make_scheduler()
     add(sched, "a", range(1, 10))
     plan = sched.schedule()

@@ -29,8 +29,9 @@ def attention_path(request, monkeypatch):
 @pytest.mark.parametrize("group", [1, 4, 8])
 def test_decode_attention(block_size, head_size, group, attention_path):
     ctx = context_lengths(block_size)
-    case = make_case([1] * len(ctx), ctx, block_size, head_size, num_kv_heads=2, group=group,
-                     seed=block_size * head_size + group)
+    case = make_case(
+        [1] * len(ctx), ctx, block_size, head_size, num_kv_heads=2, group=group, seed=block_size * head_size + group
+    )
     out = OPS.decode_attention(case.query, case.kv_cache, case.decode_metadata(), case.scale)
     assert (out.double() - case.expected).abs().max() <= ATOL[torch.float32]
 
@@ -51,8 +52,7 @@ def test_prefill_and_chunked_prefill_attention(block_size, head_size, group, att
 @pytest.mark.parametrize("phase", ["decode", "prefill"])
 def test_requests_sharing_blocks(phase, attention_path):
     q_lens = [1, 1, 1] if phase == "decode" else [5, 17, 1]
-    case = make_case(q_lens, [40, 53, 33], block_size=16, head_size=64, num_kv_heads=2, group=4,
-                     share_prefix_blocks=2)
+    case = make_case(q_lens, [40, 53, 33], block_size=16, head_size=64, num_kv_heads=2, group=4, share_prefix_blocks=2)
     assert (case.block_tables[:, :2] == case.block_tables[0, :2]).all()
     meta = case.decode_metadata() if phase == "decode" else case.prefill_metadata()
     op = OPS.decode_attention if phase == "decode" else OPS.prefill_attention
@@ -97,11 +97,18 @@ def test_compiled_kernels_build_here_and_can_be_turned_off(tmp_path):
     """The machines this project runs on have g++: the kernels must build there (else the
     cpu backend silently loses its fast path). Off with PAGEDLLM_CPU_KERNELS=0; a compiler that
     fails leaves the torch path and a reason naming the source."""
-    probe = ("from pagedllm.backends.cpu import native; print(native.unavailable_reason())")
+    probe = "from pagedllm.backends.cpu import native; print(native.unavailable_reason())"
+
     def reason(**env):
-        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
-                              env={**os.environ, "PAGEDLLM_CACHE": str(tmp_path), **env})
+        done = subprocess.run(
+            [sys.executable, "-c", probe],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PAGEDLLM_CACHE": str(tmp_path), **env},
+        )
         return done.stdout.strip()
+
     assert reason() == "None"
     assert list((tmp_path / "cpu_kernels").glob("kernels_*.so"))
     assert reason(PAGEDLLM_CPU_KERNELS="0") == "PAGEDLLM_CPU_KERNELS=0"
@@ -112,6 +119,7 @@ def test_compiled_kernels_build_here_and_can_be_turned_off(tmp_path):
 @pytest.mark.skipif(native.unavailable_reason() is not None, reason="compiled kernels unavailable")
 def test_fused_rms_norm_and_silu_and_mul_match_torch():
     from pagedllm.backends.models.decoder import RMSNorm, silu_and_mul
+
     gen = torch.Generator().manual_seed(0)
     for rows, size in ((1, 64), (7, 256), (300, 704)):  # below and above the threading cut-off
         x = torch.randn(rows, size, generator=gen) * 3
@@ -129,6 +137,7 @@ def test_fused_rms_norm_and_silu_and_mul_match_torch():
 def test_fused_kernels_replace_the_torch_ops_in_float32_only(tiny_model, dtype):
     from pagedllm.backends.cpu.ops import FusedRMSNorm
     from pagedllm.backends.models.loader import load_model
+
     model = load_model(tiny_model("llama"), dtype)
     CpuAttentionOps().prepare_model(model)
     fused = dtype == "float32"

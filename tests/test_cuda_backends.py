@@ -22,6 +22,7 @@ CSRC = os.path.join(os.path.dirname(__file__), "..", "backends", "cuda_native", 
 def _has_triton() -> bool:
     try:
         import triton  # noqa: F401
+
         return True
     except ImportError:
         return False
@@ -36,8 +37,9 @@ def conformance(backend: str, *flags: str, env: dict | None = None, json_path=No
 
 @pytest.mark.skipif(not _has_triton(), reason="triton is not installed")
 def test_triton_kernels_pass_the_op_checks_under_the_interpreter(tmp_path):
-    proc = conformance("cuda-triton", "--ops-only", "--quick", env={"TRITON_INTERPRET": "1"},
-                       json_path=tmp_path / "r.json")
+    proc = conformance(
+        "cuda-triton", "--ops-only", "--quick", env={"TRITON_INTERPRET": "1"}, json_path=tmp_path / "r.json"
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((tmp_path / "r.json").read_text())
     names = [c["check"] for c in report["checks"]]
@@ -56,14 +58,21 @@ def test_triton_backend_runs_the_engine_under_the_interpreter(tiny_model):
         "for backend in ('cpu', 'cuda-triton'):\n"
         f"    with LLM({tiny_model('llama')!r}, backend=backend, num_kv_blocks=64) as llm:\n"
         "        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, p, use_tqdm=False)])\n"
-        "assert outs[0] == outs[1], outs\n")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "TRITON_INTERPRET": "1"})
+        "assert outs[0] == outs[1], outs\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def test_cuda_kernels_compile_with_nvcc(tmp_path):
     from pagedllm.backends.cuda_native.build import find_nvcc, nvcc_compile_only
+
     if find_nvcc() is None:
         pytest.skip("nvcc is not installed: the CUDA C++ kernels cannot be compile-checked here")
     proc = subprocess.run(nvcc_compile_only(str(tmp_path)), capture_output=True, text=True, timeout=300)
@@ -74,12 +83,24 @@ def test_cuda_kernels_compile_with_nvcc(tmp_path):
 
 def test_torch_binding_compiles_against_torch_headers():
     from torch.utils.cpp_extension import include_paths
+
     cxx = os.environ.get("CXX", "g++")
     if subprocess.run(["which", cxx], capture_output=True).returncode != 0:
         pytest.skip(f"no C++ compiler ({cxx})")
     flags = [f"-I{p}" for p in include_paths()] + [f"-I{sysconfig.get_paths()['include']}", f"-I{CSRC}"]
-    proc = subprocess.run([cxx, "-std=c++20", "-fsyntax-only", *flags, "-DTORCH_EXTENSION_NAME=pagedllm_check",
-                           os.path.join(CSRC, "binding.cpp")], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            cxx,
+            "-std=c++20",
+            "-fsyntax-only",
+            *flags,
+            "-DTORCH_EXTENSION_NAME=pagedllm_check",
+            os.path.join(CSRC, "binding.cpp"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
@@ -88,13 +109,17 @@ def test_without_a_gpu_the_cuda_backends_say_why(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(BackendUnavailable, match="cuda-native: no CUDA device"):
         check_available("cuda-native")
-    with pytest.raises(BackendUnavailable, match="cuda-triton: .*no CUDA device"):
+    with pytest.raises(BackendUnavailable, match=r"cuda-triton: .*no CUDA device"):
         check_available("cuda-triton")
     with pytest.raises(BackendUnavailable, match="cuda: no backend for it can run here"):
         resolve_alias("cuda")
-    proc = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "generate", "hi", "--backend", "cuda"],
-                          capture_output=True, text=True, timeout=120,
-                          env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagedllm.entrypoints.cli", "generate", "hi", "--backend", "cuda"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
+    )
     assert proc.returncode == 2 and "no CUDA device" in proc.stderr
 
 
@@ -115,8 +140,12 @@ def test_gpu_benchmark_scripts_run_in_smoke_mode():
     """The GPU check's Python parts, on tiny shapes on the CPU, so a GPU session does not
     spend its minutes on a typo."""
     for module in ("gpu_decode_bandwidth", "gpu_end_to_end"):
-        proc = subprocess.run([sys.executable, "-m", f"pagedllm.benchmarks.{module}", "--smoke"],
-                              capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [sys.executable, "-m", f"pagedllm.benchmarks.{module}", "--smoke"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "goal" in proc.stdout
     script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu_check.sh")
@@ -127,10 +156,12 @@ def _compile_for_hopper(fn, pointer_types: dict, constexprs: dict):
     """Triton's full compile (to PTX and cubin) for an H100/H200, which needs no GPU."""
     import triton
     from triton.backends.compiler import GPUTarget
+
     names = fn.arg_names
     signature = {n: "constexpr" if n in constexprs else pointer_types.get(n, "i32") for n in names}
-    src = triton.compiler.ASTSource(fn=fn, signature=signature,
-                                    constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    src = triton.compiler.ASTSource(
+        fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()}
+    )
     return triton.compile(src, target=GPUTarget("cuda", 90, 32))
 
 
@@ -140,24 +171,54 @@ def test_triton_kernels_compile_for_hopper(dtype):
     """The interpreter does not check what the GPU compiler requires (dot shapes, types):
     compile each kernel for sm_90 as the engine would launch it."""
     from pagedllm.backends.triton import kernels as k
+
     p, fp32 = "*" + dtype, dtype == "fp32"
     for group, head in ((1, 64), (8, 128), (4, 80)):
         block_d = 1 << (head - 1).bit_length()
         common = {"q_ptr": p, "k_cache_ptr": p, "v_cache_ptr": p, "tables_ptr": "*i32", "out_ptr": p, "scale": "fp32"}
-        _compile_for_hopper(k.decode_kernel, {**common, "ctx_ptr": "*i32", "part_acc_ptr": "*fp32",
-                                              "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32"},
-                            {"GROUP": group, "BLOCK_G": max(16, group), "HEAD_DIM": head, "BLOCK_D": block_d,
-                             "BLOCK_SIZE": 16, "TILE": 32, "PARTITION": 512, "SPLIT": True, "FP32": fp32})
-        _compile_for_hopper(k.prefill_kernel, {**common, "qsl_ptr": "*i32", "ctx_ptr": "*i32"},
-                            {"GROUP": group, "HEAD_DIM": head, "BLOCK_D": block_d, "BLOCK_SIZE": 16, "BLOCK_M": 32,
-                             "TILE": 32, "FP32": fp32})
-        _compile_for_hopper(k.decode_reduce_kernel, {"part_acc_ptr": "*fp32", "part_max_ptr": "*fp32",
-                                                     "part_sum_ptr": "*fp32", "out_ptr": p},
-                            {"HEAD_DIM": head, "BLOCK_D": block_d, "BLOCK_S": 8})
-    _compile_for_hopper(k.write_kv_kernel, {"key_ptr": p, "value_ptr": p, "k_cache_ptr": p, "v_cache_ptr": p,
-                                            "slot_ptr": "*i64"}, {"BLOCK_SIZE": 16, "HEAD_DIM": 128, "BLOCK_D": 128})
-    _compile_for_hopper(k.copy_blocks_kernel, {"cache_ptr": p, "pairs_ptr": "*i64", "stride_layer": "i64"},
-                        {"BLOCK_ELEMS": 16 * 8 * 128, "CHUNK": 1024})
+        _compile_for_hopper(
+            k.decode_kernel,
+            {**common, "ctx_ptr": "*i32", "part_acc_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32"},
+            {
+                "GROUP": group,
+                "BLOCK_G": max(16, group),
+                "HEAD_DIM": head,
+                "BLOCK_D": block_d,
+                "BLOCK_SIZE": 16,
+                "TILE": 32,
+                "PARTITION": 512,
+                "SPLIT": True,
+                "FP32": fp32,
+            },
+        )
+        _compile_for_hopper(
+            k.prefill_kernel,
+            {**common, "qsl_ptr": "*i32", "ctx_ptr": "*i32"},
+            {
+                "GROUP": group,
+                "HEAD_DIM": head,
+                "BLOCK_D": block_d,
+                "BLOCK_SIZE": 16,
+                "BLOCK_M": 32,
+                "TILE": 32,
+                "FP32": fp32,
+            },
+        )
+        _compile_for_hopper(
+            k.decode_reduce_kernel,
+            {"part_acc_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "out_ptr": p},
+            {"HEAD_DIM": head, "BLOCK_D": block_d, "BLOCK_S": 8},
+        )
+    _compile_for_hopper(
+        k.write_kv_kernel,
+        {"key_ptr": p, "value_ptr": p, "k_cache_ptr": p, "v_cache_ptr": p, "slot_ptr": "*i64"},
+        {"BLOCK_SIZE": 16, "HEAD_DIM": 128, "BLOCK_D": 128},
+    )
+    _compile_for_hopper(
+        k.copy_blocks_kernel,
+        {"cache_ptr": p, "pairs_ptr": "*i64", "stride_layer": "i64"},
+        {"BLOCK_ELEMS": 16 * 8 * 128, "CHUNK": 1024},
+    )
 
 
 PADDED_DECODE = """
@@ -193,6 +254,7 @@ def test_decode_graph_padding_gives_the_eager_logits(tiny_model):
     """What a CUDA graph replays — static buffers, a batch padded to a captured size (padding
     rows write nowhere), partitions sized for max_model_len — run eagerly on the interpreted
     kernels, against the plain eager step."""
-    proc = subprocess.run([sys.executable, "-c", PADDED_DECODE, tiny_model("llama")], capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", PADDED_DECODE, tiny_model("llama")], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -8,15 +8,17 @@ import sys
 
 import pytest
 import torch
-from model_helpers import hf_greedy
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.entrypoints.default_model import default_model_dir, shipped_model_dir
 
+from model_helpers import hf_greedy
+
 DEMO = shipped_model_dir()
-pytestmark = pytest.mark.skipif(not os.path.isfile(os.path.join(DEMO, "config.json")),
-                                reason="the demo model is not in this checkout")
+pytestmark = pytest.mark.skipif(
+    not os.path.isfile(os.path.join(DEMO, "config.json")), reason="the demo model is not in this checkout"
+)
 
 
 def load_training_script():
@@ -52,13 +54,16 @@ def test_held_out_loss_is_far_below_uniform():
         for text in script.held_out_texts():
             ids = tok.encode(text)
             for start in range(0, len(ids) - 1, 256):
-                chunk = torch.tensor([ids[start:start + 257]])
+                chunk = torch.tensor([ids[start : start + 257]])
                 if chunk.shape[1] < 2:
                     continue
                 loss = model(input_ids=chunk, labels=chunk).loss
                 total += loss.item() * (chunk.shape[1] - 1)
                 count += chunk.shape[1] - 1
     nll, uniform = total / count, math.log(len(tok))
-    print(f"held-out: {count} tokens, loss {nll:.3f} nats (perplexity {math.exp(nll):.1f}); "
-          f"uniform {uniform:.3f} (perplexity {len(tok)})", file=sys.stderr)
+    print(
+        f"held-out: {count} tokens, loss {nll:.3f} nats (perplexity {math.exp(nll):.1f}); "
+        f"uniform {uniform:.3f} (perplexity {len(tok)})",
+        file=sys.stderr,
+    )
     assert nll < 0.6 * uniform

@@ -3,11 +3,12 @@
 import random
 
 import pytest
-from model_helpers import hf_greedy
-from proc_helpers import children_of, segments_of
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.entrypoints.tiny_models import load_hf
+
+from model_helpers import hf_greedy
+from proc_helpers import children_of, segments_of
 
 
 def workload(seed: int = 0, vocab: int = 400):
@@ -38,8 +39,15 @@ def reference(tiny_model):
 def test_32_requests_under_kv_pressure_match_transformers(reference, prefix_caching, mode):
     path, prompts, max_tokens, expected = reference
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
-    with LLM(path, num_kv_blocks=48, max_model_len=512, max_num_batched_tokens=128,
-             enable_prefix_caching=prefix_caching, preemption_mode=mode, swap_space=0.01) as llm:
+    with LLM(
+        path,
+        num_kv_blocks=48,
+        max_model_len=512,
+        max_num_batched_tokens=128,
+        enable_prefix_caching=prefix_caching,
+        preemption_mode=mode,
+        swap_space=0.01,
+    ) as llm:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         stats = llm.last_stats
         core_pid = llm.engine.pid

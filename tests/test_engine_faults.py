@@ -9,10 +9,11 @@ import threading
 import time
 
 import pytest
-from proc_helpers import children_of, is_running, segments_of, wait_until
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.entrypoints.engine_client import EngineDeadError
+
+from proc_helpers import children_of, is_running, segments_of, wait_until
 
 
 def test_killed_worker_raises_quickly_and_leaves_nothing(tiny_model):
@@ -44,10 +45,29 @@ def test_sigint_on_pagedllm_generate_cleans_up(tiny_model, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt_token_ids": [5 + i] * 40}) + "\n" for i in range(64)))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pagedllm.entrypoints.cli", "generate", "--model", tiny_model("llama"),
-         "--input", str(prompts), "--max-tokens", "900", "--ignore-eos", "--max-model-len", "1024",
-         "--kv-cache-memory", "64MiB", "--output", str(tmp_path / "out.jsonl")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "pagedllm.entrypoints.cli",
+            "generate",
+            "--model",
+            tiny_model("llama"),
+            "--input",
+            str(prompts),
+            "--max-tokens",
+            "900",
+            "--ignore-eos",
+            "--max-model-len",
+            "1024",
+            "--kv-cache-memory",
+            "64MiB",
+            "--output",
+            str(tmp_path / "out.jsonl"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         # running once the engine core has its KV segment and the worker is computing
         assert wait_until(lambda: any(segments_of(p) for p in children_of(proc.pid)), timeout_s=60)
@@ -60,8 +80,9 @@ def test_sigint_on_pagedllm_generate_cleans_up(tiny_model, tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 130, proc.stderr.read()
-    assert wait_until(lambda: not set(engine_pids) & set(children_of(1) + children_of(os.getpid())),
-                      timeout_s=5), "engine processes outlived the CLI"
+    assert wait_until(lambda: not set(engine_pids) & set(children_of(1) + children_of(os.getpid())), timeout_s=5), (
+        "engine processes outlived the CLI"
+    )
     assert not segments_of(core_pid)
 
 
@@ -88,7 +109,7 @@ def test_a_killed_frontend_takes_the_engine_with_it(tiny_model, when):
     time.sleep(1.0)  # generating (or idle) for a while
     front.kill()
     front.wait()
-    alive = lambda: [p for p in engine_pids if is_running(p)]  # noqa: E731
+    alive = lambda: [p for p in engine_pids if is_running(p)]
     assert wait_until(lambda: not alive(), timeout_s=20), f"engine processes outlived their frontend: {alive()}"
     assert not segments_of(core_pid), "the KV segment outlived the engine"
     assert not os.path.exists(ipc_dir), "the socket folder outlived the engine"

@@ -1,11 +1,12 @@
 """n > 1, seeds, stop strings, detokenization, chat and bad input through the real engine."""
 
 import pytest
-from model_helpers import hf_greedy
 
-from pagedllm import InvalidParameter, LLM, SamplingParams
-from pagedllm.entrypoints.tiny_models import load_hf, make_tokenizer
+from pagedllm import LLM, InvalidParameter, SamplingParams
 from pagedllm.entrypoints.detokenizer import IncrementalDetokenizer
+from pagedllm.entrypoints.tiny_models import load_hf, make_tokenizer
+
+from model_helpers import hf_greedy
 
 
 @pytest.fixture(scope="module")
@@ -38,14 +39,19 @@ def test_stop_string_spanning_two_tokens_is_cut(llm):
 
     def clean_boundary(k):
         a, b = pieces[k], pieces[k + 1]
-        return (len(b) > len(a) > len(pieces[k - 1]) and b.startswith(a) and "\ufffd" not in a[-1] + b[len(a)]
-                and a[-1] + b[len(a)] not in a)
+        return (
+            len(b) > len(a) > len(pieces[k - 1])
+            and b.startswith(a)
+            and "\ufffd" not in a[-1] + b[len(a)]
+            and a[-1] + b[len(a)] not in a
+        )
 
     k = next(k for k in range(2, len(ids) - 1) if clean_boundary(k))
     stop = pieces[k][-1] + pieces[k + 1][len(pieces[k])]
-    expected_text = pieces[k + 1][:pieces[k + 1].find(stop)]
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop]),
-                       use_tqdm=False)[0].outputs[0]
+    expected_text = pieces[k + 1][: pieces[k + 1].find(stop)]
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop]), use_tqdm=False
+    )[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == expected_text and stop not in out.text
     assert len(out.token_ids) < 20
@@ -72,8 +78,9 @@ def test_chat_uses_the_template(llm):
 def test_string_prompts_and_logprobs(llm, tiny_model):
     hf = load_hf(tiny_model("llama"))
     tok = llm.get_tokenizer()
-    out = llm.generate("paged attention", SamplingParams(temperature=0, max_tokens=6, logprobs=3,
-                                                         ignore_eos=True), use_tqdm=False)[0]
+    out = llm.generate(
+        "paged attention", SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True), use_tqdm=False
+    )[0]
     assert out.prompt_token_ids == tok.encode("paged attention")
     comp = out.outputs[0]
     assert comp.token_ids == hf_greedy(hf, out.prompt_token_ids, 6)

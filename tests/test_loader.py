@@ -52,7 +52,7 @@ def test_wrong_shape_names_the_weight(tiny_model, tmp_path):
     weights = load_file(os.path.join(path, "model.safetensors"))
     weights["model.norm.weight"] = torch.ones(3)
     save_file(weights, os.path.join(path, "model.safetensors"))
-    with pytest.raises(ValueError, match="model.norm.weight"):
+    with pytest.raises(ValueError, match=r"model\.norm\.weight"):
         load_model(path)
 
 

@@ -4,10 +4,11 @@ import random
 
 import pytest
 import torch
-from model_helpers import greedy_batched, hf_greedy, make_runner, shuffled_tables
 
 from pagedllm.backends.runner import SeqInput
 from pagedllm.entrypoints.tiny_models import ARCHITECTURES, load_hf
+
+from model_helpers import greedy_batched, hf_greedy, make_runner, shuffled_tables
 
 ATOL = 1e-4
 

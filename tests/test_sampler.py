@@ -84,8 +84,11 @@ def test_same_seed_same_tokens_alone_and_in_a_batch_of_16():
 
 def test_penalties_change_logits_exactly_as_defined():
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
-    r = row(SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25),
-            prompt=[0], output=[1, 3, 3])
+    r = row(
+        SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25),
+        prompt=[0],
+        output=[1, 3, 3],
+    )
     got = apply_penalties(logits, [r])[0]
     # token 0: prompt only -> 2/2; token 1: once in output -> -1*2 - 0.5 - 0.25;
     # token 2: unseen; token 3: twice -> 3/2 - 2*0.5 - 0.25; token 4: unseen

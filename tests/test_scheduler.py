@@ -1,7 +1,8 @@
 import pytest
-from core_helpers import FakeWorker, add, fake_token, make_scheduler, run_to_completion
 
 from pagedllm.core import InvalidParameter
+
+from core_helpers import FakeWorker, add, fake_token, make_scheduler, run_to_completion
 
 
 def test_long_prompt_is_chunked_while_decodes_keep_running():
@@ -29,9 +30,15 @@ def test_long_prompt_is_chunked_while_decodes_keep_running():
 def test_five_requests_finish_with_blocks_for_two(mode):
     # each request needs 20 + 12 = 32 tokens = 8 blocks of 4; the pool holds 16 usable blocks
     def run(num_blocks, mode):
-        sched = make_scheduler(block_size=4, num_blocks=num_blocks, budget=64, max_model_len=32,
-                               preemption_mode=mode, num_swap_blocks=64 if mode == "swap" else 0,
-                               enable_prefix_caching=False)
+        sched = make_scheduler(
+            block_size=4,
+            num_blocks=num_blocks,
+            budget=64,
+            max_model_len=32,
+            preemption_mode=mode,
+            num_swap_blocks=64 if mode == "swap" else 0,
+            enable_prefix_caching=False,
+        )
         for i in range(5):
             add(sched, f"r{i}", range(10 * i + 1, 10 * i + 21), max_tokens=12)
         outputs, reasons, plans = run_to_completion(sched)
@@ -53,8 +60,9 @@ def test_five_requests_finish_with_blocks_for_two(mode):
 @pytest.mark.parametrize("policy,expected_victim", [("priority", "low"), ("fcfs", "late")])
 def test_victim_is_lowest_priority_then_latest_arrival(policy, expected_victim):
     # 3 requests of 8 prompt tokens = 6 blocks; 8 usable blocks run out as they decode
-    sched = make_scheduler(block_size=4, num_blocks=9, budget=64, max_model_len=32, policy=policy,
-                           enable_prefix_caching=False)
+    sched = make_scheduler(
+        block_size=4, num_blocks=9, budget=64, max_model_len=32, policy=policy, enable_prefix_caching=False
+    )
     add(sched, "low", range(1, 9), max_tokens=20, priority=5)  # arrives first, lowest priority
     add(sched, "high", range(11, 19), max_tokens=20, priority=0)
     add(sched, "late", range(21, 29), max_tokens=20, priority=1)  # arrives last
@@ -140,8 +148,9 @@ def test_stop_conditions():
 
 
 def test_abort_frees_blocks_immediately_and_in_every_state():
-    sched = make_scheduler(block_size=4, num_blocks=12, budget=64, max_model_len=32,
-                           preemption_mode="swap", num_swap_blocks=32)
+    sched = make_scheduler(
+        block_size=4, num_blocks=12, budget=64, max_model_len=32, preemption_mode="swap", num_swap_blocks=32
+    )
     worker = FakeWorker(4, 12, 32)
     for i in range(4):
         add(sched, f"r{i}", range(10 * i + 1, 10 * i + 13), max_tokens=16)
@@ -173,8 +182,7 @@ def test_bad_requests_are_rejected_with_the_field_named():
 
 @pytest.mark.parametrize("prompt_len", [1, 10, 16, 17])
 def test_n_samples_share_the_prompt_blocks(prompt_len):
-    sched = make_scheduler(block_size=4, num_blocks=64, budget=64, max_model_len=64,
-                           enable_prefix_caching=False)
+    sched = make_scheduler(block_size=4, num_blocks=64, budget=64, max_model_len=64, enable_prefix_caching=False)
     add(sched, "r", range(1, prompt_len + 1), max_tokens=6, n=4, seed=7)
     worker = FakeWorker(4, 64)
     plan = sched.schedule()
@@ -193,6 +201,18 @@ def test_n_samples_share_the_prompt_blocks(prompt_len):
     partial = (prompt_len - 1) % 4 != 0
     assert len(plan.block_copies) == (3 if partial else 0)  # the shared partial block, copied on write
     sched.update(plan, worker.execute(plan))
-    outputs, reasons, _ = run_to_completion(sched, worker)
+    _outputs, reasons, _ = run_to_completion(sched, worker)
     sched.check_invariants()
     assert sorted(reasons) == ids
+
+
+def test_beam_search_wider_than_max_num_seqs_is_refused_and_one_as_wide_finishes():
+    """The beams of a search run together: a search wider than max_num_seqs could never be
+    scheduled again after a preemption (it livelocked in the stateful test)."""
+    sched = make_scheduler(block_size=1, num_blocks=33, budget=4, max_num_seqs=2, max_model_len=32)
+    with pytest.raises(InvalidParameter, match=r"beam_width.*max_num_seqs"):
+        add(sched, "wide", [2], max_tokens=2, beam_width=3)
+    add(sched, "long", range(2, 29), max_tokens=3)
+    add(sched, "beams", [2], max_tokens=2, beam_width=2)
+    _outputs, reasons, _ = run_to_completion(sched)
+    assert reasons == {"long": "length", "beams": "stop"}

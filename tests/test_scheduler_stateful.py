@@ -1,12 +1,13 @@
 """Random workloads against the scheduler; DESIGN.md's block invariants after every step, and
 a fake worker that checks every request reads exactly its own tokens from the KV slots."""
 
-from core_helpers import FakeWorker, make_scheduler
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pagedllm.core import EngineRequest, InvalidParameter, RequestStatus, SamplingParams
+
+from core_helpers import FakeWorker, make_scheduler
 
 MAX_MODEL_LEN = 32
 EOS = 1
@@ -15,43 +16,76 @@ PREFIXES = [list(range(2, 2 + MAX_MODEL_LEN)), list(range(40, 40 + MAX_MODEL_LEN
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    @initialize(block_size=st.sampled_from([1, 2, 4, 8]), extra_blocks=st.integers(0, 10),
-                budget=st.integers(4, 40), max_num_seqs=st.integers(1, 6),
-                mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans(),
-                policy=st.sampled_from(["fcfs", "priority"]), num_swap_blocks=st.integers(0, 24))
-    def setup(self, block_size, extra_blocks, budget, max_num_seqs, mode, caching, policy,
-              num_swap_blocks):
+    @initialize(
+        block_size=st.sampled_from([1, 2, 4, 8]),
+        extra_blocks=st.integers(0, 10),
+        budget=st.integers(4, 40),
+        max_num_seqs=st.integers(1, 6),
+        mode=st.sampled_from(["recompute", "swap"]),
+        caching=st.booleans(),
+        policy=st.sampled_from(["fcfs", "priority"]),
+        num_swap_blocks=st.integers(0, 24),
+    )
+    def setup(self, block_size, extra_blocks, budget, max_num_seqs, mode, caching, policy, num_swap_blocks):
         # tight: the smallest pool that still fits one max_model_len request, plus a little
         num_blocks = 1 + -(-MAX_MODEL_LEN // block_size) + extra_blocks
-        self.sched = make_scheduler(block_size=block_size, num_blocks=num_blocks, budget=budget,
-                                    max_num_seqs=max_num_seqs, max_model_len=MAX_MODEL_LEN,
-                                    policy=policy, preemption_mode=mode,
-                                    num_swap_blocks=num_swap_blocks, enable_prefix_caching=caching)
+        self.sched = make_scheduler(
+            block_size=block_size,
+            num_blocks=num_blocks,
+            budget=budget,
+            max_num_seqs=max_num_seqs,
+            max_model_len=MAX_MODEL_LEN,
+            policy=policy,
+            preemption_mode=mode,
+            num_swap_blocks=num_swap_blocks,
+            enable_prefix_caching=caching,
+        )
         self.worker = FakeWorker(block_size, num_blocks, num_swap_blocks, vocab=12)
         self.next_id = 0
         self.expected_len: dict[str, int] = {}
 
-    @rule(prefix=st.sampled_from(range(len(PREFIXES))), shared=st.integers(0, 31),
-          tail=st.lists(st.integers(2, 60), max_size=30), max_tokens=st.integers(1, 12),
-          priority=st.integers(0, 3), ignore_eos=st.booleans(), n=st.sampled_from([1, 1, 2, 3]))
+    @rule(
+        prefix=st.sampled_from(range(len(PREFIXES))),
+        shared=st.integers(0, 31),
+        tail=st.lists(st.integers(2, 60), max_size=30),
+        max_tokens=st.integers(1, 12),
+        priority=st.integers(0, 3),
+        ignore_eos=st.booleans(),
+        n=st.sampled_from([1, 1, 2, 3]),
+    )
     def add_request(self, prefix, shared, tail, max_tokens, priority, ignore_eos, n):
-        prompt = (PREFIXES[prefix][:shared] + tail)[:MAX_MODEL_LEN - 1] or [2]
+        prompt = (PREFIXES[prefix][:shared] + tail)[: MAX_MODEL_LEN - 1] or [2]
         rid = f"r{self.next_id}"
         self.next_id += 1
-        self.sched.add_request(EngineRequest(
-            request_id=rid, prompt_token_ids=prompt, eos_token_id=EOS,
-            sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos,
-                                           priority=priority, n=min(n, self.sched.config.max_num_seqs))))
+        self.sched.add_request(
+            EngineRequest(
+                request_id=rid,
+                prompt_token_ids=prompt,
+                eos_token_id=EOS,
+                sampling_params=SamplingParams(
+                    max_tokens=max_tokens,
+                    ignore_eos=ignore_eos,
+                    priority=priority,
+                    n=min(n, self.sched.config.max_num_seqs),
+                ),
+            )
+        )
 
-    @rule(prompt_len=st.integers(1, 20), width=st.integers(1, 3), max_tokens=st.integers(1, 8),
-          ignore_eos=st.booleans())
+    @rule(
+        prompt_len=st.integers(1, 20), width=st.integers(1, 3), max_tokens=st.integers(1, 8), ignore_eos=st.booleans()
+    )
     def add_beam_search(self, prompt_len, width, max_tokens, ignore_eos):
         rid = f"r{self.next_id}"
         self.next_id += 1
         try:
-            self.sched.add_request(EngineRequest(
-                request_id=rid, prompt_token_ids=PREFIXES[0][:prompt_len], eos_token_id=EOS,
-                sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, beam_width=width)))
+            self.sched.add_request(
+                EngineRequest(
+                    request_id=rid,
+                    prompt_token_ids=PREFIXES[0][:prompt_len],
+                    eos_token_id=EOS,
+                    sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, beam_width=width),
+                )
+            )
         except InvalidParameter as e:
             assert e.field == "beam_width"  # too many beams for this tiny cache
 
@@ -100,8 +134,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             if not sched.has_unfinished_requests():
                 break
             self.step()
-        assert not sched.has_unfinished_requests() and not sched.beams.groups, \
+        assert not sched.has_unfinished_requests() and not sched.beams.groups, (
             f"livelock: {list(sched.requests.values())} groups {list(sched.beams.groups)} free {sched.kv.pool.num_free}"
+        )
         sched.check_invariants()
         pool = sched.kv.pool
         assert pool.num_used == 0, "blocks still held after every request ended"
@@ -113,5 +148,9 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 TestSchedulerStateful = SchedulerMachine.TestCase
 TestSchedulerStateful.settings = settings(
-    max_examples=250, stateful_step_count=40, deadline=None, derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow])
+    max_examples=250,
+    stateful_step_count=40,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)

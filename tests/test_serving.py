@@ -12,12 +12,13 @@ import urllib.request
 import msgspec
 import openai
 import pytest
-from proc_helpers import wait_until
-from serve_helpers import ServerProcess
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.entrypoints.zmq_client import AsyncZmqClient, ZmqClient, ZmqRequestError
 from pagedllm.entrypoints.zmq_protocol import Error, Final
+
+from proc_helpers import wait_until
+from serve_helpers import ServerProcess
 
 MAX_MODEL_LEN = 512
 
@@ -29,8 +30,7 @@ def model(tiny_model):
 
 @pytest.fixture(scope="module")
 def server(model):
-    srv = ServerProcess(model, "--num-kv-blocks", "400", "--max-model-len", str(MAX_MODEL_LEN),
-                        "--max-num-seqs", "64")
+    srv = ServerProcess(model, "--num-kv-blocks", "400", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "64")
     yield srv
     srv.stop()
 
@@ -44,37 +44,54 @@ def test_openai_client_completions_chat_streaming_and_n(server, model):
     assert [m.id for m in c.models.list().data] == [model]
     full = c.completions.create(model=model, prompt="The quick brown fox", max_tokens=12, temperature=0)
     assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 12
-    streamed = list(c.completions.create(model=model, prompt="The quick brown fox", max_tokens=12,
-                                         temperature=0, stream=True, stream_options={"include_usage": True}))
+    streamed = list(
+        c.completions.create(
+            model=model,
+            prompt="The quick brown fox",
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert len(streamed) > 2  # token by token
     assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == full.choices[0].text
     assert streamed[-1].usage.completion_tokens == 12 and streamed[-1].choices == []
 
-    chat = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi there"}],
-                                     max_tokens=6, temperature=0)
+    chat = c.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hi there"}], max_tokens=6, temperature=0
+    )
     assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 6
-    chunks = list(c.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi there"}],
-                                            max_tokens=6, temperature=0, stream=True))
+    chunks = list(
+        c.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Hi there"}], max_tokens=6, temperature=0, stream=True
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == chat.choices[0].message.content
 
-    two = c.completions.create(model=model, prompt="Once upon", max_tokens=8, n=2, temperature=1.0, seed=7,
-                               logprobs=2)
+    two = c.completions.create(model=model, prompt="Once upon", max_tokens=8, n=2, temperature=1.0, seed=7, logprobs=2)
     assert sorted(ch.index for ch in two.choices) == [0, 1] and two.usage.completion_tokens == 16
-    assert all(len(ch.logprobs.token_logprobs) == 8 and len(ch.logprobs.top_logprobs[0]) == 2
-               for ch in two.choices)
+    assert all(len(ch.logprobs.token_logprobs) == 8 and len(ch.logprobs.top_logprobs[0]) == 2 for ch in two.choices)
     again = c.completions.create(model=model, prompt="Once upon", max_tokens=8, n=2, temperature=1.0, seed=7)
     assert [ch.text for ch in again.choices] == [ch.text for ch in two.choices]  # seeded
 
-    beam = c.completions.create(model=model, prompt="Once upon", max_tokens=5, temperature=0, best_of=3,
-                                extra_body={"use_beam_search": True})
+    beam = c.completions.create(
+        model=model, prompt="Once upon", max_tokens=5, temperature=0, best_of=3, extra_body={"use_beam_search": True}
+    )
     assert beam.usage.completion_tokens == 5
 
 
 async def _http_stream(aclient, model, ids, max_tokens, leave_after=None):
     text, n = "", 0
-    stream = await aclient.completions.create(model=model, prompt=ids, max_tokens=max_tokens, temperature=0,
-                                              stream=True, extra_body={"ignore_eos": leave_after is not None})
+    stream = await aclient.completions.create(
+        model=model,
+        prompt=ids,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": leave_after is not None},
+    )
     async for chunk in stream:
         text += chunk.choices[0].text
         n += 1
@@ -88,8 +105,9 @@ async def _zmq_stream(endpoint, ids, max_tokens, leave_after=None):
     zc = AsyncZmqClient(endpoint)
     tokens, n = [], 0
     try:
-        async for msg in zc.stream(prompt_token_ids=ids, max_tokens=max_tokens, temperature=0.0,
-                                   ignore_eos=leave_after is not None):
+        async for msg in zc.stream(
+            prompt_token_ids=ids, max_tokens=max_tokens, temperature=0.0, ignore_eos=leave_after is not None
+        ):
             if isinstance(msg, Final):
                 assert msg.completions[0].token_ids == tokens
                 return tokens
@@ -107,8 +125,11 @@ def test_64_concurrent_clients_match_offline_and_leavers_free_their_blocks(serve
     prompts = [[rng.randrange(3, 400) for _ in range(rng.randint(4, 60))] for _ in range(48)]
     max_tokens = [rng.randint(4, 24) for _ in prompts]
     with LLM(model, num_kv_blocks=400, max_model_len=MAX_MODEL_LEN) as llm:
-        offline = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                               [SamplingParams(temperature=0, max_tokens=m) for m in max_tokens], use_tqdm=False)
+        offline = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            [SamplingParams(temperature=0, max_tokens=m) for m in max_tokens],
+            use_tqdm=False,
+        )
     before = server.metrics()
     aborts_before = before.get("pagedllm:request_success_total{finished_reason=abort}", 0)
 
@@ -116,12 +137,16 @@ def test_64_concurrent_clients_match_offline_and_leavers_free_their_blocks(serve
         aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         jobs = []
         for i, (ids, m) in enumerate(zip(prompts, max_tokens)):
-            jobs.append(_http_stream(aclient, model, ids, m) if i % 2 == 0
-                        else _zmq_stream(server.zmq_endpoint, ids, m))
+            jobs.append(
+                _http_stream(aclient, model, ids, m) if i % 2 == 0 else _zmq_stream(server.zmq_endpoint, ids, m)
+            )
         for i in range(16):  # 8 over each protocol leave after a few chunks of a long answer
             ids = [rng.randrange(3, 400) for _ in range(30)]
-            jobs.append(_http_stream(aclient, model, ids, 400, leave_after=3) if i % 2 == 0
-                        else _zmq_stream(server.zmq_endpoint, ids, 400, leave_after=3))
+            jobs.append(
+                _http_stream(aclient, model, ids, 400, leave_after=3)
+                if i % 2 == 0
+                else _zmq_stream(server.zmq_endpoint, ids, 400, leave_after=3)
+            )
         results = await asyncio.gather(*jobs)
         await aclient.close()
         return results
@@ -133,8 +158,9 @@ def test_64_concurrent_clients_match_offline_and_leavers_free_their_blocks(serve
         else:
             assert got == want.outputs[0].token_ids, f"ZMQ client {i}"
     assert results[48:] == [None] * 16
-    assert wait_until(lambda: server.metrics()["pagedllm:num_requests_running"] == 0, timeout_s=20,
-                      interval=0.1), "requests still running"
+    assert wait_until(lambda: server.metrics()["pagedllm:num_requests_running"] == 0, timeout_s=20, interval=0.1), (
+        "requests still running"
+    )
     after = server.metrics()
     assert after["pagedllm:kv_cache_usage_perc"] == 0.0  # every block back (cached ones count as free)
     assert after["pagedllm:request_success_total{finished_reason=abort}"] - aborts_before == 16
@@ -145,28 +171,48 @@ def _fuzz_bodies(rng: random.Random, model: str) -> list[bytes]:
     valid = {"model": model, "prompt": "hello", "max_tokens": 4}
     wrong_type = ["x", [], {}, [[]], [1.5], {"a": 1}]
     out_of_range = {  # field -> values that are the right type but outside the allowed range
-        "max_tokens": [-1, 0, 10 ** 30, -(10 ** 30)], "temperature": [-0.5, 1e308 * 10, -1e308],
-        "top_p": [0, 1.5, -1], "n": [0, -1, 10 ** 20], "logprobs": [-1, 21, 10 ** 9],
-        "seed": [2 ** 64, -(2 ** 70)], "presence_penalty": [3, -2.5], "frequency_penalty": [9e9],
-        "top_k": [-2, -(10 ** 25)], "min_p": [1.5, -0.1], "min_tokens": [-4, 10 ** 6],
-        "best_of": [3, -1], "logit_bias": [{"5": 1.0}], "stop_token_ids": [[-5]],
-        "repetition_penalty": [0, -1], "stop": [[""], ["ok", ""]],
+        "max_tokens": [-1, 0, 10**30, -(10**30)],
+        "temperature": [-0.5, 1e308 * 10, -1e308],
+        "top_p": [0, 1.5, -1],
+        "n": [0, -1, 10**20],
+        "logprobs": [-1, 21, 10**9],
+        "seed": [2**64, -(2**70)],
+        "presence_penalty": [3, -2.5],
+        "frequency_penalty": [9e9],
+        "top_k": [-2, -(10**25)],
+        "min_p": [1.5, -0.1],
+        "min_tokens": [-4, 10**6],
+        "best_of": [3, -1],
+        "logit_bias": [{"5": 1.0}],
+        "stop_token_ids": [[-5]],
+        "repetition_penalty": [0, -1],
+        "stop": [[""], ["ok", ""]],
     }
     bodies = []
     fields = sorted(out_of_range)
     while len(bodies) < 70:
         field = rng.choice(fields)
         value = rng.choice(out_of_range[field] + wrong_type)
-        if (field, json.dumps(value)) in {("logit_bias", "{}"), ("stop", "[]"), ("stop", '"x"'),
-                                          ("stop_token_ids", "[]")}:
+        if (field, json.dumps(value)) in {
+            ("logit_bias", "{}"),
+            ("stop", "[]"),
+            ("stop", '"x"'),
+            ("stop_token_ids", "[]"),
+        }:
             continue  # these happen to be valid
         bodies.append(json.dumps({**valid, field: value}).encode())
     bodies += [
-        b"", b"{", b"[]", b"null", b"\xff\xfe\x00garbage", b'{"prompt": "\xff\xfe"}', b'{"max_tokens": 4}',
+        b"",
+        b"{",
+        b"[]",
+        b"null",
+        b"\xff\xfe\x00garbage",
+        b'{"prompt": "\xff\xfe"}',
+        b'{"max_tokens": 4}',
         json.dumps({"model": model, "prompt": "x " * 2000, "max_tokens": 4}).encode(),  # over max_model_len
         json.dumps({"model": model, "prompt": [7] * MAX_MODEL_LEN}).encode(),
         json.dumps({"model": model, "prompt": [100000]}).encode(),  # token id outside the vocabulary
-        json.dumps({"model": model, "prompt": "hi", "max_tokens": 10 ** 9}).encode(),
+        json.dumps({"model": model, "prompt": "hi", "max_tokens": 10**9}).encode(),
         json.dumps({"model": model, "prompt": "hi", "n": 0}).encode(),
         json.dumps({"model": model, "prompt": "hi", "logprobs": 1000}).encode(),
         json.dumps({"model": model, "prompt": [[1, 2], "x", 3]}).encode(),
@@ -186,12 +232,30 @@ def _fuzz_frames(rng: random.Random) -> list[list[bytes]]:
     enc = msgspec.msgpack.encode
     valid = {"type": "generate", "request_id": "r", "prompt": "hi", "params": {"max_tokens": 4}}
     frames = []
-    mutations = [("request_id", 5), ("request_id", None), ("prompt", 3), ("prompt_token_ids", "abc"),
-                 ("prompt_token_ids", [-1]), ("prompt_token_ids", [10 ** 12]), ("params", []),
-                 ("params", {"max_tokens": -3}), ("params", {"n": "two"}), ("params", {"temperature": -1}),
-                 ("params", {"max_tokens": 10 ** 9}), ("params", {"bogus": 1}), ("params", {"logprobs": 99}),
-                 ("stream", "yes"), ("type", "launch"), ("type", 7), ("extra", 1),
-                 ("params", {"max_tokens": 2 ** 63}), ("params", {"stop": 5}), ("params", {"seed": 1.5}), ("params", {"max_tokens": 2 ** 64 - 1}), ("params", {"top_p": 1e308})]
+    mutations = [
+        ("request_id", 5),
+        ("request_id", None),
+        ("prompt", 3),
+        ("prompt_token_ids", "abc"),
+        ("prompt_token_ids", [-1]),
+        ("prompt_token_ids", [10**12]),
+        ("params", []),
+        ("params", {"max_tokens": -3}),
+        ("params", {"n": "two"}),
+        ("params", {"temperature": -1}),
+        ("params", {"max_tokens": 10**9}),
+        ("params", {"bogus": 1}),
+        ("params", {"logprobs": 99}),
+        ("stream", "yes"),
+        ("type", "launch"),
+        ("type", 7),
+        ("extra", 1),
+        ("params", {"max_tokens": 2**63}),
+        ("params", {"stop": 5}),
+        ("params", {"seed": 1.5}),
+        ("params", {"max_tokens": 2**64 - 1}),
+        ("params", {"top_p": 1e308}),
+    ]
     for key, value in mutations:
         frames.append([enc({**valid, key: value})])
     frames += [
@@ -201,9 +265,13 @@ def _fuzz_frames(rng: random.Random) -> list[list[bytes]]:
         [enc({**valid, "prompt_token_ids": [1, 2]})],  # both
         [enc({**valid, "prompt": "x " * 2000})],  # over max_model_len
         [enc({**valid, "prompt_token_ids": []})],
-        [b""], [b"\xc1"], [b"\x81\xa4type\xa8generat\xff"],  # invalid utf-8 inside a string
+        [b""],
+        [b"\xc1"],
+        [b"\x81\xa4type\xa8generat\xff"],  # invalid utf-8 inside a string
         [enc(valid), enc(valid)],  # two frames
-        [enc([1, 2, 3])], [enc("generate")], [enc(None)],
+        [enc([1, 2, 3])],
+        [enc("generate")],
+        [enc(None)],
     ]
     while len(frames) < 100:
         frames.append([bytes(rng.randrange(256) for _ in range(rng.randint(1, 100)))])
@@ -218,8 +286,9 @@ def test_200_malformed_inputs_get_clear_errors_and_the_server_keeps_serving(serv
     first = next(survivor)
 
     for body in _fuzz_bodies(rng, model):
-        req = urllib.request.Request(server.url + "/v1/completions", data=body, method="POST",
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            server.url + "/v1/completions", data=body, method="POST", headers={"Content-Type": "application/json"}
+        )
         try:
             urllib.request.urlopen(req, timeout=20)
             raise AssertionError(f"accepted a malformed body: {body[-120:]!r}")
@@ -227,7 +296,7 @@ def test_200_malformed_inputs_get_clear_errors_and_the_server_keeps_serving(serv
             assert 400 <= e.code < 500, (e.code, body[:80])
             error = json.loads(e.read())["error"]
             assert error["message"] and error["type"], body[:80]
-            if e.code == 400 and body.startswith(b"{\"model\""):
+            if e.code == 400 and body.startswith(b'{"model"'):
                 assert error["param"], (error, body[:80])
 
     for frames in _fuzz_frames(rng):
@@ -251,8 +320,10 @@ def test_a_client_that_leaves_before_a_non_streamed_answer_has_its_request_abort
     aborts = server.metrics().get("pagedllm:request_success_total{finished_reason=abort}", 0)
     body = json.dumps({"model": model, "prompt": [5, 6, 7], "max_tokens": 400, "ignore_eos": True}).encode()
     with socket.create_connection(("127.0.0.1", server.port)) as conn:
-        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        conn.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
         assert wait_until(lambda: server.metrics()["pagedllm:num_requests_running"] == 1, timeout_s=10, interval=0.1)
     # the connection is closed mid-generation
     assert wait_until(lambda: server.metrics()["pagedllm:num_requests_running"] == 0, timeout_s=20, interval=0.1)
@@ -267,7 +338,7 @@ def test_zmq_errors_name_the_field_and_ids_are_per_client(server):
             a.generate(prompt="hi", max_tokens=-2)
         assert err.value.code == 400 and err.value.field == "params.max_tokens"
         with pytest.raises(ZmqRequestError) as err:
-            a.generate(prompt="hi", max_tokens=10 ** 6)
+            a.generate(prompt="hi", max_tokens=10**6)
         assert err.value.field == "max_tokens" and "maximum context length" in str(err.value)
         # the same id from two clients is two requests
         sa = a.stream(prompt="one", request_id="same", max_tokens=3, temperature=0.0)
@@ -281,11 +352,15 @@ def test_metrics_parse_and_move(server, model):
     after = server.metrics()
     assert after["pagedllm:generation_tokens_total"] - before["pagedllm:generation_tokens_total"] == 5
     assert after["pagedllm:prompt_tokens_total"] > before["pagedllm:prompt_tokens_total"]
-    assert after["pagedllm:request_success_total{finished_reason=length}"] == \
-        before.get("pagedllm:request_success_total{finished_reason=length}", 0) + 1
+    assert (
+        after["pagedllm:request_success_total{finished_reason=length}"]
+        == before.get("pagedllm:request_success_total{finished_reason=length}", 0) + 1
+    )
     for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
         assert after[f"pagedllm:{name}_count"] == before[f"pagedllm:{name}_count"] + 1, name
-    assert after["pagedllm:inter_token_latency_seconds_count"] - before["pagedllm:inter_token_latency_seconds_count"] == 4
+    assert (
+        after["pagedllm:inter_token_latency_seconds_count"] - before["pagedllm:inter_token_latency_seconds_count"] == 4
+    )
     assert after["pagedllm:batch_size_count"] > before["pagedllm:batch_size_count"]
     assert after["pagedllm:prefix_cache_queries_total"] > before["pagedllm:prefix_cache_queries_total"]
     assert "pagedllm:num_preemptions_total" in after and "pagedllm:num_requests_swapped" in after

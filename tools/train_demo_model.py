@@ -22,18 +22,110 @@ import torch
 VOCAB = 4096
 SEQ = 128
 STDLIB_MODULES = [
-    "argparse", "array", "ast", "asyncio", "base64", "bisect", "calendar", "cmd", "codecs", "collections",
-    "colorsys", "concurrent.futures", "configparser", "contextlib", "copy", "csv", "dataclasses", "datetime",
-    "decimal", "difflib", "dis", "email", "enum", "filecmp", "fnmatch", "fractions", "ftplib", "functools",
-    "getopt", "gettext", "glob", "gzip", "hashlib", "heapq", "hmac", "html", "http.client", "http.server",
-    "imaplib", "inspect", "io", "ipaddress", "itertools", "json", "keyword", "linecache", "locale", "logging",
-    "lzma", "mailbox", "math", "mimetypes", "numbers", "operator", "os", "pathlib", "pickle", "pkgutil",
-    "platform", "plistlib", "poplib", "pprint", "queue", "quopri", "random", "re", "reprlib", "sched",
-    "secrets", "selectors", "shelve", "shlex", "shutil", "signal", "smtplib", "socket", "socketserver",
-    "sqlite3", "statistics", "string", "struct", "subprocess", "tarfile", "tempfile", "textwrap", "threading",
-    "timeit", "token", "tokenize", "trace", "traceback", "types", "typing", "unittest", "urllib.parse",
-    "urllib.request", "uuid", "warnings", "wave", "weakref", "xml.dom.minidom", "xml.etree.ElementTree",
-    "zipfile", "zlib",
+    "argparse",
+    "array",
+    "ast",
+    "asyncio",
+    "base64",
+    "bisect",
+    "calendar",
+    "cmd",
+    "codecs",
+    "collections",
+    "colorsys",
+    "concurrent.futures",
+    "configparser",
+    "contextlib",
+    "copy",
+    "csv",
+    "dataclasses",
+    "datetime",
+    "decimal",
+    "difflib",
+    "dis",
+    "email",
+    "enum",
+    "filecmp",
+    "fnmatch",
+    "fractions",
+    "ftplib",
+    "functools",
+    "getopt",
+    "gettext",
+    "glob",
+    "gzip",
+    "hashlib",
+    "heapq",
+    "hmac",
+    "html",
+    "http.client",
+    "http.server",
+    "imaplib",
+    "inspect",
+    "io",
+    "ipaddress",
+    "itertools",
+    "json",
+    "keyword",
+    "linecache",
+    "locale",
+    "logging",
+    "lzma",
+    "mailbox",
+    "math",
+    "mimetypes",
+    "numbers",
+    "operator",
+    "os",
+    "pathlib",
+    "pickle",
+    "pkgutil",
+    "platform",
+    "plistlib",
+    "poplib",
+    "pprint",
+    "queue",
+    "quopri",
+    "random",
+    "re",
+    "reprlib",
+    "sched",
+    "secrets",
+    "selectors",
+    "shelve",
+    "shlex",
+    "shutil",
+    "signal",
+    "smtplib",
+    "socket",
+    "socketserver",
+    "sqlite3",
+    "statistics",
+    "string",
+    "struct",
+    "subprocess",
+    "tarfile",
+    "tempfile",
+    "textwrap",
+    "threading",
+    "timeit",
+    "token",
+    "tokenize",
+    "trace",
+    "traceback",
+    "types",
+    "typing",
+    "unittest",
+    "urllib.parse",
+    "urllib.request",
+    "uuid",
+    "warnings",
+    "wave",
+    "weakref",
+    "xml.dom.minidom",
+    "xml.etree.ElementTree",
+    "zipfile",
+    "zlib",
 ]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
@@ -43,6 +135,7 @@ CHAT_TEMPLATE = (
 
 def pydoc_topics() -> list[tuple[str, str]]:
     from pydoc_data.topics import topics
+
     return [(k, topics[k]) for k in sorted(topics)]
 
 
@@ -77,8 +170,12 @@ def train_tokenizer(texts: list[str]):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<pad>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     fast.chat_template = CHAT_TEMPLATE
@@ -103,13 +200,25 @@ def main(argv=None):
     for text in texts:
         ids += tokenizer.encode(text) + [eos]
     data = torch.tensor(ids, dtype=torch.long)
-    print(f"corpus: {len(texts)} texts, {sum(map(len, texts))} characters, {len(ids)} tokens; "
-          f"tokenizer trained in {time.time() - t0:.0f} s")
+    print(
+        f"corpus: {len(texts)} texts, {sum(map(len, texts))} characters, {len(ids)} tokens; "
+        f"tokenizer trained in {time.time() - t0:.0f} s"
+    )
 
-    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=704, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=eos,
-                      pad_token_id=tokenizer.pad_token_id, rms_norm_eps=1e-5)
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=eos,
+        pad_token_id=tokenizer.pad_token_id,
+        rms_norm_eps=1e-5,
+    )
     model = LlamaForCausalLM(cfg)
     params = sum(p.numel() for p in model.parameters())
     print(f"model: {params / 1e6:.1f}M parameters")
@@ -124,7 +233,7 @@ def main(argv=None):
         for group in opt.param_groups:
             group["lr"] = lr
         starts = torch.randint(0, len(data) - SEQ - 1, (batch,), generator=gen)
-        x = torch.stack([data[s:s + SEQ] for s in starts])
+        x = torch.stack([data[s : s + SEQ] for s in starts])
         loss = model(input_ids=x, labels=x).loss
         opt.zero_grad()
         loss.backward()
@@ -133,14 +242,17 @@ def main(argv=None):
         losses.append(loss.item())
         step += 1
         if step % 50 == 0:
-            print(f"step {step}: loss {sum(losses[-50:]) / 50:.3f}, lr {lr:.2e}, {time.time() - start:.0f} s",
-                  flush=True)
+            print(
+                f"step {step}: loss {sum(losses[-50:]) / 50:.3f}, lr {lr:.2e}, {time.time() - start:.0f} s", flush=True
+            )
     model.eval()
     os.makedirs(args.out, exist_ok=True)
     model.to(torch.bfloat16).save_pretrained(args.out)
     tokenizer.save_pretrained(args.out)
-    print(f"trained {step} steps ({step * batch * SEQ} tokens) in {time.time() - start:.0f} s; "
-          f"total {time.time() - t0:.0f} s; saved to {args.out}")
+    print(
+        f"trained {step} steps ({step * batch * SEQ} tokens) in {time.time() - start:.0f} s; "
+        f"total {time.time() - t0:.0f} s; saved to {args.out}"
+    )
 
 
 if __name__ == "__main__":

@@ -79,8 +79,23 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     except (OSError, RuntimeError) as e:
         return None, f"building {os.path.basename(SOURCE)}: {e}"
     signatures = {
-        "pagedllm_paged_attention_f32": [_p, _p, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64,
-                                         ctypes.c_float, _p, ctypes.c_int],
+        "pagedllm_paged_attention_f32": [
+            _p,
+            _p,
+            _p,
+            _p,
+            _i64,
+            _p,
+            _p,
+            _i64,
+            _i64,
+            _i64,
+            _i64,
+            _i64,
+            ctypes.c_float,
+            _p,
+            ctypes.c_int,
+        ],
         "pagedllm_rms_norm_f32": [_p, _p, ctypes.c_float, _p, _i64, _i64, ctypes.c_int],
         "pagedllm_silu_and_mul_f32": [_p, _p, _i64, _i64, ctypes.c_int],
     }
@@ -111,8 +126,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension of float32 x."""
     x, weight = _float32("x", x), _float32("weight", weight)
     out = torch.empty_like(x)
-    _library().pagedllm_rms_norm_f32(x.data_ptr(), weight.data_ptr(), eps, out.data_ptr(),
-                                     x.numel() // x.shape[-1], x.shape[-1], torch.get_num_threads())
+    _library().pagedllm_rms_norm_f32(
+        x.data_ptr(),
+        weight.data_ptr(),
+        eps,
+        out.data_ptr(),
+        x.numel() // x.shape[-1],
+        x.shape[-1],
+        torch.get_num_threads(),
+    )
     return out
 
 
@@ -121,14 +143,21 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     x = _float32("x", x)
     size = x.shape[-1] // 2
     out = torch.empty(*x.shape[:-1], size, dtype=x.dtype)
-    _library().pagedllm_silu_and_mul_f32(x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], size,
-                                         torch.get_num_threads())
+    _library().pagedllm_silu_and_mul_f32(
+        x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], size, torch.get_num_threads()
+    )
     return out
 
 
-def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    block_tables: torch.Tensor, row_table: torch.Tensor, row_context: torch.Tensor,
-                    scale: float) -> torch.Tensor:
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    row_table: torch.Tensor,
+    row_context: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """query [R, H, Dh] float32, one row per query token; k_cache/v_cache [N, bs, KVH, Dh]
     float32, contiguous; block_tables [S, max_blocks] int32; row r uses table row_table[r] and
     attends to its first row_context[r] tokens (at most max_blocks * bs). Returns [R, H, Dh]."""
@@ -138,11 +167,25 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         if t.dtype != torch.float32 or not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous float32")
     query = _float32("query", query)
-    block_tables, row_table, row_context = (t.to(torch.int32).contiguous()
-                                            for t in (block_tables, row_table, row_context))
+    block_tables, row_table, row_context = (
+        t.to(torch.int32).contiguous() for t in (block_tables, row_table, row_context)
+    )
     out = torch.empty_like(query)
     _library().pagedllm_paged_attention_f32(
-        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-        block_tables.stride(0), row_table.data_ptr(), row_context.data_ptr(), num_rows, num_heads,
-        num_kv_heads, head_size, block_size, scale, out.data_ptr(), torch.get_num_threads())
+        query.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        row_table.data_ptr(),
+        row_context.data_ptr(),
+        num_rows,
+        num_heads,
+        num_kv_heads,
+        head_size,
+        block_size,
+        scale,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
     return out

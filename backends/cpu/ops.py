@@ -31,8 +31,9 @@ DECODE_GROUPS = 4  # at most this many context-length groups per decode batch
 DECODE_GROUP_MIN = 8  # requests per group, at least
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor, scale: float,
-           dtype: torch.dtype) -> torch.Tensor:
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor, scale: float, dtype: torch.dtype
+) -> torch.Tensor:
     """q [..., M, D], k/v [..., S, D] in float32 holding `dtype` values; hidden [..., M, S]
     (True: may not attend). Rounds to `dtype` exactly where transformers' eager attention
     computing in `dtype` rounds; the GEMMs themselves run in float32, which is faster here
@@ -49,10 +50,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tens
 
 def gather_heads(kv_cache: torch.Tensor, which: int, blocks: torch.Tensor, num_seqs: int) -> torch.Tensor:
     """K (which=0) or V (1) of the blocks, head-major float32: [KVH, num_seqs, tokens per seq, D]."""
-    _, _, block_size, num_kv_heads, head_size = kv_cache.shape
+    _, _, _block_size, num_kv_heads, head_size = kv_cache.shape
     gathered = kv_cache[which].index_select(0, blocks).view(num_seqs, -1, num_kv_heads, head_size)
-    out = torch.empty((num_kv_heads, num_seqs, gathered.shape[1], head_size), dtype=torch.float32,
-                      device=kv_cache.device)
+    out = torch.empty(
+        (num_kv_heads, num_seqs, gathered.shape[1], head_size), dtype=torch.float32, device=kv_cache.device
+    )
     return out.copy_(gathered.permute(2, 0, 1, 3))
 
 
@@ -85,14 +87,18 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
-    return all((mallopt(m_mmap_threshold, 32 << 20), mallopt(m_trim_threshold, 2**31 - 1),
-                mallopt(m_top_pad, 512 << 20)))
+    return all(
+        (mallopt(m_mmap_threshold, 32 << 20), mallopt(m_trim_threshold, 2**31 - 1), mallopt(m_top_pad, 512 << 20))
+    )
 
 
 def _compiled(query, kv_cache, meta) -> bool:
     """Whether this call goes through the compiled kernel: float32, where it could be built."""
-    if not (query.dtype == kv_cache.dtype == torch.float32 and kv_cache.is_contiguous()
-            and native.unavailable_reason() is None):
+    if not (
+        query.dtype == kv_cache.dtype == torch.float32
+        and kv_cache.is_contiguous()
+        and native.unavailable_reason() is None
+    ):
         return False
     if meta.max_context_len > meta.block_tables.shape[1] * kv_cache.shape[2]:
         raise ValueError("attention: a context is longer than its block table covers")
@@ -120,8 +126,9 @@ class CpuAttentionOps(AttentionOps):
         that short contexts are not padded to the longest one in the batch."""
         if _compiled(query, kv_cache, meta):
             rows = torch.arange(query.shape[0], dtype=torch.int32)
-            return native.paged_attention(query, kv_cache[0], kv_cache[1], meta.block_tables, rows,
-                                          meta.context_lens, scale)
+            return native.paged_attention(
+                query, kv_cache[0], kv_cache[1], meta.block_tables, rows, meta.context_lens, scale
+            )
         num_seqs = query.shape[0]
         ctx = meta.context_lens
         if num_seqs <= DECODE_GROUP_MIN:
@@ -130,9 +137,14 @@ class CpuAttentionOps(AttentionOps):
         out = torch.empty_like(query)
         for rows in order.tensor_split(min(DECODE_GROUPS, num_seqs // DECODE_GROUP_MIN)):
             group_ctx = ctx.index_select(0, rows)
-            out[rows] = self._decode_group(query.index_select(0, rows), kv_cache,
-                                           meta.block_tables.index_select(0, rows), group_ctx,
-                                           int(group_ctx.max()), scale)
+            out[rows] = self._decode_group(
+                query.index_select(0, rows),
+                kv_cache,
+                meta.block_tables.index_select(0, rows),
+                group_ctx,
+                int(group_ctx.max()),
+                scale,
+            )
         return out
 
     def _decode_group(self, query, kv_cache, block_tables, context_lens, max_context_len, scale):
@@ -153,17 +165,18 @@ class CpuAttentionOps(AttentionOps):
         if _compiled(query, kv_cache, meta):
             # one row per new token: its request's table, and the context up to its own position
             request, position = prefill_token_rows(meta, query.shape[0], query.device)
-            return native.paged_attention(query, kv_cache[0], kv_cache[1], meta.block_tables, request,
-                                          position + 1, scale)
+            return native.paged_attention(
+                query, kv_cache[0], kv_cache[1], meta.block_tables, request, position + 1, scale
+            )
         _, num_heads, head_size = query.shape
         _, _, block_size, num_kv_heads, _ = kv_cache.shape
         group = num_heads // num_kv_heads
         out = torch.empty_like(query)
         start = 0
         for i, (q_len, ctx_len) in enumerate(zip(meta.query_lens, meta.context_lens_list)):
-            blocks = meta.block_tables[i, :cdiv(ctx_len, block_size)].long()
+            blocks = meta.block_tables[i, : cdiv(ctx_len, block_size)].long()
             # [KVH, G * q_len, Dh]: the G query heads that share a KV head, stacked
-            q = query[start:start + q_len].to(kv_cache.dtype).float()
+            q = query[start : start + q_len].to(kv_cache.dtype).float()
             q = q.view(q_len, num_kv_heads, group, head_size)
             q = q.permute(1, 2, 0, 3).reshape(num_kv_heads, group * q_len, head_size)
             # query j sits at position ctx_len - q_len + j and sees keys up to that position
@@ -174,6 +187,6 @@ class CpuAttentionOps(AttentionOps):
             values = gather_heads(kv_cache, 1, blocks, 1)[:, 0, :ctx_len]
             o = attend(q, keys, values, hidden, scale, kv_cache.dtype)
             o = o.view(num_kv_heads, group, q_len, head_size).permute(2, 0, 1, 3)
-            out[start:start + q_len] = o.reshape(q_len, num_heads, head_size).to(query.dtype)
+            out[start : start + q_len] = o.reshape(q_len, num_heads, head_size).to(query.dtype)
             start += q_len
         return out

@@ -24,7 +24,7 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def packing_available(dtype: torch.dtype = torch.float32) -> bool:
     """Whether oneDNN packs `dtype` weights on this CPU (bfloat16 needs AVX-512 or AVX-NE-CONVERT)."""
     if not torch.backends.mkldnn.is_available():
@@ -54,10 +54,15 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 def pack_linear_layers(model: nn.Module) -> int:
     """Replace every float32/bfloat16 CPU nn.Linear in `model` by a PackedLinear; returns how many."""
-    targets = [(parent, name, child) for parent in model.modules()
-               for name, child in parent.named_children()
-               if type(child) is nn.Linear and child.weight.device.type == "cpu"
-               and child.weight.dtype in PACKED_DTYPES and packing_available(child.weight.dtype)]
+    targets = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear
+        and child.weight.device.type == "cpu"
+        and child.weight.dtype in PACKED_DTYPES
+        and packing_available(child.weight.dtype)
+    ]
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child))
     return len(targets)

@@ -24,6 +24,7 @@ def find_nvcc() -> str | None:
 
 def _fingerprint() -> str:
     import torch
+
     h = hashlib.sha256(torch.__version__.encode())
     for name in SOURCES + HEADERS:
         with open(os.path.join(CSRC, name), "rb") as f:
@@ -40,14 +41,28 @@ def load_extension():
 
     key = _fingerprint()
     build_dir = cache_root("cuda_native", key)
-    return load(name=f"pagedllm_cuda_native_{key}", sources=[os.path.join(CSRC, s) for s in SOURCES],
-                extra_include_paths=[CSRC], extra_cflags=["-O3"],
-                extra_cuda_cflags=["-O3", "--use_fast_math"], build_directory=build_dir,
-                verbose=False)
+    return load(
+        name=f"pagedllm_cuda_native_{key}",
+        sources=[os.path.join(CSRC, s) for s in SOURCES],
+        extra_include_paths=[CSRC],
+        extra_cflags=["-O3"],
+        extra_cuda_cflags=["-O3", "--use_fast_math"],
+        build_directory=build_dir,
+        verbose=False,
+    )
 
 
 def nvcc_compile_only(out_dir: str, arch: str = "sm_90") -> list[str]:
     """The nvcc command that compiles the kernels alone (no torch headers), for checks on
     machines without a GPU."""
-    return [find_nvcc() or "nvcc", "-std=c++17", "-O3", "-c", os.path.join(CSRC, "kernels.cu"),
-            "-o", os.path.join(out_dir, "kernels.o"), "-gencode", f"arch=compute_{arch[3:]},code={arch}"]
+    return [
+        find_nvcc() or "nvcc",
+        "-std=c++17",
+        "-O3",
+        "-c",
+        os.path.join(CSRC, "kernels.cu"),
+        "-o",
+        os.path.join(out_dir, "kernels.o"),
+        "-gencode",
+        f"arch=compute_{arch[3:]},code={arch}",
+    ]

@@ -6,8 +6,13 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.backends.attention import (AttentionOps, DecodeMetadata, PrefillMetadata, last_dim_contiguous,
-                                         prefill_token_rows)
+from pagedllm.backends.attention import (
+    AttentionOps,
+    DecodeMetadata,
+    PrefillMetadata,
+    last_dim_contiguous,
+    prefill_token_rows,
+)
 from pagedllm.core.utils import cdiv
 
 from .build import find_nvcc, load_extension
@@ -40,8 +45,14 @@ class NativeCudaAttentionOps(AttentionOps):
         return torch.cuda.current_stream().cuda_stream
 
     def write_kv(self, key, value, kv_cache, slot_mapping):
-        self.ext.write_kv(last_dim_contiguous(key).to(kv_cache.dtype), last_dim_contiguous(value).to(kv_cache.dtype),
-                          kv_cache[0], kv_cache[1], slot_mapping, self._stream())
+        self.ext.write_kv(
+            last_dim_contiguous(key).to(kv_cache.dtype),
+            last_dim_contiguous(value).to(kv_cache.dtype),
+            kv_cache[0],
+            kv_cache[1],
+            slot_mapping,
+            self._stream(),
+        )
 
     def _attend(self, query, kv_cache, tables, row_request, row_position, scale, partitions):
         rows, heads, head_size = query.shape
@@ -53,15 +64,35 @@ class NativeCudaAttentionOps(AttentionOps):
             part_sum = torch.empty_like(part_max)
         else:
             part_out = part_max = part_sum = self._empty
-        self.ext.paged_attention(out, query, kv_cache[0], kv_cache[1], tables, row_request, row_position, scale,
-                                 PARTITION, part_out, part_max, part_sum, self._stream())
+        self.ext.paged_attention(
+            out,
+            query,
+            kv_cache[0],
+            kv_cache[1],
+            tables,
+            row_request,
+            row_position,
+            scale,
+            PARTITION,
+            part_out,
+            part_max,
+            part_sum,
+            self._stream(),
+        )
         return out
 
     def decode_attention(self, query, kv_cache, meta: DecodeMetadata, scale):
         n = query.shape[0]
         rows = torch.arange(n, dtype=torch.int32, device=query.device)
-        return self._attend(query, kv_cache, meta.block_tables, rows, meta.context_lens - 1, scale,
-                            cdiv(meta.max_context_len, PARTITION))
+        return self._attend(
+            query,
+            kv_cache,
+            meta.block_tables,
+            rows,
+            meta.context_lens - 1,
+            scale,
+            cdiv(meta.max_context_len, PARTITION),
+        )
 
     def prefill_attention(self, query, kv_cache, meta: PrefillMetadata, scale):
         request, position = prefill_token_rows(meta, query.shape[0], query.device)
@@ -72,4 +103,3 @@ class NativeCudaAttentionOps(AttentionOps):
             return
         flat = kv_caches.view(kv_caches.shape[0] * kv_caches.shape[1], kv_caches.shape[2], -1)
         self.ext.copy_blocks(flat, torch.tensor(pairs, dtype=torch.int64, device=kv_caches.device), self._stream())
-

@@ -38,9 +38,13 @@ class DecodeGraphs:
 
     def _forward(self, n: int) -> torch.Tensor:
         # max_context_len = max_model_len: the kernels' partitioning covers any context
-        meta = AttentionMetadata(slot_mapping=self.slots[:n], num_decode_tokens=n, num_prefill_tokens=0,
-                                 decode=DecodeMetadata(self.tables[:n], self.context_lens[:n], self.max_model_len),
-                                 prefill=None)
+        meta = AttentionMetadata(
+            slot_mapping=self.slots[:n],
+            num_decode_tokens=n,
+            num_prefill_tokens=0,
+            decode=DecodeMetadata(self.tables[:n], self.context_lens[:n], self.max_model_len),
+            prefill=None,
+        )
         return self.model(self.input_ids[:n], self.positions[:n], self.kv_caches, meta, self.ops)
 
     @torch.inference_mode()
@@ -56,8 +60,11 @@ class DecodeGraphs:
         torch.cuda.synchronize()
 
     def fits(self, seqs: list[SeqInput]) -> bool:
-        return (len(seqs) <= self.sizes[-1] and all(len(s.token_ids) == 1 for s in seqs)
-                and all(s.start_pos < self.max_model_len for s in seqs))
+        return (
+            len(seqs) <= self.sizes[-1]
+            and all(len(s.token_ids) == 1 for s in seqs)
+            and all(s.start_pos < self.max_model_len for s in seqs)
+        )
 
     @torch.inference_mode()
     def run(self, seqs: list[SeqInput]) -> torch.Tensor:
@@ -69,8 +76,8 @@ class DecodeGraphs:
         pos = np.fromiter((s.start_pos for s in seqs), dtype=np.int64, count=n)
         tables = np.zeros((size, self.max_blocks), dtype=np.int32)
         for row, s in enumerate(seqs):
-            blocks = s.block_ids[:self.max_blocks]
-            tables[row, :len(blocks)] = blocks
+            blocks = s.block_ids[: self.max_blocks]
+            tables[row, : len(blocks)] = blocks
         slots = np.full(size, -1, dtype=np.int64)
         slots[:n] = slot_mapping(tables, np.arange(n), pos, bs)
         ctx = np.ones(size, dtype=np.int32)

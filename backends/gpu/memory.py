@@ -10,8 +10,16 @@ from ..runner import ModelRunner, SeqInput, allocate_kv_caches
 
 
 @torch.inference_mode()
-def profile_num_blocks(model, ops, block_size: int, slot_bytes: int, num_tokens: int, max_seq_len: int,
-                       memory_utilization: float, device="cuda") -> int:
+def profile_num_blocks(
+    model,
+    ops,
+    block_size: int,
+    slot_bytes: int,
+    num_tokens: int,
+    max_seq_len: int,
+    memory_utilization: float,
+    device="cuda",
+) -> int:
     """Run one prefill of `num_tokens` (the most a step computes) and give the KV pool, at
     `slot_bytes` per token slot (KVSpec.bytes_per_block_slot), what
     the device's memory, times `memory_utilization`, leaves after weights, the activations'
@@ -42,7 +50,9 @@ def profile_num_blocks(model, ops, block_size: int, slot_bytes: int, num_tokens:
     budget = total * memory_utilization - peak - outside_torch
     blocks = int(budget // (slot_bytes * block_size))
     if blocks < 2:
-        raise RuntimeError(f"no room for a KV cache: {memory_utilization:.0%} of {total / 2**30:.1f} GiB is "
-                           f"{total * memory_utilization / 2**30:.1f} GiB, the model and a step need "
-                           f"{(peak + outside_torch) / 2**30:.1f} GiB; raise --gpu-memory-utilization")
+        raise RuntimeError(
+            f"no room for a KV cache: {memory_utilization:.0%} of {total / 2**30:.1f} GiB is "
+            f"{total * memory_utilization / 2**30:.1f} GiB, the model and a step need "
+            f"{(peak + outside_torch) / 2**30:.1f} GiB; raise --gpu-memory-utilization"
+        )
     return blocks

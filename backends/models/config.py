@@ -37,16 +37,18 @@ class ModelConfig:
     bos_token_id: int | None = None
 
     @classmethod
-    def from_pretrained(cls, model_dir: str, dtype: str | None = None) -> "ModelConfig":
+    def from_pretrained(cls, model_dir: str, dtype: str | None = None) -> ModelConfig:
         return cls.from_dict(ModelFolder(model_dir).config, dtype)
 
     @classmethod
-    def from_dict(cls, cfg: dict, dtype: str | None = None) -> "ModelConfig":
+    def from_dict(cls, cfg: dict, dtype: str | None = None) -> ModelConfig:
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
-            raise ValueError(f"model: architecture {archs or cfg.get('model_type')!r} is not supported; "
-                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+            raise ValueError(
+                f"model: architecture {archs or cfg.get('model_type')!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         attention_bias = bool(cfg.get("attention_bias", False))
@@ -81,8 +83,9 @@ class ModelConfig:
 
 def resolve_dtype(requested: str | None, from_config: str | None) -> torch.dtype:
     name = requested if requested not in (None, "auto") else (from_config or "float32")
-    name = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
-            "float": "float32"}.get(name, name)
+    name = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}.get(
+        name, name
+    )
     if name not in DTYPES:
         raise ValueError(f"dtype: {name!r} is not supported; choose one of {', '.join(DTYPES)} or auto")
     return DTYPES[name]

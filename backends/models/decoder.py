@@ -39,7 +39,7 @@ class DecoderLayer(nn.Module):
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.head_dim**-0.5
         q_size = cfg.num_heads * cfg.head_dim
         kv_size = cfg.num_kv_heads * cfg.head_dim
         self.split = (q_size, kv_size, kv_size)
@@ -60,14 +60,14 @@ class DecoderLayer(nn.Module):
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         q_size, kv_size, _ = self.split
-        v = qkv[:, q_size + kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = qkv[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is None:
             # q and k sit side by side in the fused projection: one rotation for both
-            qk = qkv[:, :q_size + kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+            qk = qkv[:, : q_size + kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
             q, k = rotate(qk, *cos_sin).split((self.num_heads, self.num_kv_heads), dim=1)
         else:
             q = self.q_norm(qkv[:, :q_size].view(num_tokens, self.num_heads, self.head_dim))
-            k = self.k_norm(qkv[:, q_size:q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_dim))
+            k = self.k_norm(qkv[:, q_size : q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_dim))
             q, k = rotate(q, *cos_sin), rotate(k, *cos_sin)
         ops.write_kv(k, v, kv_cache, meta.slot_mapping)
         nd = meta.num_decode_tokens
@@ -76,8 +76,12 @@ class DecoderLayer(nn.Module):
         elif meta.decode is None:
             out = ops.prefill_attention(q, kv_cache, meta.prefill, self.scale)
         else:
-            out = torch.cat((ops.decode_attention(q[:nd], kv_cache, meta.decode, self.scale),
-                             ops.prefill_attention(q[nd:], kv_cache, meta.prefill, self.scale)))
+            out = torch.cat(
+                (
+                    ops.decode_attention(q[:nd], kv_cache, meta.decode, self.scale),
+                    ops.prefill_attention(q[nd:], kv_cache, meta.prefill, self.scale),
+                )
+            )
         return self.o_proj(out.reshape(num_tokens, -1))
 
     def forward(self, x, cos_sin, kv_cache, meta, ops):
@@ -97,8 +101,14 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope, max_positions or cfg.max_position_embeddings)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
-                meta: AttentionMetadata, ops: AttentionOps) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: torch.Tensor,
+        meta: AttentionMetadata,
+        ops: AttentionOps,
+    ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm; kv_caches: [L, 2, N, bs, KVH, D]."""
         x = self.embed_tokens(input_ids)
         cos_sin = self.rope.cos_sin(positions, x.dtype)

@@ -55,8 +55,9 @@ def _target(name: str) -> tuple[str, int | None] | None:
     return None
 
 
-def load_model(model_dir: str, dtype: str | None = None, max_positions: int | None = None,
-               device: str | torch.device = "cpu") -> CausalLM:
+def load_model(
+    model_dir: str, dtype: str | None = None, max_positions: int | None = None, device: str | torch.device = "cpu"
+) -> CausalLM:
     cfg = ModelConfig.from_pretrained(model_dir, dtype)
     with torch.device("meta"):
         model = CausalLM(cfg, max_positions=1)
@@ -69,7 +70,7 @@ def load_model(model_dir: str, dtype: str | None = None, max_positions: int | No
     unexpected: list[str] = []
     for path in checkpoint_files(model_dir):
         with safe_open(path, framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 - a safetensors file is not iterable
                 target = _target(name)
                 if target is None or target[0] not in params:
                     if not _IGNORED.search(name):
@@ -81,8 +82,10 @@ def load_model(model_dir: str, dtype: str | None = None, max_positions: int | No
                 loaded.add(f"{param_name}#{shard}")
     missing = [n for n, shards in _expected_loads(params, cfg) if not shards <= loaded]
     if missing or unexpected:
-        raise ValueError(f"model: checkpoint in {model_dir!r} does not match {cfg.architecture}: "
-                         f"missing weights {missing or 'none'}; unexpected weights {unexpected or 'none'}")
+        raise ValueError(
+            f"model: checkpoint in {model_dir!r} does not match {cfg.architecture}: "
+            f"missing weights {missing or 'none'}; unexpected weights {unexpected or 'none'}"
+        )
     model.eval()
     return model
 
@@ -96,17 +99,17 @@ def _shard_offsets(param_name: str, cfg: ModelConfig) -> list[int]:
     raise AssertionError(param_name)
 
 
-def _copy_into(param: torch.Tensor, param_name: str, tensor: torch.Tensor, shard: int | None,
-               cfg: ModelConfig, name: str) -> None:
+def _copy_into(
+    param: torch.Tensor, param_name: str, tensor: torch.Tensor, shard: int | None, cfg: ModelConfig, name: str
+) -> None:
     with torch.no_grad():
         if shard is None:
             dst = param
         else:
             offsets = _shard_offsets(param_name, cfg)
-            dst = param[offsets[shard]:offsets[shard + 1]]
+            dst = param[offsets[shard] : offsets[shard + 1]]
         if dst.shape != tensor.shape:
-            raise ValueError(f"model: weight {name} has shape {tuple(tensor.shape)}, "
-                             f"expected {tuple(dst.shape)}")
+            raise ValueError(f"model: weight {name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
         dst.copy_(tensor.to(param.dtype))
 
 

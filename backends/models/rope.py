@@ -45,7 +45,7 @@ class RotaryEmbedding:
         self.cos = emb.cos()  # [max_positions, head_dim], float32 like transformers
         self.sin = emb.sin()
 
-    def to(self, device) -> "RotaryEmbedding":
+    def to(self, device) -> RotaryEmbedding:
         self.cos, self.sin = self.cos.to(device), self.sin.to(device)
         return self
 

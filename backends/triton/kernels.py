@@ -20,9 +20,23 @@ import triton.language as tl
 
 
 @triton.jit
-def write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-                    stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
-                    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+def write_kv_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -57,8 +71,27 @@ def _weighted(p, v, FP32: tl.constexpr):
 
 
 @triton.jit
-def _tile_step(q, k_cache_ptr, v_cache_ptr, tables_ptr, pos, pmask, visible, kvh, d, dmask, scale, m_i, l_i, acc,
-               stride_kb, stride_ks, stride_kh, BLOCK_SIZE: tl.constexpr, FP32: tl.constexpr):
+def _tile_step(
+    q,
+    k_cache_ptr,
+    v_cache_ptr,
+    tables_ptr,
+    pos,
+    pmask,
+    visible,
+    kvh,
+    d,
+    dmask,
+    scale,
+    m_i,
+    l_i,
+    acc,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    BLOCK_SIZE: tl.constexpr,
+    FP32: tl.constexpr,
+):
     """One tile of context positions: gather their K/V through the block table and fold them
     into the running max, sum and weighted values (online softmax)."""
     block = tl.load(tables_ptr + pos // BLOCK_SIZE, mask=pmask, other=0).to(tl.int64)
@@ -76,13 +109,37 @@ def _tile_step(q, k_cache_ptr, v_cache_ptr, tables_ptr, pos, pmask, visible, kvh
 
 
 @triton.jit
-def decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, ctx_ptr,
-                  out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, scale,
-                  stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_os, stride_oh,
-                  num_heads, num_splits,
-                  GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PARTITION: tl.constexpr,
-                  SPLIT: tl.constexpr, FP32: tl.constexpr):
+def decode_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    tables_ptr,
+    ctx_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    scale,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_bt,
+    stride_os,
+    stride_oh,
+    num_heads,
+    num_splits,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
+    PARTITION: tl.constexpr,
+    SPLIT: tl.constexpr,
+    FP32: tl.constexpr,
+):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -94,17 +151,38 @@ def decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, ctx_ptr,
     gmask = g < GROUP
     dmask = d < HEAD_DIM
     heads = kvh * GROUP + g
-    q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + d[None, :],
-                mask=gmask[:, None] & dmask[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + seq * stride_qs + heads[:, None] * stride_qh + d[None, :],
+        mask=gmask[:, None] & dmask[None, :],
+        other=0.0,
+    )
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for t in range(start, end, TILE):
         pos = t + tl.arange(0, TILE)
         pmask = pos < end
-        m_i, l_i, acc = _tile_step(q, k_cache_ptr, v_cache_ptr, tables_ptr + seq * stride_bt, pos, pmask,
-                                   pmask[None, :], kvh, d, dmask, scale, m_i, l_i, acc,
-                                   stride_kb, stride_ks, stride_kh, BLOCK_SIZE, FP32)
+        m_i, l_i, acc = _tile_step(
+            q,
+            k_cache_ptr,
+            v_cache_ptr,
+            tables_ptr + seq * stride_bt,
+            pos,
+            pmask,
+            pmask[None, :],
+            kvh,
+            d,
+            dmask,
+            scale,
+            m_i,
+            l_i,
+            acc,
+            stride_kb,
+            stride_ks,
+            stride_kh,
+            BLOCK_SIZE,
+            FP32,
+        )
     if SPLIT:
         # partials, unnormalised; a partition past the context leaves max -inf and sum 0
         base = (seq * num_heads + heads) * num_splits + split  # partials: [seqs, heads, splits, (D)]
@@ -113,14 +191,27 @@ def decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, ctx_ptr,
         tl.store(part_acc_ptr + base[:, None] * BLOCK_D + d[None, :], acc, mask=gmask[:, None] & dmask[None, :])
     else:
         out = acc / l_i[:, None]
-        tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
+        tl.store(
+            out_ptr + seq * stride_os + heads[:, None] * stride_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=gmask[:, None] & dmask[None, :],
+        )
 
 
 @triton.jit
-def decode_reduce_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, stride_os, stride_oh,
-                         num_heads, num_splits,
-                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+def decode_reduce_kernel(
+    part_acc_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    out_ptr,
+    stride_os,
+    stride_oh,
+    num_heads,
+    num_splits,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
     seq = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -130,18 +221,42 @@ def decode_reduce_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, stri
     m = tl.load(part_max_ptr + base + s, mask=smask, other=float("-inf"))
     total_max = tl.max(m, 0)
     w = tl.where(smask, tl.exp(m - total_max), 0.0)
-    l = tl.load(part_sum_ptr + base + s, mask=smask, other=0.0)
-    acc = tl.load(part_acc_ptr + (base + s)[:, None] * BLOCK_D + d[None, :],
-                  mask=smask[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
-    out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+    sums = tl.load(part_sum_ptr + base + s, mask=smask, other=0.0)
+    acc = tl.load(
+        part_acc_ptr + (base + s)[:, None] * BLOCK_D + d[None, :],
+        mask=smask[:, None] & (d < HEAD_DIM)[None, :],
+        other=0.0,
+    )
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(sums * w, 0)
     tl.store(out_ptr + seq * stride_os + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 @triton.jit
-def prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, qsl_ptr, ctx_ptr, out_ptr, scale,
-                   stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
-                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr, FP32: tl.constexpr):
+def prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    tables_ptr,
+    qsl_ptr,
+    ctx_ptr,
+    out_ptr,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE: tl.constexpr,
+    FP32: tl.constexpr,
+):
     req = tl.program_id(0)
     qblock = tl.program_id(1)
     head = tl.program_id(2)
@@ -154,8 +269,11 @@ def prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, qsl_ptr, ctx_ptr
         mmask = m_offs < q_len
         d = tl.arange(0, BLOCK_D)
         dmask = d < HEAD_DIM
-        q = tl.load(q_ptr + (q_start + m_offs)[:, None] * stride_qt + head * stride_qh + d[None, :],
-                    mask=mmask[:, None] & dmask[None, :], other=0.0)
+        q = tl.load(
+            q_ptr + (q_start + m_offs)[:, None] * stride_qt + head * stride_qh + d[None, :],
+            mask=mmask[:, None] & dmask[None, :],
+            other=0.0,
+        )
         q_pos = prefix + m_offs
         kvh = head // GROUP
         hi = tl.minimum(ctx, prefix + (qblock + 1) * BLOCK_M)  # no query of this block looks further
@@ -167,12 +285,33 @@ def prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, qsl_ptr, ctx_ptr
             pmask = pos < hi
             # causal; position 0 is visible to every row, so no row's maximum stays -inf
             visible = (pos[None, :] <= q_pos[:, None]) & pmask[None, :]
-            m_i, l_i, acc = _tile_step(q, k_cache_ptr, v_cache_ptr, tables_ptr + req * stride_bt, pos, pmask,
-                                       visible, kvh, d, dmask, scale, m_i, l_i, acc,
-                                       stride_kb, stride_ks, stride_kh, BLOCK_SIZE, FP32)
+            m_i, l_i, acc = _tile_step(
+                q,
+                k_cache_ptr,
+                v_cache_ptr,
+                tables_ptr + req * stride_bt,
+                pos,
+                pmask,
+                visible,
+                kvh,
+                d,
+                dmask,
+                scale,
+                m_i,
+                l_i,
+                acc,
+                stride_kb,
+                stride_ks,
+                stride_kh,
+                BLOCK_SIZE,
+                FP32,
+            )
         out = acc / l_i[:, None]
-        tl.store(out_ptr + (q_start + m_offs)[:, None] * stride_ot + head * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
+        tl.store(
+            out_ptr + (q_start + m_offs)[:, None] * stride_ot + head * stride_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=mmask[:, None] & dmask[None, :],
+        )
 
 
 @triton.jit

@@ -29,6 +29,7 @@ class TritonAttentionOps(AttentionOps):
         if reason:
             raise RuntimeError(f"{self.name}: {reason}")
         from . import kernels
+
         self.k = kernels
         self.interpret = _interpreting()
         self.device = "cpu" if self.interpret else "cuda"
@@ -60,10 +61,22 @@ class TritonAttentionOps(AttentionOps):
         key, value = last_dim_contiguous(key), last_dim_contiguous(value)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         self.k.write_kv_kernel[(tokens, kv_heads)](
-            key, value, k_cache, v_cache, slot_mapping,
-            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_size, BLOCK_D=_next_pow2(head_size))
+            key,
+            value,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            key.stride(0),
+            key.stride(1),
+            value.stride(0),
+            value.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            BLOCK_SIZE=k_cache.shape[1],
+            HEAD_DIM=head_size,
+            BLOCK_D=_next_pow2(head_size),
+        )
 
     def decode_attention(self, query, kv_cache, meta: DecodeMetadata, scale):
         num_seqs, num_heads, head_size = query.shape
@@ -85,16 +98,50 @@ class TritonAttentionOps(AttentionOps):
             part_acc = part_max = part_sum = out  # unused
         tables = meta.block_tables
         self.k.decode_kernel[(num_seqs, kv_heads, splits)](
-            query, k_cache, v_cache, tables, meta.context_lens, out, part_acc, part_max, part_sum, scale,
-            query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            tables.stride(0), out.stride(0), out.stride(1), num_heads, splits,
-            GROUP=group, BLOCK_G=max(16, _next_pow2(group)), HEAD_DIM=head_size, BLOCK_D=block_d,
-            BLOCK_SIZE=block_size, TILE=self.tile, PARTITION=self.partition, SPLIT=split,
-            FP32=self._fp32_dots(kv_cache))
+            query,
+            k_cache,
+            v_cache,
+            tables,
+            meta.context_lens,
+            out,
+            part_acc,
+            part_max,
+            part_sum,
+            scale,
+            query.stride(0),
+            query.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            tables.stride(0),
+            out.stride(0),
+            out.stride(1),
+            num_heads,
+            splits,
+            GROUP=group,
+            BLOCK_G=max(16, _next_pow2(group)),
+            HEAD_DIM=head_size,
+            BLOCK_D=block_d,
+            BLOCK_SIZE=block_size,
+            TILE=self.tile,
+            PARTITION=self.partition,
+            SPLIT=split,
+            FP32=self._fp32_dots(kv_cache),
+        )
         if split:
             self.k.decode_reduce_kernel[(num_seqs, num_heads)](
-                part_acc, part_max, part_sum, out, out.stride(0), out.stride(1), num_heads, splits,
-                HEAD_DIM=head_size, BLOCK_D=block_d, BLOCK_S=max(2, _next_pow2(splits)))
+                part_acc,
+                part_max,
+                part_sum,
+                out,
+                out.stride(0),
+                out.stride(1),
+                num_heads,
+                splits,
+                HEAD_DIM=head_size,
+                BLOCK_D=block_d,
+                BLOCK_S=max(2, _next_pow2(splits)),
+            )
         return out
 
     def prefill_attention(self, query, kv_cache, meta: PrefillMetadata, scale):
@@ -109,11 +156,30 @@ class TritonAttentionOps(AttentionOps):
         tables = meta.block_tables
         grid = (num_reqs, cdiv(meta.max_query_len, self.block_m), num_heads)
         self.k.prefill_kernel[grid](
-            query, k_cache, v_cache, tables, meta.query_start_loc, meta.context_lens, out, scale,
-            query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            tables.stride(0), out.stride(0), out.stride(1),
-            GROUP=num_heads // kv_heads, HEAD_DIM=head_size, BLOCK_D=_next_pow2(head_size),
-            BLOCK_SIZE=block_size, BLOCK_M=self.block_m, TILE=self.tile, FP32=self._fp32_dots(kv_cache))
+            query,
+            k_cache,
+            v_cache,
+            tables,
+            meta.query_start_loc,
+            meta.context_lens,
+            out,
+            scale,
+            query.stride(0),
+            query.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            tables.stride(0),
+            out.stride(0),
+            out.stride(1),
+            GROUP=num_heads // kv_heads,
+            HEAD_DIM=head_size,
+            BLOCK_D=_next_pow2(head_size),
+            BLOCK_SIZE=block_size,
+            BLOCK_M=self.block_m,
+            TILE=self.tile,
+            FP32=self._fp32_dots(kv_cache),
+        )
         return out
 
     def copy_blocks(self, kv_caches, pairs):
@@ -123,5 +189,5 @@ class TritonAttentionOps(AttentionOps):
         flat = kv_caches.view(layers, kv_caches.shape[2], -1)
         pair_t = torch.tensor(pairs, dtype=torch.int64, device=kv_caches.device)
         self.k.copy_blocks_kernel[(len(pairs), layers)](
-            flat, pair_t, flat.stride(0), BLOCK_ELEMS=flat.shape[2], CHUNK=min(1024, _next_pow2(flat.shape[2])))
-
+            flat, pair_t, flat.stride(0), BLOCK_ELEMS=flat.shape[2], CHUNK=min(1024, _next_pow2(flat.shape[2]))
+        )

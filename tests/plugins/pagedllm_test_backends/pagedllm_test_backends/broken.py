@@ -39,12 +39,14 @@ class FirstBlockOnly(CpuAttentionOps):
     name = "broken-first-block-only"
 
     def decode_attention(self, query, kv_cache, meta, scale):
-        return super().decode_attention(query, kv_cache,
-                                        replace(meta, block_tables=_first_block_everywhere(meta.block_tables)), scale)
+        return super().decode_attention(
+            query, kv_cache, replace(meta, block_tables=_first_block_everywhere(meta.block_tables)), scale
+        )
 
     def prefill_attention(self, query, kv_cache, meta, scale):
-        return super().prefill_attention(query, kv_cache,
-                                         replace(meta, block_tables=_first_block_everywhere(meta.block_tables)), scale)
+        return super().prefill_attention(
+            query, kv_cache, replace(meta, block_tables=_first_block_everywhere(meta.block_tables)), scale
+        )
 
 
 class NeedsHardware(CpuAttentionOps):

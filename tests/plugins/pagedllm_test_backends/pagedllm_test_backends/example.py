@@ -25,23 +25,24 @@ class ExampleOps(AttentionOps):
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         q_len = q.shape[0]
         allowed = torch.arange(context_len)[None, :] <= torch.arange(context_len - q_len, context_len)[:, None]
-        out = F.scaled_dot_product_attention(q.float().transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                             attn_mask=allowed, scale=scale)
+        out = F.scaled_dot_product_attention(
+            q.float().transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=allowed, scale=scale
+        )
         return out.transpose(0, 1).to(q.dtype)
 
     def decode_attention(self, query, kv_cache, meta, scale):
         bs = kv_cache.shape[2]
         outs = []
         for i, ctx in enumerate(meta.context_lens.tolist()):
-            blocks = meta.block_tables[i, :-(-ctx // bs)].long()
-            outs.append(self._one(query[i:i + 1], kv_cache, blocks, ctx, scale))
+            blocks = meta.block_tables[i, : -(-ctx // bs)].long()
+            outs.append(self._one(query[i : i + 1], kv_cache, blocks, ctx, scale))
         return torch.cat(outs)
 
     def prefill_attention(self, query, kv_cache, meta, scale):
         bs = kv_cache.shape[2]
         outs, start = [], 0
         for i, (q_len, ctx) in enumerate(zip(meta.query_lens, meta.context_lens_list)):
-            blocks = meta.block_tables[i, :-(-ctx // bs)].long()
-            outs.append(self._one(query[start:start + q_len], kv_cache, blocks, ctx, scale))
+            blocks = meta.block_tables[i, : -(-ctx // bs)].long()
+            outs.append(self._one(query[start : start + q_len], kv_cache, blocks, ctx, scale))
             start += q_len
         return torch.cat(outs)
