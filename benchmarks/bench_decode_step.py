@@ -18,6 +18,7 @@ import torch
 from pagedllm.backends.cpu import CpuAttentionOps
 from pagedllm.backends.models.loader import load_model
 from pagedllm.backends.runner import ModelRunner, SeqInput, allocate_kv_caches
+from pagedllm.core.utils import cdiv
 
 
 def scratch_dir() -> str:
@@ -70,7 +71,7 @@ def main(argv=None):
 
     # pagedllm: prefill every request, then time decode steps
     model = load_model(path)
-    blocks_each = -(-(args.context + args.steps + 2) // bs)
+    blocks_each = cdiv(args.context + args.steps + 2, bs)
     kv = allocate_kv_caches(model.config, 1 + args.batch * blocks_each, bs)
     runner = ModelRunner(model, CpuAttentionOps(), kv, bs)
     # scattered blocks, as in a pool that has served many requests

@@ -6,13 +6,14 @@ contexts, block size 16, prefix caching on. Run:
 import pytest
 
 from pagedllm.core import CacheConfig, EngineRequest, SamplingParams, Scheduler, SchedulerConfig
+from pagedllm.core.utils import cdiv
 
 CONTEXT = 1000
 ROUNDS = 200
 
 
 def decoding_scheduler(num_requests: int) -> Scheduler:
-    blocks_per_request = -(-(CONTEXT + 4 * ROUNDS) // 16)  # room for the whole run: no preemption
+    blocks_per_request = cdiv(CONTEXT + 4 * ROUNDS, 16)  # room for the whole run: no preemption
     sched = Scheduler(
         SchedulerConfig(max_num_seqs=num_requests, max_num_batched_tokens=8192, max_model_len=CONTEXT + 4 * ROUNDS),
         CacheConfig(block_size=16, num_blocks=1 + num_requests * blocks_per_request),

@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import itertools
 import json
-import os
 import random
 import signal
 import subprocess
@@ -23,6 +22,7 @@ import time
 
 from pagedllm.benchmarks.report import percentiles_ms
 from pagedllm.core.ipc import free_tcp_port
+from pagedllm.core.model_folder import ModelFolder
 
 
 def start_server(model_dir: str, backend: str, dtype: str, kv_cache_memory: str) -> tuple[subprocess.Popen, str]:
@@ -231,12 +231,11 @@ def main(argv=None) -> None:
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
     model_dir = args.model or default_model_dir()
-    with open(os.path.join(model_dir, "config.json")) as f:
-        cfg = json.load(f)
+    folder = ModelFolder(model_dir)
     lengths = synthetic_lengths(
-        args.num_prompts, seed=args.seed, max_len=min(1000, cfg.get("max_position_embeddings", 2048) // 2 - 1)
+        args.num_prompts, seed=args.seed, max_len=min(1000, folder.max_position_embeddings // 2 - 1)
     )
-    prompts = synthetic_prompts(lengths, cfg["vocab_size"], args.seed)
+    prompts = synthetic_prompts(lengths, folder.vocab_size, args.seed)
     max_tokens = [o for _, o in lengths]
     print(
         f"{len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {sum(max_tokens)} output tokens; "

@@ -11,6 +11,8 @@ import time
 
 import torch
 
+from pagedllm.core.model_folder import ModelFolder
+
 
 def _greedy_config(model, max_new_tokens: int):
     from transformers import GenerationConfig
@@ -86,8 +88,7 @@ def vllm_subprocess(
     work_dir = os.path.abspath(work_dir)
     os.makedirs(work_dir, exist_ok=True)
     job, result = os.path.join(work_dir, "vllm_job.json"), os.path.join(work_dir, "vllm_result.json")
-    with open(os.path.join(model_dir, "config.json")) as f:
-        context = json.load(f).get("max_position_embeddings", 2048)
+    context = ModelFolder(model_dir).max_position_embeddings
     with open(job, "w") as f:
         json.dump(
             {

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.backends.attention import DecodeMetadata, PrefillMetadata
+from pagedllm.core.utils import cdiv
 
 
 @dataclass
@@ -77,7 +78,7 @@ def make_case(
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     num_heads = num_kv_heads * group
-    blocks_per = [-(-c // block_size) for c in context_lens]
+    blocks_per = [cdiv(c, block_size) for c in context_lens]
     shared = min([share_prefix_blocks] + blocks_per)
     num_blocks = 1 + shared + sum(b - shared for b in blocks_per) + spare_blocks
     ids = list(range(1, num_blocks))

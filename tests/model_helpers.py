@@ -9,6 +9,7 @@ import torch
 from pagedllm.backends.cpu import CpuAttentionOps
 from pagedllm.backends.models.loader import load_model
 from pagedllm.backends.runner import ModelRunner, SeqInput, allocate_kv_caches
+from pagedllm.core.utils import cdiv
 
 
 def make_runner(
@@ -31,7 +32,7 @@ def greedy_batched(
     """Greedy decoding of all prompts in shared steps. Request i joins at step start_steps[i],
     so batches mix prefills of newcomers with decodes of the others."""
     bs = runner.block_size
-    blocks_each = -(-(max(map(len, prompts)) + max_new) // bs)
+    blocks_each = cdiv(max(map(len, prompts)) + max_new, bs)
     tables = shuffled_tables(len(prompts), blocks_each, runner.kv_caches.shape[2])
     start_steps = start_steps or [0] * len(prompts)
     tokens = [list(p) for p in prompts]

@@ -228,13 +228,14 @@ from pagedllm.backends.models.loader import load_model
 from pagedllm.backends.triton import TritonAttentionOps
 from pagedllm.backends.runner import ModelRunner, SeqInput, allocate_kv_caches
 from pagedllm.backends.gpu.graphs import DecodeGraphs
+from pagedllm.core.utils import cdiv
 model = load_model(sys.argv[1], dtype="float32")
 ops = TritonAttentionOps()
 kv = allocate_kv_caches(model.config, 64, 16)
 runner = ModelRunner(model, ops, kv, 16)
 lens, tables, nxt = [5, 16, 40], [], 1
 for n in lens:
-    k = -(-(n + 1) // 16)
+    k = cdiv(n + 1, 16)
     tables.append(list(range(nxt, nxt + k)))
     nxt += k
 runner.execute([SeqInput(list(range(3, 3 + n)), 0, t) for n, t in zip(lens, tables)])

@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pagedllm.core import EngineRequest, InvalidParameter, RequestStatus, SamplingParams
+from pagedllm.core.utils import cdiv
 
 from core_helpers import FakeWorker, make_scheduler
 
@@ -28,7 +29,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     )
     def setup(self, block_size, extra_blocks, budget, max_num_seqs, mode, caching, policy, num_swap_blocks):
         # tight: the smallest pool that still fits one max_model_len request, plus a little
-        num_blocks = 1 + -(-MAX_MODEL_LEN // block_size) + extra_blocks
+        num_blocks = 1 + cdiv(MAX_MODEL_LEN, block_size) + extra_blocks
         self.sched = make_scheduler(
             block_size=block_size,
             num_blocks=num_blocks,
