@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.core.utils import derive_seed
 
 
 @dataclass
@@ -21,7 +22,7 @@ class SamplingRow:
     params: SamplingParams
     token_ids: list[int] = field(default_factory=list)  # prompt and output so far
     num_prompt_tokens: int = 0
-    eos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_output_tokens(self) -> int:
@@ -51,7 +52,8 @@ class SamplerOutput:
 
 
 def _seed_for(seed: int, step: int) -> int:
-    return hash((seed, step)) & 0x7FFF_FFFF_FFFF_FFFF
+    """The generator seed of a seeded request's `step`-th output token."""
+    return derive_seed(seed, step)
 
 
 class Sampler:
@@ -129,8 +131,8 @@ def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
     for i, row in enumerate(rows):
         if row.num_output_tokens < row.params.min_tokens:
             ids = list(row.params.stop_token_ids or ())
-            if row.eos_token_id is not None and not row.params.ignore_eos:
-                ids.append(row.eos_token_id)
+            if not row.params.ignore_eos:
+                ids.extend(row.eos_token_ids)
             blocked.extend((i, t) for t in ids if 0 <= t < logits.shape[-1])
     if not blocked:
         return logits

@@ -162,7 +162,7 @@ class Worker:
             out = self.sampler(
                 logits,
                 [
-                    SamplingRow(c.state.params, c.state.token_ids, c.state.num_prompt_tokens, c.state.eos_token_id)
+                    SamplingRow(c.state.params, c.state.token_ids, c.state.num_prompt_tokens, c.state.eos_token_ids)
                     for c in batch
                 ],
             )

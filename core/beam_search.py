@@ -56,7 +56,7 @@ class BeamGroup:
     width: int
     max_tokens: int
     length_penalty: float = 1.0
-    eos_token_id: int | None = None  # None: EOS does not end a beam
+    eos_token_ids: frozenset = frozenset()  # empty: EOS does not end a beam
     scores: list[np.float32] = field(default_factory=list)  # of the running beams, best first
     finished: list[Hypothesis] = field(default_factory=list)  # at most `width`, best first
     generated: int = 0  # tokens each running beam has generated
@@ -79,10 +79,7 @@ class BeamGroup:
         flat.sort(key=lambda c: (-c[0], c[1], c[2]))
         top = flat[: 2 * width]
         gen_len = self.generated + 1
-        hits = [
-            (self.eos_token_id is not None and tok == self.eos_token_id) or gen_len >= self.max_tokens
-            for _, _, tok in top
-        ]
+        hits = [tok in self.eos_token_ids or gen_len >= self.max_tokens for _, _, tok in top]
 
         ranked = sorted(range(len(top)), key=lambda i: (-(top[i][0] + (NEG if hits[i] else 0)), i))
         running = [Continuation(top[i][1], top[i][2], top[i][0]) for i in ranked[:width] if not hits[i]]
@@ -129,7 +126,7 @@ class BeamSearches:
 
     def start(self, request, params, max_tokens: int) -> None:
         group = BeamGroup(
-            request.request_id, params.beam_width, max_tokens, params.length_penalty, request.eos_token_id
+            request.request_id, params.beam_width, max_tokens, params.length_penalty, request.eos_token_ids
         )
         group.members = [request]
         request.beam_group = group

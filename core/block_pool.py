@@ -5,27 +5,36 @@ A free block is in exactly one of two places:
 - the LRU list: full blocks whose content hash is still registered, kept so an equal prefix can
   revive them; evicted oldest-first only when `_free_ids` is empty. The list is intrusive
   (prev/next on the block), so revival from the middle is O(1).
+A cached block keeps its token ids and its parent (the cached block before it, and which
+registration of that block): a lookup hits only when both match, so a hit is impossible
+without an equal prefix however the keys collide.
 Block 0 is the null block: never allocated, so a zero in a block table means "no block".
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 
-def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
-    """Chained content hash: equal prefixes give equal hashes, block by block. Built from
-    ints and tuples only, whose hashes Python does not randomise."""
-    return hash((-1 if parent_hash is None else parent_hash, tuple(token_ids)))
+def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """Chained key of a full block: equal prefixes give equal keys, block by block. Built from
+    ints and tuples only, whose hashes Python does not randomise, so keys repeat across
+    processes; a key only finds a candidate, which lookup() then checks token by token."""
+    return hash((-1 if parent_hash is None else parent_hash, token_ids))
 
 
 class KVBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev", "next")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "parent", "parent_serial", "serial", "prev", "next")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: int | None = None
+        # while cached: its tokens, and the cached block before it with that block's serial then
+        self.token_ids: tuple[int, ...] | None = None
+        self.parent: KVBlock | None = None
+        self.parent_serial = 0
+        self.serial = 0  # which registration in the cache this is (a block is reused after eviction)
         self.prev: KVBlock | None = None
         self.next: KVBlock | None = None
 
@@ -79,6 +88,7 @@ class BlockPool:
         self._free_ids: list[int] = list(range(num_blocks - 1, 0, -1))
         self._lru = _LRUList()
         self._cached: dict[int, KVBlock] = {}
+        self._registrations = 0
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found
         self.peak_used = 0
@@ -148,15 +158,30 @@ class BlockPool:
                 raise RuntimeError(f"block {block.block_id} freed more often than allocated")
 
     # --- prefix cache ---------------------------------------------------------------------
-    def lookup(self, block_hash: int) -> KVBlock | None:
-        return self._cached.get(block_hash)
+    def lookup(self, block_hash: int, token_ids: tuple[int, ...], parent: KVBlock | None) -> KVBlock | None:
+        """The cached block holding `token_ids` right after `parent` (None: at the start of a
+        sequence), or None. The key only finds the candidate; tokens and parent must match."""
+        block = self._cached.get(block_hash)
+        if block is None or block.token_ids != token_ids or block.parent is not parent:
+            return None
+        if parent is not None and block.parent_serial != parent.serial:
+            return None  # its parent's block was evicted and reused since
+        return block
 
-    def cache_full_block(self, block: KVBlock, block_hash: int) -> None:
-        """Register a block whose slots are all written. If an equal block is already
-        registered, this one stays uncached (it is freed to the plain list later)."""
-        if block.block_hash is None and block_hash not in self._cached:
-            block.block_hash = block_hash
-            self._cached[block_hash] = block
+    def cache_full_block(
+        self, block: KVBlock, block_hash: int, token_ids: tuple[int, ...], parent: KVBlock | None
+    ) -> None:
+        """Register a block whose slots are all written, as following `parent`. If a block is
+        already registered under the key, or the parent is not cached (no lookup could reach
+        this block), it stays uncached (it is freed to the plain list later)."""
+        if block.block_hash is not None or block_hash in self._cached:
+            return
+        if parent is not None and parent.block_hash is None:
+            return
+        self._registrations += 1
+        block.block_hash, block.token_ids, block.serial = block_hash, token_ids, self._registrations
+        block.parent, block.parent_serial = parent, parent.serial if parent is not None else 0
+        self._cached[block_hash] = block
 
     def record_lookup(self, queried_tokens: int, hit_tokens: int) -> None:
         self.prefix_queries += queried_tokens
@@ -168,14 +193,13 @@ class BlockPool:
             block = self._lru.pop_oldest()
             self._evict(block)
             self._free_ids.append(block.block_id)
-        for block in self._cached.values():
-            block.block_hash = None
-        self._cached.clear()
+        for block in list(self._cached.values()):
+            self._evict(block)
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             del self._cached[block.block_hash]
-            block.block_hash = None
+            block.block_hash = block.token_ids = block.parent = None
 
     # --- checks ---------------------------------------------------------------------------
     def check_invariants(self, ref_counts: dict[int, int]) -> None:

@@ -49,14 +49,17 @@ class KVCacheManager:
         the lookup in the pool's stats once the request is admitted."""
         if not self.enable_caching:
             return [], 0
-        max_blocks = (request.num_tokens - 1) // self.block_size
+        bs = self.block_size
+        max_blocks = (request.num_tokens - 1) // bs
+        tokens = request.all_token_ids
         hits: list[KVBlock] = []
-        for block_hash in self._block_hashes(request, max_blocks)[:max_blocks]:
-            block = self.pool.lookup(block_hash)
-            if block is None:
+        parent = None
+        for i, block_hash in enumerate(self._block_hashes(request, max_blocks)[:max_blocks]):
+            parent = self.pool.lookup(block_hash, tuple(tokens[i * bs : (i + 1) * bs]), parent)
+            if parent is None:
                 break
-            hits.append(block)
-        return hits, len(hits) * self.block_size
+            hits.append(parent)
+        return hits, len(hits) * bs
 
     def _block_hashes(self, request: Request, num_full: int) -> list[int]:
         hashes = request.block_hashes
@@ -64,7 +67,7 @@ class KVCacheManager:
         tokens = request.all_token_ids
         while len(hashes) < num_full:
             i = len(hashes)
-            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs]))
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tuple(tokens[i * bs : (i + 1) * bs])))
         return hashes
 
     def _cache_full_blocks(self, request: Request, table: list[KVBlock], num_tokens: int) -> None:
@@ -74,8 +77,10 @@ class KVCacheManager:
         if full <= done:
             return
         hashes = self._block_hashes(request, full)
+        bs, tokens = self.block_size, request.all_token_ids
         for i in range(done, full):
-            self.pool.cache_full_block(table[i], hashes[i])
+            parent = table[i - 1] if i else None
+            self.pool.cache_full_block(table[i], hashes[i], tuple(tokens[i * bs : (i + 1) * bs]), parent)
         self._num_hashed[rid] = full
 
     # --- allocation -----------------------------------------------------------------------

@@ -34,11 +34,14 @@ class ModelFolder:
         """The dtype the checkpoint was saved in, if config.json names one."""
         return self.config.get("dtype") or self.config.get("torch_dtype")
 
-    def eos_token_id(self, tokenizer=None) -> int | None:
-        """generation_config.json's EOS id, else config.json's, else the tokenizer's."""
-        eos = (self.generation_config or {}).get("eos_token_id")
+    def eos_token_ids(self, tokenizer=None) -> list[int]:
+        """The ids that end generation, as transformers' `generate` reads them: from
+        generation_config.json when the folder has one, else from config.json; an int or a list
+        (Llama 3 lists several). Where neither names any, the tokenizer's EOS, as vLLM does."""
+        source = self.generation_config if self.generation_config is not None else self.config
+        eos = source.get("eos_token_id")
+        if eos is None and tokenizer is not None:
+            eos = tokenizer.eos_token_id
         if eos is None:
-            eos = self.config.get("eos_token_id", tokenizer.eos_token_id if tokenizer is not None else None)
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
-        return eos
+            return []
+        return [int(t) for t in eos] if isinstance(eos, list) else [int(eos)]

@@ -18,7 +18,7 @@ class NewRequestData(msgspec.Struct, array_like=True):
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
-    eos_token_id: int | None = None
+    eos_token_ids: list[int] = []
 
 
 class SchedulerOutput(msgspec.Struct, kw_only=True):

@@ -8,6 +8,7 @@ import time
 import msgspec
 
 from .sampling_params import SamplingParams
+from .utils import derive_seed
 
 
 class EngineRequest(msgspec.Struct, kw_only=True):
@@ -16,7 +17,7 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    eos_token_id: int | None = None
+    eos_token_ids: list[int] = []  # any of them ends the request (models may list several)
     arrival_time: float = 0.0
 
 
@@ -47,8 +48,8 @@ def child_request_id(parent_id: str, index: int) -> str:
 
 
 def child_seed(seed: int, index: int) -> int:
-    """The seed of sample `index` of a seeded request with n > 1."""
-    return hash((seed, index, "sample")) & 0x7FFF_FFFF_FFFF_FFFF
+    """The seed of sample `index` of a seeded request with n > 1 (the same in every run)."""
+    return derive_seed(seed, index)
 
 
 class Request:
@@ -60,7 +61,7 @@ class Request:
         "request_id",
         "prompt_token_ids",
         "sampling_params",
-        "eos_token_id",
+        "eos_token_ids",
         "arrival_time",
         "priority",
         "all_token_ids",
@@ -84,14 +85,14 @@ class Request:
         request_id: str,
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
-        eos_token_id: int | None = None,
+        eos_token_ids=(),
         arrival_time: float | None = None,
         max_tokens: int = 16,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
-        self.eos_token_id = None if sampling_params.ignore_eos else eos_token_id
+        self.eos_token_ids = frozenset() if sampling_params.ignore_eos else frozenset(eos_token_ids)
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = sampling_params.priority
         self.all_token_ids = list(prompt_token_ids)
@@ -117,7 +118,7 @@ class Request:
             req.request_id,
             req.prompt_token_ids,
             req.sampling_params,
-            req.eos_token_id,
+            req.eos_token_ids,
             req.arrival_time or None,
             max_tokens,
         )

@@ -279,7 +279,7 @@ class Scheduler:
         tokens.append(token)
         num_output = len(tokens) - request.num_prompt_tokens
         status = None
-        if num_output >= request.min_tokens and (token == request.eos_token_id or token in request.stop_ids):
+        if num_output >= request.min_tokens and (token in request.eos_token_ids or token in request.stop_ids):
             status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = token if token in request.stop_ids else None
         elif num_output >= request.max_tokens or len(tokens) >= self.config.max_model_len:

@@ -65,7 +65,7 @@ class StepBuilder:
                     request.sampling_params,
                     self.kv.block_ids(rid),
                     request.num_computed_tokens,
-                    request.eos_token_id,
+                    sorted(request.eos_token_ids),
                 )
             )
         elif delta[1]:

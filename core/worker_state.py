@@ -21,7 +21,7 @@ class ProtocolError(RuntimeError):
 
 
 class RequestState:
-    __slots__ = ("token_ids", "num_prompt_tokens", "params", "block_ids", "num_computed", "eos_token_id")
+    __slots__ = ("token_ids", "num_prompt_tokens", "params", "block_ids", "num_computed", "eos_token_ids")
 
     def __init__(
         self,
@@ -30,14 +30,14 @@ class RequestState:
         params: SamplingParams,
         block_ids: list[int],
         num_computed: int,
-        eos_token_id: int | None,
+        eos_token_ids: list[int],
     ):
         self.token_ids = token_ids
         self.num_prompt_tokens = num_prompt_tokens
         self.params = params
         self.block_ids = block_ids
         self.num_computed = num_computed
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = eos_token_ids
 
     @property
     def samples(self) -> bool:
@@ -79,7 +79,7 @@ class WorkerState:
                 new.sampling_params,
                 list(new.block_ids),
                 new.num_computed_tokens,
-                new.eos_token_id,
+                new.eos_token_ids,
             )
         for rid, (start, ids) in plan.block_table_deltas.items():
             blocks = requests[rid].block_ids

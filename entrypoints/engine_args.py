@@ -98,4 +98,4 @@ def start_engine(args: EngineArgs) -> tuple[EngineClient, InputProcessor]:
     except BaseException:
         engine.shutdown()
         raise
-    return engine, InputProcessor(tokenizer, folder.eos_token_id(tokenizer), folder.vocab_size, ready.max_model_len)
+    return engine, InputProcessor(tokenizer, folder.eos_token_ids(tokenizer), folder.vocab_size, ready.max_model_len)

@@ -14,9 +14,9 @@ Prompt = tuple[str | None, list[int]]  # (text if known, token ids)
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, eos_token_id: int | None, vocab_size: int, max_model_len: int):
+    def __init__(self, tokenizer, eos_token_ids: list[int], vocab_size: int, max_model_len: int):
         self.tokenizer = tokenizer
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
 
@@ -79,7 +79,7 @@ class InputProcessor:
             request_id=tracker.request_id,
             prompt_token_ids=tracker.output.prompt_token_ids,
             sampling_params=tracker.params,
-            eos_token_id=self.eos_token_id,
+            eos_token_ids=self.eos_token_ids,
             arrival_time=arrival_time,
         )
 

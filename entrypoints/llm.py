@@ -43,8 +43,9 @@ class LLM:
         return self.inputs.max_model_len
 
     @property
-    def eos_token_id(self) -> int | None:
-        return self.inputs.eos_token_id
+    def eos_token_ids(self) -> list[int]:
+        """Every id that ends generation (generation_config.json's list, as transformers reads it)."""
+        return self.inputs.eos_token_ids
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -94,7 +95,7 @@ class LLM:
         return [BeamSearchOutput([self._beam_sequence(t, b, params) for b in (t.beams or [])]) for t in trackers]
 
     def _beam_sequence(self, tracker: RequestTracker, beam, params: BeamSearchParams) -> BeamSearchSequence:
-        ended = bool(beam.token_ids) and beam.token_ids[-1] == self.eos_token_id and not params.ignore_eos
+        ended = bool(beam.token_ids) and beam.token_ids[-1] in self.eos_token_ids and not params.ignore_eos
         text = self.tokenizer.decode(beam.token_ids, skip_special_tokens=True) if self.tokenizer is not None else None
         return BeamSearchSequence(
             tokens=tracker.output.prompt_token_ids + beam.token_ids,

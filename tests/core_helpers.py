@@ -47,7 +47,7 @@ def add(sched: Scheduler, rid: str, prompt, max_tokens=8, eos_token_id=None, **p
         EngineRequest(
             request_id=rid,
             prompt_token_ids=list(prompt),
-            eos_token_id=eos_token_id,
+            eos_token_ids=[] if eos_token_id is None else [eos_token_id],
             sampling_params=SamplingParams(max_tokens=max_tokens, **params),
         )
     )

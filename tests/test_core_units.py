@@ -90,20 +90,36 @@ def test_block_pool_allocate_free_and_null_block():
 def test_block_pool_lru_eviction_prefers_uncached_then_oldest():
     pool = BlockPool(5)
     a, b, c = pool.allocate(3)
-    pool.cache_full_block(a, 111)
-    pool.cache_full_block(b, 222)
+    pool.cache_full_block(a, 111, (1, 2), None)
+    pool.cache_full_block(b, 222, (3, 4), None)
     pool.free([b])  # cached, older
     pool.free([a])  # cached, newer
     pool.free([c])  # uncached
     assert pool.num_free == 4 and pool.num_cached_free == 2
     first, second = pool.allocate(2)  # block 4 (never used) and c: the uncached ones
     assert {first.block_id, second.block_id} == {4, c.block_id}
-    assert pool.lookup(111) is a and pool.lookup(222) is b
+    assert pool.lookup(111, (1, 2), None) is a and pool.lookup(222, (3, 4), None) is b
     (evicted,) = pool.allocate(1)
-    assert evicted is b and pool.lookup(222) is None and pool.lookup(111) is a
+    assert evicted is b and pool.lookup(222, (3, 4), None) is None and pool.lookup(111, (1, 2), None) is a
     pool.touch([a])  # revival from the LRU
     assert a.ref_cnt == 1 and pool.num_free == 0
     pool.check_invariants({a.block_id: 1, first.block_id: 1, second.block_id: 1, b.block_id: 1})
+
+
+def test_a_cached_block_is_a_hit_only_for_its_tokens_after_its_parent():
+    pool = BlockPool(3)  # two usable blocks
+    root, child = pool.allocate(2)
+    pool.cache_full_block(root, 1, (1, 2), None)
+    pool.cache_full_block(child, 2, (3, 4), root)
+    assert pool.lookup(1, (1, 2), None) is root and pool.lookup(2, (3, 4), root) is child
+    assert pool.lookup(1, (9, 9), None) is None, "the same key, other tokens"
+    assert pool.lookup(2, (3, 4), None) is None, "the same key and tokens, another parent"
+    pool.free([root, child])  # the root is the older: evicted first
+    (reused,) = pool.allocate(1)
+    assert reused is root and pool.lookup(1, (1, 2), None) is None
+    pool.cache_full_block(reused, 1, (1, 2), None)  # the block holds new K/V now
+    assert pool.lookup(1, (1, 2), None) is reused
+    assert pool.lookup(2, (3, 4), reused) is None, "its child was computed after the evicted content"
 
 
 def test_scheduler_output_is_msgpack_serialisable():

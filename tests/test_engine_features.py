@@ -123,3 +123,38 @@ def test_tcp_transport(tiny_model):
         assert all(e.startswith("tcp://127.0.0.1:") for e in engine.engine.endpoints.values())
         out = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_seeded_samples_repeat_across_separately_started_engines(tiny_model):
+    """Each engine core is a new interpreter with its own str-hash seed: sample i's seed must
+    be derived without hash()."""
+    params = SamplingParams(n=3, temperature=1.0, seed=1234, max_tokens=8, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        with LLM(tiny_model("llama"), num_kv_blocks=64, max_model_len=256, skip_tokenizer_init=True) as engine:
+            runs.append([c.token_ids for c in engine.generate([[5, 6, 7, 8]], params, use_tqdm=False)[0].outputs])
+    assert runs[0] == runs[1]
+    assert len({tuple(t) for t in runs[0]}) == 3
+
+
+def test_every_eos_id_of_generation_config_stops(tiny_model, tmp_path):
+    """Llama 3 lists several EOS ids; transformers stops on each. The second id of the list is
+    the token greedy decoding emits fifth."""
+    import json
+    import shutil
+
+    src = tiny_model("llama")
+    prompt = [5, 6, 7, 8]
+    with LLM(src, num_kv_blocks=64, max_model_len=256, skip_tokenizer_init=True) as engine:
+        free = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    tokens = free[0].outputs[0].token_ids
+    stop_at = tokens[4]
+    first = tokens.index(stop_at)
+    folder = shutil.copytree(src, tmp_path / "two-eos")
+    unused = next(t for t in range(3, 400) if t not in tokens)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [unused, stop_at]}))
+    with LLM(str(folder), num_kv_blocks=64, max_model_len=256, skip_tokenizer_init=True) as engine:
+        out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0]
+        assert engine.eos_token_ids == [unused, stop_at]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == tokens[: first + 1]

@@ -10,7 +10,7 @@ VOCAB = 50
 
 
 def row(params, prompt=(), output=(), eos=None) -> SamplingRow:
-    return SamplingRow(params, list(prompt) + list(output), len(prompt), eos)
+    return SamplingRow(params, list(prompt) + list(output), len(prompt), [] if eos is None else [eos])
 
 
 def logits_batch(n: int, seed: int = 0) -> torch.Tensor:

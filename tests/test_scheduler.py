@@ -216,3 +216,21 @@ def test_beam_search_wider_than_max_num_seqs_is_refused_and_one_as_wide_finishes
     add(sched, "beams", [2], max_tokens=2, beam_width=2)
     _outputs, reasons, _ = run_to_completion(sched)
     assert reasons == {"long": "length", "beams": "stop"}
+
+
+def test_colliding_prefix_keys_never_hand_one_request_anothers_kv(monkeypatch):
+    """Every full block gets the same cache key, so each lookup finds a candidate: only equal
+    tokens after an equal parent may be a hit. The fake worker checks that every request
+    reads exactly its own tokens from the KV slots."""
+    monkeypatch.setattr("pagedllm.core.kv_cache_manager.hash_block_tokens", lambda parent, tokens: 7)
+    sched = make_scheduler(block_size=4, num_blocks=64)
+    worker = FakeWorker(4, 64)
+    add(sched, "a", range(10, 30), max_tokens=4)
+    run_to_completion(sched, worker)  # a's first block is now cached under key 7
+    add(sched, "b", range(40, 60), max_tokens=4)  # another prompt: the same keys
+    outputs, _, _ = run_to_completion(sched, worker)
+    assert sched.kv.pool.prefix_hits == 0
+    assert outputs["b"] == [fake_token("b", 20 + i) for i in range(4)]
+    add(sched, "a-again", range(10, 30), max_tokens=4)  # a's prompt does hit its first block
+    run_to_completion(sched, worker)
+    assert sched.kv.pool.prefix_hits == 4

@@ -62,7 +62,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             EngineRequest(
                 request_id=rid,
                 prompt_token_ids=prompt,
-                eos_token_id=EOS,
+                eos_token_ids=[EOS],
                 sampling_params=SamplingParams(
                     max_tokens=max_tokens,
                     ignore_eos=ignore_eos,
@@ -83,7 +83,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 EngineRequest(
                     request_id=rid,
                     prompt_token_ids=PREFIXES[0][:prompt_len],
-                    eos_token_id=EOS,
+                    eos_token_ids=[EOS],
                     sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, beam_width=width),
                 )
             )
