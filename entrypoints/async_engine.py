@@ -69,6 +69,10 @@ class EngineOverloaded(RuntimeError):
     """More requests are queued than the server accepts; the client should retry later."""
 
 
+class EngineShuttingDown(EngineOverloaded):
+    """The server is draining before it stops: it takes no new requests."""
+
+
 class AsyncEngine:
     def __init__(self, max_queue_len: int | None = None, metrics=None, **engine_args):
         """max_queue_len: requests waiting for their first token beyond which new ones are
@@ -84,6 +88,7 @@ class AsyncEngine:
         self._lock = threading.Lock()  # _streams and the output processor's routes
         self._send_lock = threading.Lock()
         self._stopping = threading.Event()
+        self._accepting = True
         self.last_stats = None
         self._reader = threading.Thread(target=self._read, name="pagedllm-engine-reader", daemon=True)
         self._reader.start()
@@ -163,6 +168,8 @@ class AsyncEngine:
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> RequestStream:
         """Check and submit a request now (raising InvalidParameter or EngineOverloaded here, before
         any response is started); iterate the returned stream for its outputs."""
+        if not self._accepting:
+            raise EngineShuttingDown("the server is shutting down; it takes no new requests")
         params = params or SamplingParams()
         (item,) = self.inputs.prompts([prompt])
         self.inputs.check_room(item, params)
@@ -207,6 +214,20 @@ class AsyncEngine:
         if self.metrics is not None:
             self.metrics.observe_request(tracker.timing, tracker.output)
 
+    def stop_accepting(self) -> None:
+        """From now on add_request raises EngineShuttingDown; running requests go on."""
+        self._accepting = False
+
+    @property
+    def num_open_requests(self) -> int:
+        return len(self._streams)
+
+    def abort_all(self) -> None:
+        """Abort every running request: each stream ends with finish_reason "abort"."""
+        with self._lock:
+            trackers = [s.tracker for s in self._streams.values()]
+        self.abort(*(rid for t in trackers for rid in t.unfinished_engine_ids()))
+
     def abort(self, *engine_request_ids: str) -> None:
         if engine_request_ids and self.engine.dead_reason is None and not self.engine.closed:
             with self._send_lock:
@@ -218,4 +239,4 @@ class AsyncEngine:
         self.engine.shutdown()
 
 
-__all__ = ["AsyncEngine", "EngineOverloaded", "RequestStream", "StreamOutput"]
+__all__ = ["AsyncEngine", "EngineOverloaded", "EngineShuttingDown", "RequestStream", "StreamOutput"]

@@ -59,6 +59,34 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--length-penalty", type=float, default=1.0, help="beam search length penalty")
 
 
+def add_zmq_security_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("ZMQ authentication (CurveZMQ; keys from `pagedllm keygen`)")
+    g.add_argument("--zmq-curve-secret-key", default=None, metavar="FILE", help="the server's NAME.key_secret")
+    g.add_argument(
+        "--zmq-authorized-keys",
+        default=None,
+        metavar="DIR",
+        help="folder of the client public keys (NAME.key) accepted",
+    )
+    g.add_argument(
+        "--zmq-allow-insecure",
+        action="store_true",
+        help="serve ZMQ on a non-loopback address without authentication (refused otherwise)",
+    )
+
+
+def add_limit_flags(p: argparse.ArgumentParser) -> None:
+    from .limits import ServerLimits
+
+    d = ServerLimits()
+    g = p.add_argument_group("limits on one request")
+    g.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes, help="HTTP body or ZMQ frame")
+    g.add_argument("--max-prompts", type=int, default=d.max_prompts, help="prompts in one completions request")
+    g.add_argument("--max-n", type=int, default=d.max_n, help="n, and best_of / beam width (also <= --max-num-seqs)")
+    g.add_argument("--max-logprobs", type=int, default=d.max_logprobs)
+    g.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings)
+
+
 def engine_kwargs(args) -> dict:
     return dict(
         model=args.model,
@@ -210,8 +238,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests waiting for a first token beyond which new ones get 503",
     )
     srv.add_argument("--log-level", default="warning", help="uvicorn's log level")
+    srv.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM or Ctrl-C: seconds running requests may take to finish before they are aborted",
+    )
+    add_zmq_security_flags(srv)
+    add_limit_flags(srv)
     add_engine_flags(srv)
     srv.set_defaults(func=cmd_serve)
+
+    keys = sub.add_parser("keygen", help="make a CurveZMQ key pair for the ZMQ entrypoint or one of its clients")
+    keys.add_argument("--out", default="zmq-keys", help="folder for NAME.key (public) and NAME.key_secret")
+    keys.add_argument("--name", default="server", help="file name stem (server, or a client's name)")
+    keys.set_defaults(func=cmd_keygen)
 
     from .bench import add_bench_parser
 
@@ -227,12 +268,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_serve(args) -> int:
-    from .serve import run_server
+    from .limits import ServerLimits
+    from .serve import ServeOptions, run_server
+    from .zmq_auth import ServerCurve
 
-    if args.max_queue_len < 0:
-        raise ValueError(f"--max-queue-len: must be >= 0, got {args.max_queue_len}")
-    run_server(
-        engine_kwargs(args),
+    if (args.zmq_curve_secret_key is None) != (args.zmq_authorized_keys is None):
+        raise ValueError("--zmq-curve-secret-key and --zmq-authorized-keys go together")
+    curve = None
+    if args.zmq_curve_secret_key is not None:
+        curve = ServerCurve(args.zmq_curve_secret_key, args.zmq_authorized_keys)
+    limits = ServerLimits(
+        max_request_bytes=args.max_request_bytes,
+        max_prompts=args.max_prompts,
+        max_n=args.max_n,
+        max_logprobs=args.max_logprobs,
+        max_stop_strings=args.max_stop_strings,
+    )
+    options = ServeOptions(
         host=args.host,
         port=args.port,
         zmq_endpoint=None if args.zmq_endpoint == "none" else args.zmq_endpoint,
@@ -240,7 +292,20 @@ def cmd_serve(args) -> int:
         model_name=args.served_model_name,
         max_queue_len=args.max_queue_len,
         log_level=args.log_level,
+        shutdown_timeout=args.shutdown_timeout,
+        zmq_curve=curve,
+        zmq_allow_insecure=args.zmq_allow_insecure,
+        limits=limits,
     )
+    run_server(engine_kwargs(args), options)
+    return 0
+
+
+def cmd_keygen(args) -> int:
+    from .zmq_auth import keygen
+
+    public, secret = keygen(args.out, args.name)
+    print(f"wrote {public} (public: give it to the other side) and {secret} (secret: keep it)")
     return 0
 
 

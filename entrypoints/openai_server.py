@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 
 from starlette.applications import Starlette
@@ -16,6 +17,7 @@ from pagedllm.core.errors import InvalidParameter
 
 from .async_engine import AsyncEngine, EngineOverloaded, RequestStream
 from .engine_client import EngineDeadError
+from .limits import RequestTooLarge, ServerLimits
 from .metrics import CONTENT_TYPE, EngineMetrics
 from .openai_protocol import (
     ChatCompletionRequest,
@@ -64,10 +66,12 @@ class EventStream(Response):
 
         watcher = asyncio.create_task(watch())
         try:
-            async for chunk in self.chunks:
-                await send(
-                    {"type": "http.response.body", "body": b"data: " + _json(chunk) + b"\n\n", "more_body": True}
-                )
+            try:
+                async for chunk in self.chunks:
+                    await send({"type": "http.response.body", "body": _event(chunk), "more_body": True})
+            except InvalidParameter as e:  # refused by the engine core once the stream had started
+                error = error_body(str(e), "invalid_request_error", e.field, None)
+                await send({"type": "http.response.body", "body": _event(error), "more_body": True})
             await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
         except asyncio.CancelledError:
             if not gone:
@@ -81,6 +85,10 @@ class EventStream(Response):
 
 def _json(obj) -> bytes:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def _event(obj) -> bytes:
+    return b"data: " + _json(obj) + b"\n\n"
 
 
 async def merged(streams: list[RequestStream]):
@@ -121,6 +129,19 @@ async def merged(streams: list[RequestStream]):
             stream.close()
 
 
+async def read_body(request: Request, limits: ServerLimits) -> bytes:
+    """The body, refused (RequestTooLarge) as soon as it is known to exceed the limit."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit():
+        limits.check_size(int(declared), "request body")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        limits.check_size(size, "request body")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def until_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -128,12 +149,18 @@ async def until_disconnect(request: Request) -> None:
 
 class OpenAIServer:
     def __init__(
-        self, engine: AsyncEngine, model_name: str, api_key: str | None = None, metrics: EngineMetrics | None = None
+        self,
+        engine: AsyncEngine,
+        model_name: str,
+        api_key: str | None = None,
+        metrics: EngineMetrics | None = None,
+        limits: ServerLimits | None = None,
     ):
         self.engine = engine
         self.model_name = model_name
         self.api_key = api_key
         self.metrics = metrics
+        self.limits = limits or ServerLimits()
         self.app = Starlette(
             routes=[
                 Route("/health", self.health, methods=["GET"]),
@@ -190,7 +217,8 @@ class OpenAIServer:
     def _check_key(self, request: Request) -> Response | None:
         if self.api_key is None:
             return None
-        if request.headers.get("authorization", "") != f"Bearer {self.api_key}":
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):  # constant time
             return error_response(
                 401,
                 "missing or wrong API key (send 'Authorization: Bearer KEY')",
@@ -215,7 +243,7 @@ class OpenAIServer:
             return denied
         streams: list[RequestStream] = []
         try:
-            req = decode_body(await request.body(), kind)
+            req = decode_body(await read_body(request, self.limits), kind)
             if req.model is not None and req.model != self.model_name:
                 return error_response(
                     404,
@@ -225,8 +253,14 @@ class OpenAIServer:
                     "model_not_found",
                 )
             params = req.to_sampling_params()
-            for prompt in prompts_of(req):
+            is_chat = kind is ChatCompletionRequest
+            self.limits.check(params, logprobs_field="top_logprobs" if is_chat else "logprobs")
+            prompts = prompts_of(req)
+            self.limits.check_prompts(len(prompts))
+            for prompt in prompts:
                 streams.append(self.engine.add_request(prompt, params))
+        except RequestTooLarge as e:
+            return error_response(413, str(e), "invalid_request_error", code="request_too_large")
         except InvalidParameter as e:
             for s in streams:
                 s.close()
@@ -257,6 +291,8 @@ class OpenAIServer:
             return Response(status_code=499)
         try:
             outputs = work.result()
+        except InvalidParameter as e:  # refused by the engine core
+            return error_response(400, str(e), "invalid_request_error", e.field)
         except EngineDeadError as e:
             return error_response(500, str(e), "server_error", code="engine_dead")
         return JSONResponse(body_of(req, params, outputs, meta))

@@ -27,12 +27,23 @@ class Abort(msgspec.Struct, tag="abort", forbid_unknown_fields=True):
     request_id: str
 
 
+class Hello(msgspec.Struct, tag="hello", forbid_unknown_fields=True):
+    """Is the server ready? Answered with `ready` (queued by ZeroMQ until the server is up)."""
+
+
+class Ready(msgspec.Struct, tag="ready"):
+    model: str  # the served model's name
+    max_model_len: int  # prompt + output tokens of one request, at most
+
+
 class Delta(msgspec.Struct, tag="delta"):
     request_id: str
     index: int  # which of the n completions
     text: str  # new text (held back while it could still become a stop string)
     token_ids: list[int]  # new token ids
-    logprobs: list[float] | None = None  # of the new tokens, when asked for
+    logprobs: list[float] | None = None  # of the new tokens, when params.logprobs was set
+    # per new token, the params.logprobs most likely (token id, logprob), most likely first
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class Completion(msgspec.Struct):
@@ -62,10 +73,39 @@ class Error(msgspec.Struct, tag="error"):
     message: str
 
 
-ClientMessage = Generate | Abort
-ServerMessage = Delta | Final | Error
+ClientMessage = Generate | Abort | Hello
+ServerMessage = Delta | Final | Error | Ready
+
+_TOP_FIELDS = frozenset(Generate.__struct_fields__) | {"type"}
 
 _SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)
+
+
+def wire_field(field: str | None) -> str | None:
+    """An engine field named as a client names it: sampling parameters live under `params`."""
+    if field == "prompts":  # what the Python API calls its argument
+        return "prompt"
+    if field is None or field in _TOP_FIELDS or field.startswith("params"):
+        return field
+    return f"params.{field}" if field.split(".")[0] in _SAMPLING_FIELDS else field
+
+
+def readable_request_id(frame: bytes) -> str | None:
+    """The string `request_id` of a frame that is a msgpack map, whatever else is wrong with it."""
+    try:
+        obj = msgspec.msgpack.decode(frame)
+    except (msgspec.DecodeError, UnicodeDecodeError):
+        return None
+    rid = obj.get("request_id") if isinstance(obj, dict) else None
+    return rid if isinstance(rid, str) else None
+
+
+def invalid_message(error: msgspec.ValidationError) -> tuple[str | None, str]:
+    """(field, message) of a frame that does not decode as a client message."""
+    field, message = validation_error_parts(error)
+    if field is None and message.startswith("Object contains unknown field"):
+        field = message.split("`")[1]
+    return field, message
 
 
 def sampling_params(params: dict[str, Any]) -> SamplingParams:

@@ -14,11 +14,28 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from pagedllm.core.errors import InvalidParameter, validation_error_parts
+from pagedllm.core.errors import InvalidParameter
 
 from .async_engine import AsyncEngine, EngineOverloaded, RequestStream
 from .engine_client import EngineDeadError
-from .zmq_protocol import Abort, ClientMessage, Completion, Delta, Error, Final, Generate, Usage, sampling_params
+from .limits import RequestTooLarge, ServerLimits
+from .zmq_auth import ServerCurve
+from .zmq_protocol import (
+    Abort,
+    ClientMessage,
+    Completion,
+    Delta,
+    Error,
+    Final,
+    Generate,
+    Hello,
+    Ready,
+    Usage,
+    invalid_message,
+    readable_request_id,
+    sampling_params,
+    wire_field,
+)
 
 
 class ClientGone(Exception):
@@ -26,14 +43,26 @@ class ClientGone(Exception):
 
 
 class ZmqServer:
-    def __init__(self, engine: AsyncEngine, endpoint: str):
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        endpoint: str,
+        model_name: str = "pagedllm",
+        curve: ServerCurve | None = None,
+        limits: ServerLimits | None = None,
+    ):
         self.engine = engine
+        self.model_name = model_name
+        self.limits = limits or ServerLimits()
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
+        self.auth = curve.apply(self.ctx, self.sock) if curve is not None else None
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished client raises
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.setsockopt(zmq.LINGER, 0)
+        # frames past the limit get a 413 reply; far past it, ZeroMQ drops the connection unread
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.limits.max_request_bytes + 4096)
         try:
             self.sock.bind(endpoint)
         except zmq.ZMQError as e:
@@ -57,6 +86,8 @@ class ZmqServer:
                 task.cancel()
 
     def close(self) -> None:
+        if self.auth is not None:
+            self.auth.stop()
         self.sock.close(linger=0)
         self.ctx.term()
 
@@ -66,31 +97,42 @@ class ZmqServer:
             self._reply_soon(identity, Error(None, 400, None, f"expected one frame per message, got {len(payload)}"))
             return
         try:
+            self.limits.check_size(len(payload[0]), "frame")
+        except RequestTooLarge as e:
+            self._reply_soon(identity, Error(None, 413, None, str(e)))
+            return
+        try:
             msg = self.decoder.decode(payload[0])
         except msgspec.ValidationError as e:
-            field, message = validation_error_parts(e)
-            self._reply_soon(identity, Error(None, 400, field, f"not a valid message: {message}"))
+            field, message = invalid_message(e)
+            error = Error(readable_request_id(payload[0]), 400, field, f"not a valid message: {message}")
+            self._reply_soon(identity, error)
             return
         except (msgspec.DecodeError, UnicodeDecodeError) as e:
             self._reply_soon(identity, Error(None, 400, None, f"not a msgpack message: {e}"))
             return
-        key = (identity, msg.request_id)
-        if isinstance(msg, Abort):
-            task = self.tasks.get(key)
+        if isinstance(msg, Hello):
+            self._reply_soon(identity, Ready(self.model_name, self.engine.max_model_len))
+        elif isinstance(msg, Abort):
+            task = self.tasks.get((identity, msg.request_id))
             if task is not None:  # an id that already finished is no error: the two crossed
                 task.cancel()
-            return
-        if key in self.tasks:
+        else:
+            self._generate(identity, msg)
+
+    def _generate(self, identity: bytes, msg: Generate) -> None:
+        key = (identity, msg.request_id)
+        if key in self.tasks:  # refuses the duplicate only: the running request goes on
             self._reply_soon(
                 identity, Error(msg.request_id, 409, "request_id", f"request {msg.request_id!r} is still running")
             )
             return
         try:
-            stream = self.engine.add_request(
-                self._prompt(msg), sampling_params(msg.params), request_id=f"zmq-{next(self._ids)}"
-            )
+            params = sampling_params(msg.params)
+            self.limits.check(params, width_field="beam_width")
+            stream = self.engine.add_request(self._prompt(msg), params, request_id=f"zmq-{next(self._ids)}")
         except InvalidParameter as e:
-            self._reply_soon(identity, Error(msg.request_id, 400, e.field, str(e)))
+            self._reply_soon(identity, Error(msg.request_id, 400, wire_field(e.field), str(e)))
             return
         except EngineOverloaded as e:
             self._reply_soon(identity, Error(msg.request_id, 503, None, str(e)))
@@ -114,21 +156,22 @@ class ZmqServer:
                 async for out in stream:
                     if msg.stream and out.delta_token_ids:
                         comp = out.output.outputs[out.index]
-                        lps = (
-                            [
-                                e[t].logprob
-                                for t, e in zip(out.delta_token_ids, comp.logprobs[-len(out.delta_token_ids) :])
-                            ]
-                            if comp.logprobs is not None and not stream.tracker.beams
-                            else None
-                        )
-                        await self._send(identity, Delta(rid, out.index, out.delta_text, out.delta_token_ids, lps))
+                        lps = tops = None
+                        if comp.logprobs is not None and not stream.tracker.beams:
+                            lps, tops = _token_logprobs(
+                                out.delta_token_ids, comp.logprobs, stream.tracker.params.logprobs
+                            )
+                        delta = Delta(rid, out.index, out.delta_text, out.delta_token_ids, lps, tops)
+                        await self._send(identity, delta)
             except asyncio.CancelledError:  # the client aborted, or the server is stopping
                 stream.close()
                 await self._send(identity, self._final(rid, output))
                 return
             except EngineDeadError as e:
                 await self._send(identity, Error(rid, 500, None, str(e)))
+                return
+            except InvalidParameter as e:  # refused by the engine core (e.g. n above max_num_seqs)
+                await self._send(identity, Error(rid, 400, wire_field(e.field), str(e)))
                 return
             await self._send(identity, self._final(rid, output))
         except ClientGone:
@@ -178,3 +221,11 @@ class ZmqServer:
         for (who, _), task in list(self.tasks.items()):
             if who == identity and task is not asyncio.current_task():
                 task.cancel()
+
+
+def _token_logprobs(token_ids: list[int], entries: list[dict], k: int) -> tuple[list[float], list[list]]:
+    """The new tokens' log-probabilities, and for each the k most likely (token id, logprob)."""
+    entries = entries[-len(token_ids) :]
+    sampled = [entry[t].logprob for t, entry in zip(token_ids, entries)]
+    by_rank = [sorted((e.rank, t, e.logprob) for t, e in entry.items() if e.rank <= k) for entry in entries]
+    return sampled, [[(t, lp) for _, t, lp in ranked] for ranked in by_rank]

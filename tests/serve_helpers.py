@@ -73,6 +73,7 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
                 raise AssertionError("server did not stop on SIGINT") from None
+        assert self.proc.returncode == 0, f"server exited with {self.proc.returncode}"
         assert wait_until(lambda: not any(is_running(p) for p in self.engine_pids), timeout_s=10), (
             "engine processes outlived the server"
         )

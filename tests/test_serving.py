@@ -218,6 +218,9 @@ def _fuzz_bodies(rng: random.Random, model: str) -> list[bytes]:
         json.dumps({"model": model, "prompt": [[1, 2], "x", 3]}).encode(),
         json.dumps({"model": model, "prompt": []}).encode(),
         json.dumps({"model": model, "prompt": "hi", "stop": [""]}).encode(),
+        json.dumps({"model": model, "prompt": "hi", "n": 65}).encode(),  # over --max-n (= max_num_seqs 64)
+        json.dumps({"model": model, "prompt": "hi", "stop": [f"s{i}" for i in range(17)]}).encode(),
+        json.dumps({"model": model, "prompt": ["a"] * 65}).encode(),  # over --max-prompts
         json.dumps({"model": "no-such-model", "prompt": "hi"}).encode(),
         bytes(rng.randrange(256) for _ in range(64)),
         b'{"model": "m", "prompt": "hi", "max_tokens": 99999999999999999999999999}',
@@ -255,6 +258,9 @@ def _fuzz_frames(rng: random.Random) -> list[list[bytes]]:
         ("params", {"seed": 1.5}),
         ("params", {"max_tokens": 2**64 - 1}),
         ("params", {"top_p": 1e308}),
+        ("params", {"n": 65}),  # over --max-n
+        ("params", {"stop": [f"s{i}" for i in range(17)]}),  # over --max-stop-strings
+        ("params", {"beam_width": 11}),
     ]
     for key, value in mutations:
         frames.append([enc({**valid, key: value})])
@@ -276,6 +282,15 @@ def _fuzz_frames(rng: random.Random) -> list[list[bytes]]:
     while len(frames) < 100:
         frames.append([bytes(rng.randrange(256) for _ in range(rng.randint(1, 100)))])
     return frames
+
+
+def _string_request_id(frames: list[bytes]) -> str | None:
+    try:
+        obj = msgspec.msgpack.decode(frames[0]) if len(frames) == 1 else None
+    except (msgspec.DecodeError, UnicodeDecodeError):
+        return None
+    rid = obj.get("request_id") if isinstance(obj, dict) else None
+    return rid if isinstance(rid, str) else None
 
 
 def test_200_malformed_inputs_get_clear_errors_and_the_server_keeps_serving(server, model):
@@ -307,6 +322,8 @@ def test_200_malformed_inputs_get_clear_errors_and_the_server_keeps_serving(serv
             zc._inbox[reply.request_id].append(reply)
             reply = zc.receive_any()
         assert 400 <= reply.code < 500 and reply.message, (frames, reply)
+        # a readable map with a string request_id gets it back, whatever else is wrong
+        assert reply.request_id == _string_request_id(frames), (frames, reply)
 
     rest = list(survivor)
     assert isinstance(rest[-1], Final) and rest[-1].completions[0].finish_reason == "length"
@@ -339,11 +356,148 @@ def test_zmq_errors_name_the_field_and_ids_are_per_client(server):
         assert err.value.code == 400 and err.value.field == "params.max_tokens"
         with pytest.raises(ZmqRequestError) as err:
             a.generate(prompt="hi", max_tokens=10**6)
-        assert err.value.field == "max_tokens" and "maximum context length" in str(err.value)
+        assert err.value.field == "params.max_tokens" and "maximum context length" in str(err.value)
+        with pytest.raises(ZmqRequestError) as err:  # --max-n is capped by --max-num-seqs (64)
+            a.generate(prompt="hi", max_tokens=2, n=65)
+        assert err.value.code == 400 and err.value.field == "params.n" and "<= 64" in str(err.value)
+        for frame, field in (
+            ({"type": "generate", "request_id": "x1", "prompt": "hi", "colour": 1}, "colour"),
+            ({"type": "generate", "request_id": "x2", "prompt": "hi", "stream": "yes"}, "stream"),
+            ({"type": "generate", "request_id": "x3", "prompt": 5}, "prompt"),
+        ):
+            a.send_raw(msgspec.msgpack.encode(frame))
+            reply = a.receive_any()
+            assert (reply.request_id, reply.code, reply.field) == (frame["request_id"], 400, field), reply
         # the same id from two clients is two requests
         sa = a.stream(prompt="one", request_id="same", max_tokens=3, temperature=0.0)
         sb = b.stream(prompt="two", request_id="same", max_tokens=5, temperature=0.0)
         assert list(sa)[-1].usage.completion_tokens == 3 and list(sb)[-1].usage.completion_tokens == 5
+
+
+def test_zmq_ready_message_and_a_duplicate_id_refuses_only_the_duplicate(server):
+    with ZmqClient(server.zmq_endpoint, timeout_s=20) as zc:
+        ready = zc.wait_ready()
+        assert ready.max_model_len == MAX_MODEL_LEN and ready.model
+        running = zc.stream(
+            prompt_token_ids=[5, 6, 7], request_id="dup", max_tokens=40, temperature=0.0, ignore_eos=True
+        )
+        next(running)
+        again = {"type": "generate", "request_id": "dup", "prompt": "again", "params": {"max_tokens": 3}}
+        zc.send_raw(msgspec.msgpack.encode(again))
+        reply = zc.receive_any()
+        while not isinstance(reply, Error):  # the running request's deltas, kept for it
+            zc._inbox[reply.request_id].append(reply)
+            reply = zc.receive_any()
+        assert (reply.code, reply.request_id, reply.field) == (409, "dup", "request_id")
+        final = list(running)[-1]
+        assert isinstance(final, Final) and final.completions[0].finish_reason == "length"
+        assert len(final.completions[0].token_ids) == 40
+
+
+def test_zmq_logprobs_k_returns_the_k_most_likely_of_each_token(server):
+    with ZmqClient(server.zmq_endpoint, timeout_s=20) as zc:
+        deltas = [
+            m
+            for m in zc.stream(prompt_token_ids=[5, 6, 7], max_tokens=4, temperature=0.0, logprobs=3)
+            if not isinstance(m, Final)
+        ]
+    assert deltas
+    for delta in deltas:
+        for token, lp, top in zip(delta.token_ids, delta.logprobs, delta.top_logprobs):
+            assert len(top) == 3 and top[0][0] == token  # greedy: the most likely
+            assert top[0][1] == pytest.approx(lp) and top[0][1] >= top[1][1] >= top[2][1]
+
+
+def test_each_limit_at_its_bound_and_just_past_it(model):
+    """Bounds on one request: the value at the bound is served, one past it is a clear 400
+    (413 for size) naming the field, over HTTP and ZMQ; the server keeps serving."""
+    srv = ServerProcess(
+        model,
+        "--num-kv-blocks",
+        "128",
+        "--max-request-bytes",
+        "2000",
+        "--max-prompts",
+        "3",
+        "--max-n",
+        "4",
+        "--max-logprobs",
+        "5",
+        "--max-stop-strings",
+        "2",
+    )
+    http = client(srv)
+    try:
+
+        def fails(status, param, **body):
+            with pytest.raises(openai.APIStatusError) as err:
+                http.completions.create(model=model, max_tokens=1, **body)
+            assert err.value.status_code == status and err.value.body.get("param") == param, err.value.body
+
+        ok = lambda **body: http.completions.create(model=model, max_tokens=1, **body)
+        assert len(ok(prompt=["a", "b", "c"]).choices) == 3
+        fails(400, "prompt", prompt=["a", "b", "c", "d"])
+        assert len(ok(prompt="a", n=4).choices) == 4
+        fails(400, "n", prompt="a", n=5)
+        ok(prompt="a", extra_body={"use_beam_search": True, "best_of": 4})
+        fails(400, "best_of", prompt="a", extra_body={"use_beam_search": True, "best_of": 5})
+        ok(prompt="a", logprobs=5)
+        fails(400, "logprobs", prompt="a", logprobs=6)
+        ok(prompt="a", stop=["x", "y"])
+        fails(400, "stop", prompt="a", stop=["x", "y", "z"])
+        with pytest.raises(openai.APIStatusError) as err:
+            http.chat.completions.create(
+                model=model, max_tokens=1, messages=[{"role": "user", "content": "a"}], logprobs=True, top_logprobs=6
+            )
+        assert err.value.status_code == 400 and err.value.body.get("param") == "top_logprobs"
+        base = {"model": model, "prompt": "a", "max_tokens": 1, "user": ""}
+        pad = 2000 - len(json.dumps(base))
+        for size, status in ((2000, 200), (2001, 413)):
+            body = json.dumps({**base, "user": "u" * (pad + size - 2000)}).encode()
+            assert len(body) == size
+            req = urllib.request.Request(
+                srv.url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+            )
+            try:
+                code = urllib.request.urlopen(req, timeout=20).status
+            except urllib.error.HTTPError as e:
+                code = e.code
+            assert code == status, (size, code)
+
+        with ZmqClient(srv.zmq_endpoint, timeout_s=20) as zc:
+            for field, at, past in (
+                ("n", 4, 5),
+                ("beam_width", 4, 5),
+                ("logprobs", 5, 6),
+                ("stop", ["x", "y"], ["x", "y", "z"]),
+            ):
+                assert zc.generate(prompt="a", max_tokens=1, **{field: at}).usage.completion_tokens >= 1
+                with pytest.raises(ZmqRequestError) as err:
+                    zc.generate(prompt="a", max_tokens=1, **{field: past})
+                assert (err.value.code, err.value.field) == (400, f"params.{field}"), err.value
+            with pytest.raises(ZmqRequestError) as err:  # within the limits, but refused by the engine core
+                zc.generate(prompt="a", max_tokens=1000, beam_width=4)
+            assert (err.value.code, err.value.field) == (400, "params.beam_width") and "KV" in str(err.value)
+
+            def frame_of(size: int) -> bytes:  # two long stop strings, then prompt tokens of one byte each
+                def frame(num_tokens: int) -> bytes:
+                    params = {"max_tokens": 1, "stop": ["x" * 900, "y" * 900]}
+                    body = {"type": "generate", "request_id": "big", "prompt_token_ids": [5] * num_tokens}
+                    return msgspec.msgpack.encode({**body, "params": params})
+
+                return frame(100 + size - len(frame(100)))
+
+            for size, code in ((2000, None), (2001, 413)):
+                raw = frame_of(size)
+                assert len(raw) == size
+                zc.send_raw(raw)
+                reply = zc.receive_any()
+                assert (reply.code if isinstance(reply, Error) else None) == code, reply
+                while not isinstance(reply, (Final, Error)):
+                    reply = zc.receive_any()
+        assert ok(prompt="still serving").choices[0].finish_reason == "length"
+    finally:
+        srv.stop()
 
 
 def test_metrics_parse_and_move(server, model):
