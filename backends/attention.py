@@ -75,6 +75,11 @@ class AttentionOps:
         the backend is instantiated; `--backend cuda` uses it to pick a backend."""
         return None
 
+    @staticmethod
+    def device_count() -> int | None:
+        """How many devices tensor parallelism may use on one host (None: no limit, e.g. CPUs)."""
+        return None
+
     def prepare_process(self) -> None:
         """Once, in the worker process, before the model loads (e.g. tune the allocator)."""
 

@@ -72,9 +72,16 @@ class BackendUnavailable(RuntimeError):
     pass
 
 
+# built-in backends that run wherever torch runs: nothing to ask them, so the frontend need not
+# import them (and torch, 1.5 s) before it starts an engine
+RUN_EVERYWHERE = {"cpu"}
+
+
 def check_available(name: str) -> BackendSpec:
     """Resolve the name and ask the backend whether it can run here (e.g. 'no CUDA device')."""
     spec = resolve(name)
+    if spec.builtin and name in RUN_EVERYWHERE:
+        return spec
     module_name, _, attr = spec.target.partition(":")
     try:
         factory = getattr(importlib.import_module(module_name), attr)
@@ -84,6 +91,16 @@ def check_available(name: str) -> BackendSpec:
     if reason:
         raise BackendUnavailable(f"{name}: {reason}")
     return spec
+
+
+def device_count(name: str) -> int | None:
+    """How many devices the backend can spread tensor-parallel ranks over on one host."""
+    spec = resolve(name)
+    if spec.builtin and name in RUN_EVERYWHERE:
+        return None  # CPU cores: no limit
+    module_name, _, attr = spec.target.partition(":")
+    factory = getattr(importlib.import_module(module_name), attr)
+    return getattr(factory, "device_count", lambda: None)()
 
 
 def load_backend(name: str):

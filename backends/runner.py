@@ -107,14 +107,15 @@ class ModelRunner:
         return self.model.compute_logits(hidden[batch.logits_indices])
 
 
-def allocate_kv_caches(model_config, num_blocks: int, block_size: int, dtype=None, device="cpu") -> torch.Tensor:
-    cfg = model_config
+def allocate_kv_caches(model, num_blocks: int, block_size: int, dtype=None, device="cpu") -> torch.Tensor:
+    """A zeroed KV pool for `model` (a CausalLM: under tensor parallelism, of its own heads)."""
+    cfg = model.config
     return torch.zeros(
         cfg.num_layers,
         2,
         num_blocks,
         block_size,
-        cfg.num_kv_heads,
+        model.shards.num_kv_heads,
         cfg.head_dim,
         dtype=dtype or cfg.dtype,
         device=device,

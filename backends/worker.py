@@ -2,30 +2,37 @@
 
 It keeps per-request state (token ids, block table, computed count: core.worker_state) and
 applies each step's differences to it; the core never resends what the worker already has.
-`python -m pagedllm.backends.worker --rank 0 --input ENDPOINT --output ENDPOINT --config JSON`
+Under tensor parallelism there is one worker per rank, each holding its slice of the model and
+a KV pool of its own heads; rank 0 samples and answers each step.
+`python -m pagedllm.backends.worker --head ENDPOINT --rank R` (started by the engine core, or
+on another host by `pagedllm worker`): it joins the core and is sent its configuration.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 import traceback
 
-import msgspec
 import numpy as np
 import torch
 import zmq
 
 from pagedllm.core import shm
 from pagedllm.core.config import EngineConfig
-from pagedllm.core.ipc import Channel
 from pagedllm.core.logs import setup_logging
 from pagedllm.core.outputs import SchedulerOutput
 from pagedllm.core.protocol import (
+    Configure,
+    Decoder,
+    Encoder,
+    Heartbeat,
     InitCache,
     KVSpec,
     Shutdown,
@@ -35,13 +42,16 @@ from pagedllm.core.protocol import (
     ToWorker,
     WorkerFailed,
     WorkerHello,
+    WorkerJoin,
     WorkerReady,
 )
+from pagedllm.core.worker_group import rank_identity
 from pagedllm.core.worker_state import WorkerState
 
 from .gpu.dtype import default_dtype
 from .models.config import DTYPES
 from .models.loader import load_model
+from .models.parallel import SINGLE, TensorParallel
 from .registry import load_backend
 from .runner import ModelRunner, SeqInput
 from .sampler import Sampler, SamplingRow
@@ -49,10 +59,13 @@ from .sampler import Sampler, SamplingRow
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 logger = logging.getLogger("pagedllm.backends")
 POLL_MS = 100
+CORE_SILENT_S = 30  # idle and nothing from the core (it sends heartbeats) this long: it is gone
+WORKER_JOIN_TIMEOUT_S = 300
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, rank: int = 0):
+    def __init__(self, config: EngineConfig, rank: int = 0, rendezvous: tuple[str, int] | None = None):
+        """rendezvous: (address, port) of torch.distributed's store, under tensor parallelism."""
         self.config = config
         self.rank = rank
         torch.manual_seed(config.seed)
@@ -60,8 +73,15 @@ class Worker:
         self.ops.prepare_process()
         self.device = self.ops.device
         self.on_gpu = str(self.device).startswith("cuda")
+        self.tp = join_group(
+            config.tensor_parallel_size,
+            rank,
+            *(rendezvous or ("", 0)),
+            self.device,
+            config.tensor_parallel_size // config.nnodes,
+        )
         dtype = default_dtype(config.model, config.dtype) if self.on_gpu else config.dtype
-        self.model = load_model(config.model, dtype=dtype, device=self.device)
+        self.model = load_model(config.model, dtype=dtype, device=self.device, tp=self.tp)
         self.model_config = self.model.config
         self.state = WorkerState()
         self.runner: ModelRunner | None = None
@@ -72,7 +92,7 @@ class Worker:
         cfg = self.model_config
         kv_spec = KVSpec(
             num_layers=cfg.num_layers,
-            num_kv_heads=cfg.num_kv_heads,
+            num_kv_heads=self.model.shards.num_kv_heads,
             head_size=cfg.head_dim,
             dtype=DTYPE_NAMES[cfg.dtype],
         )
@@ -105,7 +125,7 @@ class Worker:
 
     def _cache_tensor(self, segment: str | None, num_blocks: int, block_size: int) -> torch.Tensor:
         cfg = self.model_config
-        shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (cfg.num_layers, 2, num_blocks, block_size, self.model.shards.num_kv_heads, cfg.head_dim)
         if segment is None:
             return torch.zeros(shape, dtype=cfg.dtype, device=self.device)
         mapping = shm.map_segment(segment)
@@ -144,7 +164,9 @@ class Worker:
         except Exception as e:  # noqa: BLE001 - eager mode still works
             logger.warning("CUDA graph capture failed, running eagerly: %s", e)
 
-    def execute(self, plan: SchedulerOutput) -> StepResult:
+    def execute(self, plan: SchedulerOutput) -> StepResult | None:
+        """Run a step; rank 0 samples and answers, the other ranks learn its tokens and answer
+        nothing."""
         chunks = self.state.apply(plan)
         kv = self.runner.kv_caches
         self.ops.swap_blocks(kv, self.swap, plan.swap_out)
@@ -157,67 +179,145 @@ class Worker:
         logprobs = None
         if rows:
             batch = [chunks[i] for i in rows]
-            if len(rows) < len(chunks):
-                logits = logits[rows]
-            out = self.sampler(
-                logits,
-                [
-                    SamplingRow(c.state.params, c.state.token_ids, c.state.num_prompt_tokens, c.state.eos_token_ids)
-                    for c in batch
-                ],
-            )
-            for i, chunk, token in zip(rows, batch, out.token_ids):
+            tokens, logprobs = self._sample(logits, rows, batch, len(chunks)) if self.tp.is_first else (None, None)
+            if self.tp.size > 1:
+                shared = torch.tensor(tokens if tokens is not None else [0] * len(rows), dtype=torch.int64)
+                tokens = self.tp.broadcast_from_first(shared.to(self.device)).tolist()
+            for i, chunk, token in zip(rows, batch, tokens):
                 self.state.add_sampled(chunk.state, token)
                 sampled[i] = token
-            for chunk, lp in zip(batch, out.logprobs):
-                if lp is not None:
-                    logprobs = logprobs or {}
-                    logprobs[chunk.request_id] = TokenLogprobs(
-                        lp.token_logprob, lp.rank, lp.top_token_ids, lp.top_logprobs
-                    )
+        if not self.tp.is_first:
+            return None
         return StepResult(
             step_id=plan.step_id, sampled_token_ids=sampled, logprobs=logprobs, forward_seconds=time.perf_counter() - t0
         )
 
+    def _sample(self, logits, rows: list[int], batch: list, num_chunks: int):
+        if len(rows) < num_chunks:
+            logits = logits[rows]
+        out = self.sampler(
+            logits,
+            [
+                SamplingRow(c.state.params, c.state.token_ids, c.state.num_prompt_tokens, c.state.eos_token_ids)
+                for c in batch
+            ],
+        )
+        logprobs = None
+        for chunk, lp in zip(batch, out.logprobs):
+            if lp is not None:
+                logprobs = logprobs or {}
+                logprobs[chunk.request_id] = TokenLogprobs(lp.token_logprob, lp.rank, lp.top_token_ids, lp.top_logprobs)
+        return out.token_ids, logprobs
+
+
+def join_group(
+    size: int, rank: int, master_addr: str, master_port: int, device: str, ranks_per_host: int = 1
+) -> TensorParallel:
+    """This rank's place among the tensor-parallel ranks: torch.distributed's standard TCP
+    rendezvous on the head node, gloo on CPUs and NCCL on GPUs (one GPU per rank of a host)."""
+    if size == 1:
+        return SINGLE
+    on_gpu = str(device).startswith("cuda")
+    if on_gpu:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    else:  # the host's cores are shared by its ranks: oversubscribed threads only wait on each other
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_per_host))
+    torch.distributed.init_process_group(
+        "nccl" if on_gpu else "gloo",
+        init_method=f"tcp://{master_addr}:{master_port}",
+        rank=rank,
+        world_size=size,
+        timeout=datetime.timedelta(seconds=WORKER_JOIN_TIMEOUT_S),
+    )
+    return TensorParallel(rank, size)
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rank", type=int, default=0)
-    ap.add_argument("--input", required=True)
-    ap.add_argument("--output", required=True)
-    ap.add_argument("--config", required=True)
+    ap.add_argument("--head", required=True, help="the engine core's worker endpoint")
+    ap.add_argument("--rank", type=int, required=True)
     args = ap.parse_args(argv)
     setup_logging()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend orchestrates shutdown
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     parent = os.getppid()
     ctx = zmq.Context()
-    inbox = Channel(ctx, zmq.PULL, args.input, bind=False, message_type=ToWorker)
-    outbox = Channel(ctx, zmq.PUSH, args.output, bind=False)
+    link = CoreLink(ctx, args.head, args.rank)
     code = 0
     try:
-        worker = Worker(msgspec.json.decode(args.config, type=EngineConfig), args.rank)
-        outbox.send(worker.hello())
-        while True:
-            if not inbox.poll(POLL_MS):
-                if os.getppid() != parent:
-                    break  # the engine core is gone
-                continue
-            msg = inbox.recv()
-            if isinstance(msg, Step):
-                outbox.send(worker.execute(msg.plan))
-            elif isinstance(msg, InitCache):
-                outbox.send(worker.init_cache(msg))
-            elif isinstance(msg, Shutdown):
-                break
+        link.send(WorkerJoin(rank=args.rank, host=socket.gethostname(), pid=os.getpid()))
+        configure = link.expect(Configure, parent)
+        worker = Worker(configure.config, args.rank, (configure.master_addr, configure.master_port))
+        link.send(worker.hello())
+        serve(worker, link, parent)
+    except CoreGone:
+        pass
     except Exception as e:  # noqa: BLE001 - the core must learn why
-        outbox.send(WorkerFailed(rank=args.rank, reason=f"{e}\n{traceback.format_exc()}"))
+        link.send(WorkerFailed(rank=args.rank, reason=f"{e}\n{traceback.format_exc()}"))
         code = 1
     finally:
-        inbox.close()
-        outbox.close(linger_ms=2000)
+        link.close()
         ctx.term()
     return code
+
+
+def serve(worker: Worker, link: CoreLink, parent: int) -> None:
+    """Answer the core's messages until it says Shutdown or disappears."""
+    while True:
+        msg = link.recv(parent)
+        if isinstance(msg, Step):
+            result = worker.execute(msg.plan)
+            if result is not None:
+                link.send(result)
+        elif isinstance(msg, InitCache):
+            link.send(worker.init_cache(msg))
+        elif isinstance(msg, Shutdown):
+            return
+        link.last_heard = time.monotonic()  # silence counts from here: the work took its time
+
+
+class CoreGone(Exception):
+    pass
+
+
+class CoreLink:
+    """The worker's DEALER socket to the core's ROUTER, named after the rank."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, rank: int):
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.ROUTING_ID, rank_identity(rank))
+        self.sock.setsockopt(zmq.LINGER, 2000)  # a last failure report gets out
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.connect(endpoint)
+        self.encoder = Encoder()
+        self.decoder = Decoder(ToWorker)
+        self.last_heard = time.monotonic()
+
+    def send(self, message) -> None:
+        frames = self.encoder.encode(message)
+        self.sock.send_multipart(frames, copy=len(frames) == 1)
+
+    def recv(self, parent: int):
+        """The next message (heartbeats are taken here). CoreGone when the process that
+        started this one is gone, or the core has been silent for CORE_SILENT_S."""
+        while True:
+            if self.sock.poll(POLL_MS, zmq.POLLIN):
+                frames = self.sock.recv_multipart(copy=False)
+                self.last_heard = time.monotonic()
+                msg = self.decoder.decode([f.buffer for f in frames])
+                if not isinstance(msg, Heartbeat):
+                    return msg
+            elif os.getppid() != parent or time.monotonic() - self.last_heard > CORE_SILENT_S:
+                raise CoreGone()
+
+    def expect(self, kind, parent: int):
+        msg = self.recv(parent)
+        if not isinstance(msg, kind):
+            raise RuntimeError(f"the core sent {type(msg).__name__}, expected {kind.__name__}")
+        return msg
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 if __name__ == "__main__":

@@ -72,7 +72,7 @@ def main(argv=None):
     # pagedllm: prefill every request, then time decode steps
     model = load_model(path)
     blocks_each = cdiv(args.context + args.steps + 2, bs)
-    kv = allocate_kv_caches(model.config, 1 + args.batch * blocks_each, bs)
+    kv = allocate_kv_caches(model, 1 + args.batch * blocks_each, bs)
     runner = ModelRunner(model, CpuAttentionOps(), kv, bs)
     # scattered blocks, as in a pool that has served many requests
     ids = (torch.randperm(args.batch * blocks_each, generator=gen) + 1).tolist()

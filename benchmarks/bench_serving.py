@@ -25,7 +25,9 @@ from pagedllm.core.ipc import free_tcp_port
 from pagedllm.core.model_folder import ModelFolder
 
 
-def start_server(model_dir: str, backend: str, dtype: str, kv_cache_memory: str) -> tuple[subprocess.Popen, str]:
+def start_server(
+    model_dir: str, backend: str, dtype: str, kv_cache_memory: str, tensor_parallel_size: int = 1
+) -> tuple[subprocess.Popen, str]:
     port = free_tcp_port()
     proc = subprocess.Popen(
         [
@@ -47,6 +49,8 @@ def start_server(model_dir: str, backend: str, dtype: str, kv_cache_memory: str)
             "none",
             "--max-queue-len",
             "100000",
+            "--tensor-parallel-size",
+            str(tensor_parallel_size),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -150,11 +154,19 @@ def run_rate(base_url: str, model: str, prompts, max_tokens, rate: float, seed: 
     }
 
 
-def run_offline(model_dir: str, prompts, max_tokens, backend: str, dtype: str, kv_cache_memory: str) -> dict:
+def run_offline(
+    model_dir: str, prompts, max_tokens, backend: str, dtype: str, kv_cache_memory: str, tensor_parallel_size: int = 1
+) -> dict:
     from pagedllm import LLM, SamplingParams
 
     # with the tokenizer: the server detokenizes every token it streams, so this does too
-    with LLM(model_dir, backend=backend, dtype=dtype, kv_cache_memory=kv_cache_memory) as llm:
+    with LLM(
+        model_dir,
+        backend=backend,
+        dtype=dtype,
+        kv_cache_memory=kv_cache_memory,
+        tensor_parallel_size=tensor_parallel_size,
+    ) as llm:
         params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
         start = time.monotonic()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -173,15 +185,18 @@ def serving_benchmark(
     kv_cache_memory: str = "2GiB",
     seed: int = 0,
     rounds: int = 2,
+    tensor_parallel_size: int = 1,
 ) -> dict:
     """The rate sweep, then `rounds` alternating offline and saturated served runs (the best
     of each): this machine's run-to-run noise is larger than the difference being measured."""
-    proc, base_url = start_server(model_dir, backend, dtype, kv_cache_memory)
+    proc, base_url = start_server(model_dir, backend, dtype, kv_cache_memory, tensor_parallel_size)
     try:
         rows = [run_rate(base_url, model_dir, prompts, max_tokens, rate, seed) for rate in rates]
         offline, served = [], [r for r in rows if r["rate"] == float("inf")]
         for _ in range(rounds):
-            offline.append(run_offline(model_dir, prompts, max_tokens, backend, dtype, kv_cache_memory))
+            offline.append(
+                run_offline(model_dir, prompts, max_tokens, backend, dtype, kv_cache_memory, tensor_parallel_size)
+            )
             served.append(run_rate(base_url, model_dir, prompts, max_tokens, float("inf"), seed))
     finally:
         stop_server(proc)

@@ -33,11 +33,18 @@ def make_workload(kind: str, num: int, seed: int, vocab: int):
     return synthetic_prompts(lengths, vocab, seed), [o for _, o in lengths]
 
 
-def run_pagedllm(model_dir, prompts, max_tokens, dtype, kv_cache_memory, backend="cpu"):
+def run_pagedllm(model_dir, prompts, max_tokens, dtype, kv_cache_memory, backend="cpu", tensor_parallel_size=1):
     from pagedllm import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(model_dir, backend=backend, dtype=dtype, skip_tokenizer_init=True, kv_cache_memory=kv_cache_memory)
+    llm = LLM(
+        model_dir,
+        backend=backend,
+        dtype=dtype,
+        skip_tokenizer_init=True,
+        kv_cache_memory=kv_cache_memory,
+        tensor_parallel_size=tensor_parallel_size,
+    )
     startup = time.perf_counter() - t0
     try:
         params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
@@ -63,13 +70,16 @@ def compare(
     batch_size=16,
     vllm_python=None,
     vllm_work=None,
+    tensor_parallel_size=1,
 ) -> dict:
     """The workload through pagedllm, then each peer; prints the table and returns the results
     (report.SystemResult, pagedllm first, each with its greedy agreement with pagedllm)."""
     from . import report
     from .peers import hf_continuous, hf_static, vllm_subprocess
 
-    secs, ours, startup, stats = run_pagedllm(model_dir, prompts, max_tokens, dtype, kv_cache_memory, backend)
+    secs, ours, startup, stats = run_pagedllm(
+        model_dir, prompts, max_tokens, dtype, kv_cache_memory, backend, tensor_parallel_size
+    )
     results = [report.account(f"pagedllm ({backend})", secs, prompts, max_tokens, ours)]
     results[0].extra = {"startup_seconds": startup, "steps": stats.steps}
     overhead = (stats.step_seconds - stats.forward_seconds) / max(stats.steps, 1)

@@ -3,7 +3,8 @@
 #   1. the full conformance suite for cuda-triton and for cuda-native (tables);
 #   2. decode-attention bandwidth (batch 64 x context 4096, head 128, GQA 8:1, bf16, block 16)
 #      next to the device's copy bandwidth and torch SDPA on a contiguous cache;
-#   3. end-to-end output tokens/s on a ~1B random-weight Llama vs transformers generate.
+#   3. end-to-end output tokens/s on a ~1B random-weight Llama vs transformers generate;
+#   4. with two or more GPUs: the conformance engine rows at tensor-parallel size 2 (NCCL).
 #
 #   bash benchmarks/gpu_check.sh
 #
@@ -35,4 +36,10 @@ echo; echo "== decode attention bandwidth"
 timeout 60 python3 -m pagedllm.benchmarks.gpu_decode_bandwidth || status=1
 echo; echo "== end to end (--backend cuda)"
 timeout 180 python3 -m pagedllm.benchmarks.gpu_end_to_end || status=1
+if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
+  echo; echo "== tensor parallel: the engine rows at 2 ranks (NCCL) against one"
+  timeout 240 python3 -m pagedllm.entrypoints.cli conformance --backend cuda --quick --tensor-parallel-size 2 || status=1
+else
+  echo; echo "== tensor parallel: skipped (one GPU here)"
+fi
 exit $status

@@ -3,6 +3,7 @@ batching, and against transformers."""
 
 from __future__ import annotations
 
+import functools
 import random
 
 import torch
@@ -49,22 +50,31 @@ def _mismatches(name: str, got, want, prompts) -> list[str]:
     ]
 
 
-def check_engine_behaviour(backend: str, model: str, quick: bool) -> list[CheckResult]:
+def check_engine_behaviour(backend: str, model: str, quick: bool, tensor_parallel_size: int = 1) -> list[CheckResult]:
+    """The engine rows, every engine with `tensor_parallel_size` ranks; above 1, each row is
+    also held against one rank's tokens (tensor_parallel_equivalence)."""
     prompts = _prompts(12 if quick else 24, seed=1)
     params = [_greedy(8 + (i * 5) % 17) for i in range(len(prompts))]
-    rows = {
-        name: CheckResult(name)
-        for name in (
-            "batching_invariance",
-            "chunked_prefill_equivalence",
-            "preemption_recompute",
-            "preemption_swap",
-            "fork_copy_on_write",
-            "prefix_cache_reuse",
-        )
-    }
+    names = [
+        "batching_invariance",
+        "chunked_prefill_equivalence",
+        "preemption_recompute",
+        "preemption_swap",
+        "fork_copy_on_write",
+        "prefix_cache_reuse",
+    ]
+    if tensor_parallel_size > 1:
+        names.append("tensor_parallel_equivalence")
+    rows = {name: CheckResult(name) for name in names}
+    shared = prompts[0] + prompts[1]
+    family = [shared + p[:20] for p in prompts[2:8]]
+    engine = functools.partial(_engine, backend, model, tensor_parallel_size=tensor_parallel_size)
 
-    with _engine(backend, model, enable_prefix_caching=False) as llm:
+    if tensor_parallel_size > 1:
+        with _engine(backend, model, enable_prefix_caching=False) as llm:
+            one_rank = _generate(llm, prompts, params)
+
+    with engine(enable_prefix_caching=False) as llm:
         alone = [_generate(llm, [p], [sp])[0] for p, sp in zip(prompts[:4], params[:4])]
         batched = _generate(llm, prompts, params)
         bad = _mismatches("alone vs in a batch", batched[:4], alone, prompts)
@@ -79,17 +89,20 @@ def check_engine_behaviour(backend: str, model: str, quick: bool) -> list[CheckR
             if f[j] != b[0]
         ]
         rows["fork_copy_on_write"].record(not bad, failure="; ".join(bad[:3]) or None)
+        expected = _generate(llm, family, [_greedy(8)] * len(family))  # for prefix_cache_reuse
     reference = batched
+    if tensor_parallel_size > 1:
+        bad = _mismatches(f"{tensor_parallel_size} ranks vs one", batched, one_rank, prompts)
+        rows["tensor_parallel_equivalence"].record(not bad, failure="; ".join(bad[:3]) or None)
+        reference = one_rank
 
-    with _engine(backend, model, enable_prefix_caching=False, max_num_batched_tokens=24) as llm:
+    with engine(enable_prefix_caching=False, max_num_batched_tokens=24) as llm:
         got = _generate(llm, prompts, params)
         bad = _mismatches("24-token chunks", got, reference, prompts)
         rows["chunked_prefill_equivalence"].record(not bad, failure="; ".join(bad[:3]) or None)
 
     for mode in ("recompute", "swap"):
-        with _engine(
-            backend,
-            model,
+        with engine(
             enable_prefix_caching=False,
             num_kv_blocks=20,
             max_model_len=256,
@@ -103,14 +116,10 @@ def check_engine_behaviour(backend: str, model: str, quick: bool) -> list[CheckR
             bad.append("the KV budget did not force any preemption; nothing was tested")
         rows[f"preemption_{mode}"].record(not bad, failure="; ".join(bad[:3]) or None)
 
-    with _engine(backend, model, enable_prefix_caching=True) as llm:
-        shared = prompts[0] + prompts[1]
-        family = [shared + p[:20] for p in prompts[2:8]]
+    with engine(enable_prefix_caching=True) as llm:
         cold = _generate(llm, family[:1], [_greedy(8)])
         warm = _generate(llm, family, [_greedy(8)] * len(family))
         hits = llm.last_stats.scheduler.prefix_cache_hits
-    with _engine(backend, model, enable_prefix_caching=False) as llm:
-        expected = _generate(llm, family, [_greedy(8)] * len(family))
     bad = _mismatches("with prefix-cache hits", warm, expected, family)
     if cold[0] != expected[0]:
         bad.append("cold run with caching on differs from caching off")

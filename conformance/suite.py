@@ -42,7 +42,9 @@ def _guarded(name: str, fn) -> list[CheckResult]:
         return [row]
 
 
-def run_suite(backend: str, quick: bool = False, ops_only: bool = False) -> list[CheckResult]:
+def run_suite(
+    backend: str, quick: bool = False, ops_only: bool = False, tensor_parallel_size: int = 1
+) -> list[CheckResult]:
     from pagedllm.backends.registry import load_backend
 
     from .engine_checks import check_cache_placement, check_end_to_end, check_engine_behaviour
@@ -54,7 +56,9 @@ def run_suite(backend: str, quick: bool = False, ops_only: bool = False) -> list
         return results
     models = tiny_model_dirs()
     results += _guarded("cache_placement", lambda: check_cache_placement(backend, models["llama"]))
-    results += _guarded("engine behaviour", lambda: check_engine_behaviour(backend, models["llama"], quick))
+    results += _guarded(
+        "engine behaviour", lambda: check_engine_behaviour(backend, models["llama"], quick, tensor_parallel_size)
+    )
     results += _guarded("end_to_end_vs_transformers", lambda: check_end_to_end(backend, models, quick))
     return results
 
@@ -68,7 +72,7 @@ def main(args) -> int:
         print(f"pagedllm: {picked}")
     check_available(args.backend)
     t0 = time.perf_counter()
-    results = run_suite(args.backend, quick=args.quick, ops_only=args.ops_only)
+    results = run_suite(args.backend, args.quick, args.ops_only, args.tensor_parallel_size)
     elapsed = time.perf_counter() - t0
     print(format_table(args.backend, results))
     print(f"\n({'quick' if args.quick else 'full'}{', ops only' if args.ops_only else ''} suite, {elapsed:.0f} s)")

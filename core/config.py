@@ -87,6 +87,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     swap_space: int = 0  # bytes of host swap space
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
+    # several hosts: the ranks split evenly over `nnodes`, the head node (this one) has the first;
+    # the others start theirs with `pagedllm worker`, reaching the core at `worker_endpoint`
+    nnodes: int = 1
+    worker_endpoint: str | None = None  # where workers reach the core (default: private to this host)
+    master_addr: str = "127.0.0.1"  # torch.distributed's rendezvous, on the head node
+    master_port: int | None = None  # default: a free port (one host only)
     enforce_eager: bool = False
 
     def __post_init__(self):
@@ -100,10 +106,19 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise InvalidParameter("swap_space", f"must be >= 0, got {self.swap_space}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise InvalidParameter("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.tensor_parallel_size != 1:
+        _check_positive(self, ("tensor_parallel_size", "nnodes"))
+        if self.tensor_parallel_size % self.nnodes:
             raise InvalidParameter(
-                "tensor_parallel_size", f"only 1 is supported so far, got {self.tensor_parallel_size}"
+                "nnodes", f"{self.nnodes} nodes cannot share {self.tensor_parallel_size} ranks evenly"
             )
+        if self.nnodes > 1 and (self.worker_endpoint is None or self.master_port is None):
+            raise InvalidParameter(
+                "worker_endpoint", "several nodes need a tcp:// worker_endpoint and a master_port the others can reach"
+            )
+
+    def ranks_of_node(self, node_rank: int) -> range:
+        per_node = self.tensor_parallel_size // self.nnodes
+        return range(node_rank * per_node, (node_rank + 1) * per_node)
 
 
 def parse_size(value, field: str) -> int:

@@ -8,16 +8,13 @@ new messages, so its own work overlaps the forward pass.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 
-import msgspec
 import zmq
 
 from . import shm
 from .config import CacheConfig, EngineConfig, SchedulerConfig
-from .errors import InvalidParameter
+from .errors import EngineFailure, InvalidParameter
 from .ipc import Channel, PeerGone, remove_ipc_dir
 from .protocol import (
     AbortRequests,
@@ -26,7 +23,6 @@ from .protocol import (
     EngineOutputs,
     EngineReady,
     EngineStats,
-    FromWorker,
     FrontendMessage,
     InitCache,
     RequestOutputDelta,
@@ -34,35 +30,27 @@ from .protocol import (
     Shutdown,
     Step,
     StepResult,
-    WorkerFailed,
     WorkerHello,
     WorkerReady,
 )
 from .scheduler import Scheduler
+from .worker_group import WorkerGroup
 
 POLL_MS = 100  # how often a blocked loop checks that its peers are alive
 WORKER_START_TIMEOUT_S = 300
 FRONTEND_GONE_MS = 5000  # a send to the frontend that finds no peer this long: it is gone
 
 
-class EngineFailure(RuntimeError):
-    pass
-
-
 class EngineCore:
-    def __init__(
-        self, config: EngineConfig, input_endpoint: str, output_endpoint: str, worker_in: str, worker_out: str
-    ):
+    def __init__(self, config: EngineConfig, input_endpoint: str, output_endpoint: str, worker_endpoint: str):
         self.config = config
         self.input_endpoint = input_endpoint
         self.parent_pid = os.getppid()
         self.ctx = zmq.Context()
         self.from_frontend = Channel(self.ctx, zmq.PULL, input_endpoint, bind=True, message_type=FrontendMessage)
         self.to_frontend = Channel(self.ctx, zmq.PUSH, output_endpoint, bind=True)
-        self.to_worker = Channel(self.ctx, zmq.PUSH, worker_in, bind=True)
-        self.from_worker = Channel(self.ctx, zmq.PULL, worker_out, bind=True, message_type=FromWorker)
-        self.worker_endpoints = (worker_in, worker_out)
-        self.worker: subprocess.Popen | None = None
+        self.worker_endpoint = config.worker_endpoint or worker_endpoint
+        self.workers: WorkerGroup | None = None
         self.segments: list[str] = []
         self.scheduler: Scheduler | None = None
         self.pending: list[RequestOutputDelta] = []
@@ -77,45 +65,13 @@ class EngineCore:
     # --- start-up -------------------------------------------------------------------------
     def start(self) -> None:
         shm.remove_stale_segments()
-        self.worker = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "pagedllm.backends.worker",
-                "--rank",
-                "0",
-                "--input",
-                self.worker_endpoints[0],
-                "--output",
-                self.worker_endpoints[1],
-                "--config",
-                msgspec.json.encode(self.config).decode(),
-            ],
-            stdin=subprocess.DEVNULL,
-        )
-        hello = self._expect_from_worker(WorkerHello, WORKER_START_TIMEOUT_S)
-        cache_config, sched_config = self._size_cache(hello)
+        self.workers = WorkerGroup(self.ctx, self.worker_endpoint, self.config)
+        self.workers.start()
+        hellos = self.workers.gather(WorkerHello, WORKER_START_TIMEOUT_S, self._check_frontend)
+        cache_config, sched_config = self._size_cache(hellos)
         self.scheduler = Scheduler(sched_config, cache_config)  # checks that max_model_len fits
-        block_bytes = hello.kv_spec.bytes_per_block_slot * cache_config.block_size
-        kv_segment = (
-            self._create_segment("kv", cache_config.num_blocks * block_bytes) if hello.kv_in_shared_memory else None
-        )
-        swap_segment = (
-            self._create_segment("swap", cache_config.num_swap_blocks * block_bytes)
-            if cache_config.num_swap_blocks
-            else None
-        )
-        self.to_worker.send(
-            InitCache(
-                num_blocks=cache_config.num_blocks,
-                num_swap_blocks=cache_config.num_swap_blocks,
-                block_size=cache_config.block_size,
-                kv_segment=kv_segment,
-                swap_segment=swap_segment,
-                max_model_len=sched_config.max_model_len,
-            )
-        )
-        self._expect_from_worker(WorkerReady, WORKER_START_TIMEOUT_S)
+        kv_segments = [self._init_cache(rank, hello, cache_config, sched_config) for rank, hello in enumerate(hellos)]
+        self.workers.gather(WorkerReady, WORKER_START_TIMEOUT_S, self._check_frontend)
         self._to_frontend(
             EngineReady(
                 num_blocks=cache_config.num_blocks,
@@ -123,14 +79,40 @@ class EngineCore:
                 block_size=cache_config.block_size,
                 max_model_len=sched_config.max_model_len,
                 backend=self.config.backend,
-                kv_segment=kv_segment,
+                kv_segments=kv_segments,
             )
         )
 
-    def _size_cache(self, hello: WorkerHello) -> tuple[CacheConfig, SchedulerConfig]:
+    def _init_cache(self, rank: int, hello: WorkerHello, cache: CacheConfig, sched: SchedulerConfig) -> str | None:
+        """Rank `rank`'s pools — shared-memory segments of its own KV heads when it runs on this
+        host and its backend keeps them in host memory — and its InitCache."""
+        block_bytes = hello.kv_spec.bytes_per_block_slot * cache.block_size
+        local = self.workers.is_local(rank)
+        kv = (
+            self._create_segment(f"kv-r{rank}", cache.num_blocks * block_bytes)
+            if local and hello.kv_in_shared_memory
+            else None
+        )
+        swap = (
+            self._create_segment(f"swap-r{rank}", cache.num_swap_blocks * block_bytes)
+            if local and cache.num_swap_blocks
+            else None
+        )
+        init = InitCache(
+            num_blocks=cache.num_blocks,
+            num_swap_blocks=cache.num_swap_blocks,
+            block_size=cache.block_size,
+            kv_segment=kv,
+            swap_segment=swap,
+            max_model_len=sched.max_model_len,
+        )
+        self.workers.send(rank, init)
+        return kv
+
+    def _size_cache(self, hellos: list[WorkerHello]) -> tuple[CacheConfig, SchedulerConfig]:
         """The KV pool from the configured memory (or the worker's profile on a GPU), and the
         context length: the model's own, no longer than a sliding window or what the pool holds."""
-        cfg = self.config
+        cfg, hello = self.config, hellos[0]  # every rank has the same model; pools of its own heads
         max_model_len = cfg.max_model_len or hello.max_position_embeddings
         if hello.sliding_window and max_model_len > hello.sliding_window:
             max_model_len = hello.sliding_window  # attention beyond the window is not implemented
@@ -138,7 +120,7 @@ class EngineCore:
         if cfg.num_kv_blocks:
             num_blocks = cfg.num_kv_blocks
         elif hello.num_device_blocks is not None:
-            num_blocks = hello.num_device_blocks
+            num_blocks = min(h.num_device_blocks for h in hellos)  # block ids are the same on every rank
         else:
             num_blocks = cfg.kv_cache_memory // block_bytes
         num_blocks = max(num_blocks, 2)
@@ -165,25 +147,14 @@ class EngineCore:
         self.segments.append(name)
         return name
 
-    def _expect_from_worker(self, kind, timeout_s: float):
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            self._check_peers()
-            if self.from_worker.poll(POLL_MS):
-                msg = self.from_worker.recv()
-                if isinstance(msg, WorkerFailed):
-                    raise EngineFailure(f"worker {msg.rank} failed: {msg.reason}")
-                if isinstance(msg, kind):
-                    return msg
-                raise EngineFailure(f"worker sent {type(msg).__name__}, expected {kind.__name__}")
-        raise EngineFailure(f"worker sent no {kind.__name__} within {timeout_s:.0f} s")
-
-    def _check_peers(self) -> None:
-        if self.worker is not None and self.worker.poll() is not None:
-            raise EngineFailure(f"worker process exited with code {self.worker.returncode}")
+    def _check_frontend(self) -> None:
         if os.getppid() != self.parent_pid:
             self.stopping = True
             raise EngineFailure("frontend process is gone")
+
+    def _check_peers(self) -> None:
+        self.workers.check_alive()
+        self._check_frontend()
 
     # --- the loop -------------------------------------------------------------------------
     def run(self) -> None:
@@ -196,6 +167,7 @@ class EngineCore:
                 if not busy:
                     self._flush_outputs()  # e.g. aborts that emptied the engine, with fresh stats
                     self._check_peers()
+                    self.workers.keep_alive()
                     continue
                 if self.stopping:
                     break
@@ -223,19 +195,11 @@ class EngineCore:
         if plan.is_empty:
             self._flush_outputs()
             return None
-        self.to_worker.send(Step(plan))
+        self.workers.broadcast(Step(plan))
         return plan
 
     def _wait_result(self) -> StepResult:
-        while True:
-            if self.from_worker.poll(POLL_MS):
-                msg = self.from_worker.recv()
-                if isinstance(msg, StepResult):
-                    return msg
-                if isinstance(msg, WorkerFailed):
-                    raise EngineFailure(f"worker {msg.rank} failed: {msg.reason}")
-                raise EngineFailure(f"worker sent {type(msg).__name__} during a step")
-            self._check_peers()
+        return self.workers.wait_result(StepResult, self._check_frontend)
 
     def _collect(self, outputs: list[RequestOutputDelta], result: StepResult) -> None:
         """The scheduler's outputs, with the worker's logprobs and the prefix-cache hit added."""
@@ -287,18 +251,12 @@ class EngineCore:
 
     # --- shutdown -------------------------------------------------------------------------
     def close(self) -> None:
-        if self.worker is not None and self.worker.poll() is None:
-            try:
-                self.to_worker.send(Shutdown())
-                self.worker.wait(timeout=5)
-            except (subprocess.TimeoutExpired, zmq.ZMQError):
-                self.worker.kill()
-                self.worker.wait()
+        if self.workers is not None:
+            self.workers.shutdown()
         for name in self.segments:
             shm.unlink_segment(name)
         self.segments = []
-        for ch in (self.from_frontend, self.to_worker, self.from_worker):
-            ch.close()
+        self.from_frontend.close()
         self.to_frontend.close(linger_ms=2000)
         self.ctx.term()
         if os.getppid() != self.parent_pid and self.input_endpoint.startswith("ipc://"):

@@ -10,7 +10,8 @@ import traceback
 import msgspec
 
 from .config import EngineConfig
-from .engine import EngineCore, EngineFailure
+from .engine import EngineCore
+from .errors import EngineFailure
 from .logs import setup_logging
 
 
@@ -19,15 +20,14 @@ def main(argv=None) -> int:
     ap.add_argument("--config", required=True)
     ap.add_argument("--input", required=True)
     ap.add_argument("--output", required=True)
-    ap.add_argument("--worker-input", required=True)
-    ap.add_argument("--worker-output", required=True)
+    ap.add_argument("--workers", required=True, help="where the workers reach the core (unless the config says)")
     args = ap.parse_args(argv)
     setup_logging()
     # Ctrl-C reaches the whole process group; the frontend decides how to shut down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # unwinds through close()
     config = msgspec.json.decode(args.config, type=EngineConfig)
-    core = EngineCore(config, args.input, args.output, args.worker_input, args.worker_output)
+    core = EngineCore(config, args.input, args.output, args.workers)
     code = 0
     try:
         core.start()

@@ -9,6 +9,10 @@ class InvalidParameter(ValueError):
         self.field = field
 
 
+class EngineFailure(RuntimeError):
+    """The engine core cannot go on (a worker or the frontend is gone); the message says why."""
+
+
 def validation_error_parts(error: Exception) -> tuple[str | None, str]:
     """msgspec's "Expected `int`, got `str` - at `$.n`" as ("n", "Expected `int`, got `str`");
     (None, the whole text) when it names no place below the root."""

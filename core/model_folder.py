@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 
+from .errors import InvalidParameter
+
 
 class ModelFolder:
     def __init__(self, path: str):
@@ -45,3 +47,19 @@ class ModelFolder:
         if eos is None:
             return []
         return [int(t) for t in eos] if isinstance(eos, list) else [int(eos)]
+
+    def check_tensor_parallel(self, size: int) -> None:
+        """Refuse a split the model's shape does not allow, naming the numbers."""
+        cfg = self.config
+        heads = cfg["num_attention_heads"]
+        check_tensor_parallel(heads, cfg.get("num_key_value_heads") or heads, cfg["intermediate_size"], size)
+
+
+def check_tensor_parallel(num_heads: int, num_kv_heads: int, intermediate_size: int, size: int) -> None:
+    field = "tensor_parallel_size"
+    if num_heads % size:
+        raise InvalidParameter(field, f"{size} does not divide the model's {num_heads} attention heads")
+    if num_kv_heads % size and size % num_kv_heads:
+        raise InvalidParameter(field, f"{size} and the model's {num_kv_heads} KV heads: one must divide the other")
+    if intermediate_size % size:
+        raise InvalidParameter(field, f"{size} does not divide the model's intermediate size {intermediate_size}")

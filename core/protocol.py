@@ -7,8 +7,8 @@ neither copied into the body on send nor out of the frame on receive.
 
 Frontend -> core:  AddRequests, AbortRequests, Shutdown        (PUSH -> PULL)
 Core -> frontend:  EngineReady, EngineOutputs, RequestRejected, EngineDead
-Core -> worker:    InitCache, Step, Shutdown                   (PUSH -> PULL)
-Worker -> core:    WorkerHello, WorkerReady, StepResult, WorkerFailed
+Core -> workers:   Configure, InitCache, Step, Heartbeat, Shutdown   (ROUTER -> DEALER per rank)
+Workers -> core:   WorkerJoin, WorkerHello, WorkerReady, StepResult, WorkerFailed
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
+from .config import EngineConfig
 from .outputs import RequestOutputDelta, SchedulerOutput, SchedulerStats, TokenLogprobs
 from .request import EngineRequest
 
@@ -54,7 +55,8 @@ class EngineReady(msgspec.Struct, tag="ready"):
     block_size: int
     max_model_len: int
     backend: str
-    kv_segment: str | None  # name of the shared-memory block pool, if the backend uses one
+    # per rank: the shared-memory segment of its KV pool, or None (device memory, another host)
+    kv_segments: list[str | None]
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs"):
@@ -89,6 +91,25 @@ class KVSpec(msgspec.Struct):
 
 
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class WorkerJoin(msgspec.Struct, tag="join"):
+    """A worker process has connected; it waits for its Configure."""
+
+    rank: int
+    host: str
+    pid: int
+
+
+class Configure(msgspec.Struct, tag="configure"):
+    config: EngineConfig
+    # the torch.distributed rendezvous of the tensor-parallel ranks (unused when there is one)
+    master_addr: str
+    master_port: int
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat"):
+    """The core is alive (sent while it has nothing else to say, for workers on other hosts)."""
 
 
 class WorkerHello(msgspec.Struct, tag="hello"):
@@ -130,8 +151,8 @@ class WorkerFailed(msgspec.Struct, tag="failed"):
     reason: str
 
 
-ToWorker = InitCache | Step | Shutdown
-FromWorker = WorkerHello | WorkerReady | StepResult | WorkerFailed
+ToWorker = Configure | InitCache | Step | Heartbeat | Shutdown
+FromWorker = WorkerJoin | WorkerHello | WorkerReady | StepResult | WorkerFailed
 
 
 # --- encoding ------------------------------------------------------------------------------

@@ -125,6 +125,7 @@ def _throughput(args, out_dir: str) -> int:
         batch_size=args.batch_size,
         vllm_python=args.vllm_python,
         vllm_work=os.path.join(out_dir, "vllm-work"),
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     results = run["results"]
     report.write_json(
@@ -167,6 +168,7 @@ def _latency(args, out_dir: str) -> int:
         backend=args.backend,
         dtype=args.dtype,
         kv_cache_memory=args.kv_cache_memory,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     print_rows(rows)
     report.write_json(
@@ -186,7 +188,15 @@ def _serving(args, out_dir: str) -> int:
     if float("inf") not in rates:
         rates.append(float("inf"))  # saturation, for the served / offline ratio
     result = serving_benchmark(
-        model_dir, prompts, max_tokens, rates, args.backend, args.dtype, args.kv_cache_memory, args.seed
+        model_dir,
+        prompts,
+        max_tokens,
+        rates,
+        args.backend,
+        args.dtype,
+        args.kv_cache_memory,
+        args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     print_report(result)
     finite = lambda r: {**r, "rate": "inf" if r["rate"] == float("inf") else r["rate"]}
@@ -224,6 +234,7 @@ def _scaling(args, out_dir: str) -> int:
             skip_tokenizer_init=True,
             kv_cache_memory=args.kv_cache_memory,
             max_num_seqs=concurrency,
+            tensor_parallel_size=args.tensor_parallel_size,
         ) as llm:
             start = time.monotonic()
             outs = llm.generate(prompts, params, use_tqdm=False)
@@ -244,6 +255,7 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--model", default=None, help="model folder (default: the demo model)")
     bench.add_argument("--backend", default="cpu")
     bench.add_argument("--dtype", default="float32")
+    bench.add_argument("--tensor-parallel-size", type=int, default=1, help="pagedllm's ranks")
     bench.add_argument("--num-prompts", type=int, default=200)
     bench.add_argument(
         "--dataset",

@@ -36,7 +36,15 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--enforce-eager", action="store_true", help="GPU: no CUDA graphs for decode steps")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--tensor-parallel-size", type=int, default=1)
+    g.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks to split the model over")
+    g.add_argument(
+        "--nnodes", type=int, default=1, help="hosts the ranks split over (the others run `pagedllm worker`)"
+    )
+    g.add_argument("--worker-endpoint", default=None, help="several hosts: where their ranks reach this core (tcp://)")
+    g.add_argument(
+        "--master-addr", default="127.0.0.1", help="several hosts: this host's address for torch.distributed"
+    )
+    g.add_argument("--master-port", type=int, default=None, help="several hosts: torch.distributed's port on this host")
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -106,6 +114,10 @@ def engine_kwargs(args) -> dict:
         num_kv_blocks=args.num_kv_blocks,
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,
+        nnodes=args.nnodes,
+        worker_endpoint=args.worker_endpoint,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
     )
 
 
@@ -249,6 +261,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(srv)
     srv.set_defaults(func=cmd_serve)
 
+    node = sub.add_parser("worker", help="run this host's tensor-parallel ranks of an engine whose core runs elsewhere")
+    node.add_argument("--head", required=True, help="the head's --worker-endpoint, e.g. tcp://10.0.0.1:29600")
+    node.add_argument("--nnodes", type=int, required=True)
+    node.add_argument("--node-rank", type=int, required=True, help="this host's place, 1..nnodes-1 (0 is the head)")
+    node.add_argument("--tensor-parallel-size", type=int, required=True)
+    node.set_defaults(func=cmd_worker)
+
     keys = sub.add_parser("keygen", help="make a CurveZMQ key pair for the ZMQ entrypoint or one of its clients")
     keys.add_argument("--out", default="zmq-keys", help="folder for NAME.key (public) and NAME.key_secret")
     keys.add_argument("--name", default="server", help="file name stem (server, or a client's name)")
@@ -263,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
     conf.add_argument("--quick", action="store_true", help="a smaller grid (about 2 minutes on CPU)")
     conf.add_argument("--ops-only", action="store_true", help="op numerics and cache writes only")
     conf.add_argument("--json", help="also write the results as JSON here")
+    conf.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="run the engine rows with this many ranks, against one"
+    )
     conf.set_defaults(func=cmd_conformance)
     return parser
 
@@ -299,6 +321,12 @@ def cmd_serve(args) -> int:
     )
     run_server(engine_kwargs(args), options)
     return 0
+
+
+def cmd_worker(args) -> int:
+    from .node import node_ranks, run_node
+
+    return run_node(args.head, node_ranks(args.tensor_parallel_size, args.nnodes, args.node_rank))
 
 
 def cmd_keygen(args) -> int:

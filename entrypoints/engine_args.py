@@ -8,7 +8,7 @@ import logging
 import os
 from dataclasses import asdict, dataclass
 
-from pagedllm.backends.registry import check_available, resolve_alias
+from pagedllm.backends.registry import check_available, device_count, resolve_alias
 from pagedllm.core.config import EngineConfig, parse_size
 from pagedllm.core.errors import InvalidParameter
 from pagedllm.core.model_folder import ModelFolder
@@ -40,6 +40,10 @@ class EngineArgs:
     kv_cache_memory: int | str = "1GiB"
     swap_space: float | str | None = None
     tensor_parallel_size: int = 1
+    nnodes: int = 1
+    worker_endpoint: str | None = None
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
@@ -66,6 +70,7 @@ class EngineArgs:
             swap = parse_size(self.swap_space, "swap_space")
         else:
             swap = int(self.swap_space * GiB)  # vLLM's unit: GiB
+        self._check_tensor_parallel(model, backend)
         fields = {
             k: v
             for k, v in asdict(self).items()
@@ -80,6 +85,20 @@ class EngineArgs:
                 "swap_space": swap,
             }
         )
+
+    def _check_tensor_parallel(self, model: str, backend: str) -> None:
+        """Refused before anything starts: a split the model does not allow, or more ranks on
+        this host than it has devices."""
+        size = self.tensor_parallel_size
+        if size == 1:
+            return
+        ModelFolder(model).check_tensor_parallel(size)
+        devices = device_count(backend)
+        per_node = size // max(self.nnodes, 1)
+        if devices is not None and per_node > devices:
+            raise InvalidParameter(
+                "tensor_parallel_size", f"{per_node} ranks on this host, but {backend} sees {devices} devices here"
+            )
 
 
 def start_engine(args: EngineArgs) -> tuple[EngineClient, InputProcessor]:

@@ -31,7 +31,7 @@ class EngineClient:
             raise ValueError(f"transport: must be 'ipc' or 'tcp', got {transport!r}")
         self.config = config
         self.ipc_dir = make_ipc_dir()
-        names = ("input", "output", "worker-input", "worker-output")
+        names = ("input", "output", "workers")
         self.endpoints = {
             n: ipc_endpoint(self.ipc_dir, n) if transport == "ipc" else free_tcp_endpoint() for n in names
         }
@@ -51,10 +51,8 @@ class EngineClient:
                 self.endpoints["input"],
                 "--output",
                 self.endpoints["output"],
-                "--worker-input",
-                self.endpoints["worker-input"],
-                "--worker-output",
-                self.endpoints["worker-output"],
+                "--workers",
+                self.endpoints["workers"],
             ],
             stdin=subprocess.DEVNULL,
             start_new_session=True,

@@ -23,6 +23,10 @@ class StreamOutput:
     finished: bool  # the whole request (all n completions) is done
     finish_reason: str | None = None  # set when completion `index` ended with this update
     first_token: bool = False  # this update brought the request's first token
+    # the logprob entries of delta_token_ids (a copy: `output` goes on growing while this waits)
+    delta_logprobs: list[dict] | None = None
+    # the logprob entries of delta_token_ids (a copy: `output` goes on growing while this waits)
+    delta_logprobs: list[dict] | None = None
 
 
 class OutputProcessor:
@@ -59,18 +63,17 @@ class OutputProcessor:
             index, chunk, done, abort = tracker.apply(delta)
             if abort:
                 aborts.append(delta.request_id)
-            updates.append(
-                (
-                    tracker,
-                    StreamOutput(
-                        tracker.output,
-                        index,
-                        chunk,
-                        list(delta.new_token_ids),
-                        tracker.finished,
-                        tracker.output.outputs[index].finish_reason if done else None,
-                        first_token=not had_token and tracker.timing.first_token is not None,
-                    ),
-                )
+            comp = tracker.output.outputs[index]
+            new = list(delta.new_token_ids)
+            update = StreamOutput(
+                tracker.output,
+                index,
+                chunk,
+                new,
+                tracker.finished,
+                comp.finish_reason if done else None,
+                first_token=not had_token and tracker.timing.first_token is not None,
+                delta_logprobs=comp.logprobs[-len(new) :] if comp.logprobs is not None and new else None,
             )
+            updates.append((tracker, update))
         return updates, aborts

@@ -106,15 +106,22 @@ def make_config(arch: str, vocab_size: int, **overrides):
 
 
 def make_model_dir(
-    path: str, arch: str = "llama", seed: int = 0, dtype: str = "float32", vocab_size: int = 400, **config_overrides
+    path: str,
+    arch: str = "llama",
+    seed: int = 0,
+    dtype: str = "float32",
+    vocab_size: int = 400,
+    model_vocab_size: int | None = None,
+    **config_overrides,
 ) -> str:
-    """Write a random-weight model folder at `path` (reused if already there)."""
+    """Write a random-weight model folder at `path` (reused if already there). vocab_size is
+    the tokenizer's; model_vocab_size, when larger, the embedding's (models pad theirs)."""
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
     from transformers import AutoModelForCausalLM
 
     tokenizer = make_tokenizer(vocab_size)
-    cfg = make_config(arch, len(tokenizer), **config_overrides)
+    cfg = make_config(arch, max(len(tokenizer), model_vocab_size or 0), **config_overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
     if arch in ("qwen2",):  # random, not zero, biases so the bias path is exercised

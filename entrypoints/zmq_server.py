@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import itertools
+import logging
 
 import msgspec
 import zmq
@@ -36,6 +37,8 @@ from .zmq_protocol import (
     sampling_params,
     wire_field,
 )
+
+logger = logging.getLogger("pagedllm.entrypoints")
 
 
 class ClientGone(Exception):
@@ -155,11 +158,10 @@ class ZmqServer:
             try:
                 async for out in stream:
                     if msg.stream and out.delta_token_ids:
-                        comp = out.output.outputs[out.index]
                         lps = tops = None
-                        if comp.logprobs is not None and not stream.tracker.beams:
+                        if out.delta_logprobs is not None and not stream.tracker.beams:
                             lps, tops = _token_logprobs(
-                                out.delta_token_ids, comp.logprobs, stream.tracker.params.logprobs
+                                out.delta_token_ids, out.delta_logprobs, stream.tracker.params.logprobs
                             )
                         delta = Delta(rid, out.index, out.delta_text, out.delta_token_ids, lps, tops)
                         await self._send(identity, delta)
@@ -170,8 +172,12 @@ class ZmqServer:
             except EngineDeadError as e:
                 await self._send(identity, Error(rid, 500, None, str(e)))
                 return
-            except InvalidParameter as e:  # refused by the engine core (e.g. n above max_num_seqs)
+            except InvalidParameter as e:  # refused by the engine core (e.g. a beam search too big for the pool)
                 await self._send(identity, Error(rid, 400, wire_field(e.field), str(e)))
+                return
+            except Exception as e:  # a bug here must not leave the client waiting
+                logger.exception("ZMQ request %r failed", rid)
+                await self._send(identity, Error(rid, 500, None, f"internal error: {e!r}"))
                 return
             await self._send(identity, self._final(rid, output))
         except ClientGone:
@@ -225,7 +231,6 @@ class ZmqServer:
 
 def _token_logprobs(token_ids: list[int], entries: list[dict], k: int) -> tuple[list[float], list[list]]:
     """The new tokens' log-probabilities, and for each the k most likely (token id, logprob)."""
-    entries = entries[-len(token_ids) :]
     sampled = [entry[t].logprob for t, entry in zip(token_ids, entries)]
     by_rank = [sorted((e.rank, t, e.logprob) for t, e in entry.items() if e.rank <= k) for entry in entries]
     return sampled, [[(t, lp) for _, t, lp in ranked] for ranked in by_rank]

@@ -16,7 +16,7 @@ def make_runner(
     model_dir: str, dtype: str | None = None, num_blocks: int = 256, block_size: int = 16, ops=None
 ) -> ModelRunner:
     model = load_model(model_dir, dtype=dtype)
-    kv = allocate_kv_caches(model.config, num_blocks, block_size)
+    kv = allocate_kv_caches(model, num_blocks, block_size)
     return ModelRunner(model, ops or CpuAttentionOps(), kv, block_size)
 
 

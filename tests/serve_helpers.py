@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import threading
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -44,6 +45,10 @@ class ServerProcess:
             self.proc.kill()
             raise RuntimeError(f"server did not start: {self.banner}{rest}")
         self.engine_pids = children_of(self.proc.pid)
+        # keep reading what it prints: a full pipe would block the server mid-test
+        self.output: list[str] = []
+        self._reader = threading.Thread(target=lambda: self.output.extend(self.proc.stdout), daemon=True)
+        self._reader.start()
 
     def get(self, path: str) -> tuple[int, bytes]:
         try:

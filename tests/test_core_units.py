@@ -11,9 +11,9 @@ from pagedllm.core.protocol import Decoder, Encoder, Step, ToWorker
 
 def test_core_imports_no_torch():
     code = (
-        "import sys, pagedllm.core, pagedllm.core.scheduler, pagedllm.core.kv_cache_manager, "
-        "pagedllm.core.block_pool, pagedllm.core.outputs\n"
-        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton'))\n"
+        "import sys, pkgutil, importlib, pagedllm.core\n"
+        "for m in pkgutil.iter_modules(pagedllm.core.__path__): importlib.import_module('pagedllm.core.' + m.name)\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton', 'transformers'))\n"
         "print(bad); sys.exit(1 if bad else 0)"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

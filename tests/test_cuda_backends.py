@@ -231,7 +231,7 @@ from pagedllm.backends.gpu.graphs import DecodeGraphs
 from pagedllm.core.utils import cdiv
 model = load_model(sys.argv[1], dtype="float32")
 ops = TritonAttentionOps()
-kv = allocate_kv_caches(model.config, 64, 16)
+kv = allocate_kv_caches(model, 64, 16)
 runner = ModelRunner(model, ops, kv, 16)
 lens, tables, nxt = [5, 16, 40], [], 1
 for n in lens:

@@ -4,6 +4,8 @@ positions 0..its own of its request, so the ops only build two small index tenso
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from pagedllm.backends.attention import (
@@ -31,6 +33,10 @@ class NativeCudaAttentionOps(AttentionOps):
             raise RuntimeError(f"{self.name}: {reason}")
         self.ext = load_extension()
         self._empty = torch.empty(0, dtype=torch.float32, device="cuda")
+
+    @staticmethod
+    def device_count() -> int | None:
+        return None if os.environ.get("TRITON_INTERPRET") == "1" else torch.cuda.device_count()
 
     @staticmethod
     def unavailable_reason() -> str | None:

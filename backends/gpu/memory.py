@@ -24,7 +24,6 @@ def profile_num_blocks(
     `slot_bytes` per token slot (KVSpec.bytes_per_block_slot), what
     the device's memory, times `memory_utilization`, leaves after weights, the activations'
     peak and memory outside torch."""
-    cfg = model.config
     seqs, left = [], num_tokens
     while left > 0:
         n = min(left, max_seq_len - 1)
@@ -33,7 +32,7 @@ def profile_num_blocks(
     blocks_needed = sum(cdiv(n, block_size) for n in seqs) + 1
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    scratch = allocate_kv_caches(cfg, blocks_needed, block_size, device=device)
+    scratch = allocate_kv_caches(model, blocks_needed, block_size, device=device)
     runner = ModelRunner(model, ops, scratch, block_size, device)
     next_block, batch = 1, []
     for n in seqs:

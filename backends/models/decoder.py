@@ -12,6 +12,7 @@ from torch import nn
 
 from ..attention import AttentionMetadata, AttentionOps
 from .config import ModelConfig
+from .parallel import SINGLE, Shards, TensorParallel, VocabParallelEmbedding
 from .rope import RotaryEmbedding, rotate
 
 
@@ -34,14 +35,18 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """One layer as one rank holds it (see parallel.py): its own heads and its slice of the
+    MLP; the row-parallel projections' partial sums are all-reduced."""
+
+    def __init__(self, cfg: ModelConfig, shards: Shards, tp: TensorParallel):
         super().__init__()
-        self.num_heads = cfg.num_heads
-        self.num_kv_heads = cfg.num_kv_heads
+        self.tp = tp
+        self.num_heads = shards.num_heads
+        self.num_kv_heads = shards.num_kv_heads
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
-        q_size = cfg.num_heads * cfg.head_dim
-        kv_size = cfg.num_kv_heads * cfg.head_dim
+        q_size = shards.num_heads * cfg.head_dim
+        kv_size = shards.num_kv_heads * cfg.head_dim
         self.split = (q_size, kv_size, kv_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.qkv_bias)
@@ -52,8 +57,8 @@ class DecoderLayer(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * shards.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(shards.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.act = silu_and_mul  # a backend may swap in a fused kernel (prepare_model)
 
     def attention(self, x, cos_sin, kv_cache, meta: AttentionMetadata, ops: AttentionOps):
@@ -82,24 +87,33 @@ class DecoderLayer(nn.Module):
                     ops.prefill_attention(q[nd:], kv_cache, meta.prefill, self.scale),
                 )
             )
-        return self.o_proj(out.reshape(num_tokens, -1))
+        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, -1)))
 
     def forward(self, x, cos_sin, kv_cache, meta, ops):
         x = x + self.attention(self.input_layernorm(x), cos_sin, kv_cache, meta, ops)
-        return x + self.down_proj(self.act(self.gate_up_proj(self.post_attention_layernorm(x))))
+        mlp = self.down_proj(self.act(self.gate_up_proj(self.post_attention_layernorm(x))))
+        return x + self.tp.all_reduce(mlp)
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        max_positions: int | None = None,
+        tp: TensorParallel = SINGLE,
+        rope: RotaryEmbedding | None = None,
+    ):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.tp = tp
+        self.shards = shards = Shards.of(cfg, tp)
+        self.embed_tokens = VocabParallelEmbedding(shards.vocab_rows, cfg.hidden_size, shards.vocab_start, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, shards, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, shards.vocab_rows, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope, max_positions or cfg.max_position_embeddings)
+        self.rope = rope or RotaryEmbedding(cfg.head_dim, cfg.rope, max_positions or cfg.max_position_embeddings)
 
     def forward(
         self,
@@ -116,5 +130,9 @@ class CausalLM(nn.Module):
             x = layer(x, cos_sin, kv_caches[i], meta, ops)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Float32 logits over the vocabulary (its padding cut off) on rank 0; None on the others."""
+        logits = self.tp.gather_to_first(self.lm_head(hidden).float())
+        if logits is None or logits.shape[-1] == self.config.vocab_size:
+            return logits
+        return logits[..., : self.config.vocab_size]

@@ -11,6 +11,8 @@ from safetensors import safe_open
 
 from .config import ModelConfig
 from .decoder import CausalLM
+from .parallel import SINGLE, Shards, TensorParallel
+from .rope import RotaryEmbedding
 
 # Hugging Face name pattern -> (our parameter, shard index within a fused matrix or None)
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -56,15 +58,24 @@ def _target(name: str) -> tuple[str, int | None] | None:
 
 
 def load_model(
-    model_dir: str, dtype: str | None = None, max_positions: int | None = None, device: str | torch.device = "cpu"
+    model_dir: str,
+    dtype: str | None = None,
+    max_positions: int | None = None,
+    device: str | torch.device = "cpu",
+    tp: TensorParallel = SINGLE,
 ) -> CausalLM:
+    """The model, or under tensor parallelism this rank's part of it: only its slices are read
+    from the safetensors files, so no rank holds the whole model."""
     cfg = ModelConfig.from_pretrained(model_dir, dtype)
+    # the rotary tables are computed, not loaded: outside the meta device (where computing them
+    # would pull in torch's meta kernels, a second and a half of every worker's start)
+    rope = RotaryEmbedding(cfg.head_dim, cfg.rope, max_positions or cfg.max_position_embeddings)
     with torch.device("meta"):
-        model = CausalLM(cfg, max_positions=1)
+        model = CausalLM(cfg, tp=tp, rope=rope)
     model = model.to_empty(device=device).to(cfg.dtype)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.rope = type(model.rope)(cfg.head_dim, cfg.rope, max_positions or cfg.max_position_embeddings).to(device)
+    model.rope = rope.to(device)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     unexpected: list[str] = []
@@ -77,8 +88,8 @@ def load_model(
                         unexpected.append(name)
                     continue
                 param_name, shard = target
-                tensor = f.get_tensor(name)
-                _copy_into(params[param_name], param_name, tensor, shard, cfg, name)
+                tensor = _read_slice(f, name, model.shards, cfg, tp)
+                _copy_into(params[param_name], param_name, tensor, shard, model.shards, cfg, name)
                 loaded.add(f"{param_name}#{shard}")
     missing = [n for n, shards in _expected_loads(params, cfg) if not shards <= loaded]
     if missing or unexpected:
@@ -90,23 +101,73 @@ def load_model(
     return model
 
 
-def _shard_offsets(param_name: str, cfg: ModelConfig) -> list[int]:
+# HF weight (stem suffix) -> how it splits across ranks: (dimension, which Shards range)
+_SPLITS = {
+    "self_attn.q_proj": (0, "heads"),
+    "self_attn.k_proj": (0, "kv_heads"),
+    "self_attn.v_proj": (0, "kv_heads"),
+    "self_attn.o_proj": (1, "heads"),
+    "mlp.gate_proj": (0, "intermediate"),
+    "mlp.up_proj": (0, "intermediate"),
+    "mlp.down_proj": (1, "intermediate"),
+    "model.embed_tokens": (0, "vocab"),
+    "lm_head": (0, "vocab"),
+}
+
+
+def _range(kind: str, shards: Shards, cfg: ModelConfig) -> tuple[int, int]:
+    d = cfg.head_dim
+    return {
+        "heads": (shards.head_start * d, shards.num_heads * d),
+        "kv_heads": (shards.kv_head_start * d, shards.num_kv_heads * d),
+        "intermediate": (shards.intermediate_start, shards.intermediate_size),
+        "vocab": (shards.vocab_start, shards.vocab_rows),
+    }[kind]
+
+
+def _read_slice(f, name: str, shards: Shards, cfg: ModelConfig, tp: TensorParallel) -> torch.Tensor:
+    """This rank's part of weight `name`. A row-parallel layer's bias is added once, by rank 0;
+    rows past the vocabulary (its padding) are zeros."""
+    stem, _, kind = name.rpartition(".")
+    split = next((v for k, v in _SPLITS.items() if stem == k or stem.endswith("." + k)), None)
+    if tp.size == 1 or split is None:
+        return f.get_tensor(name)
+    dim, what = split
+    view = f.get_slice(name)
+    if kind == "bias" and dim == 1:
+        tensor = view[:]
+        return tensor if tp.is_first else torch.zeros_like(tensor)
+    start, size = _range(what, shards, cfg)
+    end = min(start + size, view.get_shape()[dim])
+    part = view[start:end] if dim == 0 else view[:, start:end]
+    if end - start < size:  # the vocabulary's padding
+        part = torch.cat([part, part.new_zeros((size - (end - start), *part.shape[1:]))])
+    return part
+
+
+def _shard_offsets(param_name: str, shards: Shards, cfg: ModelConfig) -> list[int]:
     if ".qkv_proj." in param_name:
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q, kv = shards.num_heads * cfg.head_dim, shards.num_kv_heads * cfg.head_dim
         return [0, q, q + kv, q + 2 * kv]
     if ".gate_up_proj." in param_name:
-        return [0, cfg.intermediate_size, 2 * cfg.intermediate_size]
+        return [0, shards.intermediate_size, 2 * shards.intermediate_size]
     raise AssertionError(param_name)
 
 
 def _copy_into(
-    param: torch.Tensor, param_name: str, tensor: torch.Tensor, shard: int | None, cfg: ModelConfig, name: str
+    param: torch.Tensor,
+    param_name: str,
+    tensor: torch.Tensor,
+    shard: int | None,
+    shards: Shards,
+    cfg: ModelConfig,
+    name: str,
 ) -> None:
     with torch.no_grad():
         if shard is None:
             dst = param
         else:
-            offsets = _shard_offsets(param_name, cfg)
+            offsets = _shard_offsets(param_name, shards, cfg)
             dst = param[offsets[shard] : offsets[shard + 1]]
         if dst.shape != tensor.shape:
             raise ValueError(f"model: weight {name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")

@@ -41,6 +41,10 @@ class TritonAttentionOps(AttentionOps):
         self.partition = 256 if self.interpret else 512
 
     @staticmethod
+    def device_count() -> int | None:
+        return None if os.environ.get("TRITON_INTERPRET") == "1" else torch.cuda.device_count()
+
+    @staticmethod
     def unavailable_reason() -> str | None:
         try:
             import triton  # noqa: F401

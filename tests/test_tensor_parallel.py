@@ -1,0 +1,191 @@
+"""Tensor parallelism on torch.distributed (gloo on this CPU): two worker processes, each with
+half of the heads and of the MLP, must give the tokens of one — under preemption and chunked
+prefill, for every architecture, with n > 1 and beam search — and fail cleanly when a rank dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import zmq
+
+from pagedllm import LLM, BeamSearchParams, InvalidParameter, SamplingParams
+from pagedllm.core.config import EngineConfig
+from pagedllm.core.ipc import free_tcp_port
+from pagedllm.core.protocol import Decoder, Step, ToWorker
+from pagedllm.core.worker_group import WorkerGroup, rank_identity
+from pagedllm.entrypoints.engine_args import EngineArgs
+from pagedllm.entrypoints.engine_client import EngineDeadError
+
+from core_helpers import add, make_scheduler
+from model_helpers import greedy_batched, make_runner
+from proc_helpers import children_of, is_running, segments_of, wait_until
+
+MODELS = {  # name: (architecture, config overrides)
+    "llama": ("llama", {}),
+    "llama3-rope-tied": ("llama3-rope", {}),
+    "mistral": ("mistral", {}),
+    "qwen2-bias": ("qwen2", {}),
+    "qwen3-qk-norm": ("qwen3", {}),
+    "mqa-odd-vocab": ("llama", {"num_key_value_heads": 1, "model_vocab_size": 1003}),  # 1 KV head, 2 ranks
+}
+
+
+def prompts_16() -> list[list[int]]:
+    """16 mixed lengths, 1 to 150 tokens."""
+    lengths = [1, 150, 3, 40, 17, 16, 90, 5, 120, 33, 2, 64, 100, 9, 48, 71]
+    return [[(7 * i + 3 * j) % 390 + 5 for j in range(n)] for i, n in enumerate(lengths)]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_tp2_greedy_equals_one_rank_under_preemption_and_chunked_prefill(tiny_model, name):
+    arch, overrides = MODELS[name]
+    path = tiny_model(arch, **overrides)
+    prompts, max_new = prompts_16(), 10
+    expected = greedy_batched(make_runner(path), prompts, max_new)
+    mode = "swap" if name == "llama" else "recompute"
+    params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
+    with LLM(
+        path,
+        tensor_parallel_size=2,
+        num_kv_blocks=40,
+        max_model_len=256,
+        max_num_batched_tokens=64,
+        preemption_mode=mode,
+        swap_space=0.01,
+        skip_tokenizer_init=True,
+    ) as llm:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        preemptions = llm.last_stats.scheduler.num_preemptions
+        ready = llm.engine.ready
+    assert preemptions > 0, "the pool was meant to force preemption"
+    assert len(ready.kv_segments) == 2 and all(ready.kv_segments), "one shared-memory segment per rank"
+    for i, (out, want) in enumerate(zip(outputs, expected)):
+        assert out.outputs[0].token_ids == want, f"request {i} ({len(prompts[i])}-token prompt)"
+
+
+def test_tp2_n_samples_beams_and_prefix_hits_equal_one_rank(tiny_model):
+    path = tiny_model("llama")
+    shared = list(range(20, 84))  # 4 full blocks that later prompts hit
+    prompts = [shared + [5, 6], shared + [7], [9, 10, 11]]
+    sampled = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    beams = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+    runs = {}
+    for tp in (1, 2):
+        with LLM(path, tensor_parallel_size=tp, num_kv_blocks=128, max_model_len=256, skip_tokenizer_init=True) as llm:
+            samples = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, sampled, use_tqdm=False)]
+            searched = [[s.tokens for s in o.sequences] for o in llm.beam_search(prompts[:2], beams)]
+            runs[tp] = (samples, searched, llm.last_stats.scheduler.prefix_cache_hits)
+    assert runs[2][:2] == runs[1][:2]
+    assert runs[2][2] > 0
+
+
+def test_two_launches_meet_through_the_rendezvous(tiny_model):
+    """The head (this process's engine) holds rank 0; `pagedllm worker`, started apart as a
+    second node would be, holds rank 1; they meet over tcp:// and torch.distributed's store."""
+    path = tiny_model("llama")
+    workers, master = free_tcp_port(), free_tcp_port()
+    node = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pagedllm.entrypoints.cli",
+            "worker",
+            "--head",
+            f"tcp://127.0.0.1:{workers}",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--tensor-parallel-size",
+            "2",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    prompts, max_new = prompts_16()[:6], 8
+    expected = greedy_batched(make_runner(path), prompts, max_new)
+    try:
+        with LLM(
+            path,
+            tensor_parallel_size=2,
+            nnodes=2,
+            worker_endpoint=f"tcp://127.0.0.1:{workers}",
+            master_port=master,
+            num_kv_blocks=64,
+            max_model_len=256,
+            skip_tokenizer_init=True,
+        ) as llm:
+            out = llm.generate(
+                prompts, SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True), use_tqdm=False
+            )
+            assert llm.engine.ready.kv_segments[0] and llm.engine.ready.kv_segments[1] is None
+        assert [o.outputs[0].token_ids for o in out] == expected
+        assert node.wait(timeout=30) == 0, node.stdout.read()
+    finally:
+        if node.poll() is None:
+            node.kill()
+
+
+def test_a_killed_rank_fails_every_request_within_10_s_and_leaves_nothing(tiny_model):
+    llm = LLM(
+        tiny_model("llama"), tensor_parallel_size=2, num_kv_blocks=512, max_model_len=1024, skip_tokenizer_init=True
+    )
+    core = llm.engine.pid
+    ranks = children_of(core)
+    assert len(ranks) == 2 and len(segments_of(core)) == 2
+    killed = {}
+
+    def kill():
+        killed["at"] = time.monotonic()
+        os.kill(ranks[1], signal.SIGKILL)
+
+    timer = threading.Timer(1.0, kill)
+    timer.start()
+    with pytest.raises(EngineDeadError, match="worker 1"):
+        llm.generate([[5] * 40] * 32, SamplingParams(max_tokens=900, ignore_eos=True), use_tqdm=False)
+    assert time.monotonic() - killed["at"] < 10
+    llm.shutdown()
+    assert wait_until(lambda: not any(is_running(p) for p in [core, *ranks]), timeout_s=10)
+    assert not segments_of(core) and not os.path.exists(llm.engine.ipc_dir)
+
+
+def test_a_size_the_model_cannot_split_is_refused_before_anything_starts(tiny_model, monkeypatch):
+    path = tiny_model("llama")  # 4 attention heads, 2 KV heads
+    with pytest.raises(InvalidParameter, match="tensor_parallel_size: 3 does not divide the model's 4 attention"):
+        EngineArgs(model=path, tensor_parallel_size=3).engine_config()
+    monkeypatch.setattr("pagedllm.entrypoints.engine_args.device_count", lambda backend: 1)
+    with pytest.raises(InvalidParameter, match="2 ranks on this host, but cpu sees 1 devices"):
+        EngineArgs(model=path, tensor_parallel_size=2).engine_config()
+
+
+def test_a_step_is_encoded_once_and_every_rank_gets_the_same_frames(monkeypatch):
+    ctx = zmq.Context()
+    group = WorkerGroup(ctx, "tcp://127.0.0.1:*", EngineConfig(model="m", tensor_parallel_size=2))
+    ranks = []
+    for rank in range(2):
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.ROUTING_ID, rank_identity(rank))
+        sock.connect(group.endpoint)
+        ranks.append(sock)
+    time.sleep(0.3)  # the connections are up
+    sched = make_scheduler()
+    add(sched, "a", range(1, 20))
+    plan = sched.schedule()
+    encodes = []
+    real = group.encoder.encode
+    monkeypatch.setattr(group.encoder, "encode", lambda msg: encodes.append(msg) or real(msg))
+    group.broadcast(Step(plan))
+    frames = [sock.recv_multipart() for sock in ranks]
+    assert len(encodes) == 1 and frames[0] == frames[1]
+    assert Decoder(ToWorker).decode(frames[0]).plan.num_scheduled_tokens == {"a": 19}
+    for sock in ranks:
+        sock.close(linger=0)
+    group.sock.close(linger=0)
+    ctx.term()
