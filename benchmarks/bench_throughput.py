@@ -19,9 +19,7 @@ import random
 import time
 
 from .bench_decode_step import scratch_dir, small_llama_dir
-from .workload import synthetic_lengths, synthetic_prompts
-
-PEERS = ("hf-static", "hf-cb", "vllm")
+from .workload import PEERS, synthetic_lengths, synthetic_prompts
 
 
 def make_workload(kind: str, num: int, seed: int, vocab: int):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+PEERS = ("hf-static", "hf-cb", "vllm")  # the systems `bench throughput --vs` compares against
+
 
 def synthetic_lengths(
     num_requests: int,

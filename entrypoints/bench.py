@@ -80,14 +80,7 @@ def cmd_bench(args) -> int:
 
 
 def _throughput(args, out_dir: str) -> int:
-    import torch
-    import transformers
-    from transformers import AutoModelForCausalLM
-
-    from pagedllm.benchmarks import report
-    from pagedllm.benchmarks.bench_throughput import PEERS, compare
-
-    from .default_model import default_model_dir
+    from pagedllm.benchmarks.workload import PEERS
 
     peers = [p for p in args.vs.split(",") if p and p != "none"]
     unknown = set(peers) - set(PEERS)
@@ -99,6 +92,15 @@ def _throughput(args, out_dir: str) -> int:
         raise ValueError("--vs vllm needs --vllm-python: the interpreter of an environment with vLLM installed")
     if args.vllm_python and not os.access(args.vllm_python, os.X_OK):
         raise ValueError(f"--vllm-python: {args.vllm_python} is not an executable")
+    import torch  # after the checks: a wrong flag is answered at once
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm.benchmarks import report
+    from pagedllm.benchmarks.bench_throughput import compare
+
+    from .default_model import default_model_dir
+
     model_dir = args.model or default_model_dir()
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
     tokenizer = None
@@ -196,6 +198,7 @@ def _serving(args, out_dir: str) -> int:
         args.dtype,
         args.kv_cache_memory,
         args.seed,
+        rounds=args.rounds,
         tensor_parallel_size=args.tensor_parallel_size,
     )
     print_report(result)
@@ -278,6 +281,9 @@ def add_bench_parser(sub) -> None:
         "--rates",
         default="1,2,4,8",
         help="latency and serving: request rates (req/s) to sweep; serving adds inf (all at once)",
+    )
+    bench.add_argument(
+        "--rounds", type=int, default=2, help="serving: alternating offline and saturated served runs (the best counts)"
     )
     bench.add_argument("--concurrency", default="1,4,16,64,256", help="scaling: max_num_seqs values to sweep")
     bench.add_argument("--seed", type=int, default=0)

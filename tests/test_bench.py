@@ -81,7 +81,17 @@ def test_scaling_sweep(tiny_model, tmp_path):
 
 def test_serving_mode_runs_against_a_real_server(tiny_model, tmp_path):
     proc = run_bench(
-        "serving", "--model", tiny_model("llama"), "--num-prompts", "6", "--rates", "8", "--out", str(tmp_path)
+        "serving",
+        "--model",
+        tiny_model("llama"),
+        "--num-prompts",
+        "6",
+        "--rates",
+        "8",
+        "--rounds",
+        "1",
+        "--out",
+        str(tmp_path),
     )
     assert proc.returncode == 0, proc.stderr
     data = json.loads((tmp_path / "serving.json").read_text())

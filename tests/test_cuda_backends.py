@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import sysconfig
 
 import pytest
 import torch
@@ -81,27 +80,54 @@ def test_cuda_kernels_compile_with_nvcc(tmp_path):
     assert (tmp_path / "kernels.o").stat().st_size > 0
 
 
-def test_torch_binding_compiles_against_torch_headers():
-    from torch.utils.cpp_extension import include_paths
+LAUNCHER_STUBS = """
+#include <stdexcept>
+#include "kernels.h"
+namespace pagedllm {
+#define STUB(name, ...) void name(__VA_ARGS__) { throw std::runtime_error(#name " reached"); }
+STUB(launch_write_kv, DType, const void*, const void*, void*, void*, const int64_t*, int, int, int, int, int64_t,
+     int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, void*)
+STUB(launch_paged_attention, DType, void*, const void*, const void*, const void*, const int*, const int*,
+     const int*, int, int, int, int, int, int, float, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+     int64_t, int, int, float*, float*, float*, void*)
+STUB(launch_reduce, DType, void*, const float*, const float*, const float*, int, int, int, int, int64_t, int64_t,
+     void*)
+STUB(launch_copy_blocks, DType, void*, const int64_t*, int, int, int64_t, int64_t, void*)
+}
+"""
+
+LOAD_AND_CALL = """
+import sys, torch
+torch.ops.load_library(sys.argv[1])
+ops = torch.ops.pagedllm_native
+print(ops.write_kv.default._schema)
+t = torch.zeros(2, 1, 4)
+try:
+    ops.write_kv(t, t, torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4), torch.zeros(2, dtype=torch.int64), 0)
+except RuntimeError as e:
+    print("refused:", str(e).splitlines()[0])
+"""
+
+
+def test_torch_binding_builds_registers_its_operators_and_checks_devices(tmp_path):
+    """binding.cpp compiled and linked against torch (the kernels stubbed: no CUDA here), loaded
+    as torch does it for cuda-native, its operators called with CPU tensors."""
+    from torch.utils.cpp_extension import include_paths, library_paths
 
     cxx = os.environ.get("CXX", "g++")
     if subprocess.run(["which", cxx], capture_output=True).returncode != 0:
         pytest.skip(f"no C++ compiler ({cxx})")
-    flags = [f"-I{p}" for p in include_paths()] + [f"-I{sysconfig.get_paths()['include']}", f"-I{CSRC}"]
-    proc = subprocess.run(
-        [
-            cxx,
-            "-std=c++20",
-            "-fsyntax-only",
-            *flags,
-            "-DTORCH_EXTENSION_NAME=pagedllm_check",
-            os.path.join(CSRC, "binding.cpp"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    (tmp_path / "stubs.cpp").write_text(LAUNCHER_STUBS)
+    lib = tmp_path / "binding.so"
+    flags = [f"-I{p}" for p in include_paths()] + [f"-I{CSRC}"] + [f"-L{p}" for p in library_paths()]
+    build = [cxx, "-std=c++17", "-O0", "-shared", "-fPIC", *flags, os.path.join(CSRC, "binding.cpp")]
+    build += [str(tmp_path / "stubs.cpp"), "-o", str(lib), "-lc10", "-ltorch_cpu"]
+    proc = subprocess.run(build, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = subprocess.run([sys.executable, "-c", LOAD_AND_CALL, str(lib)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "pagedllm_native::write_kv(Tensor" in proc.stdout
+    assert "refused: cuda-native: key must be a CUDA tensor" in proc.stdout, proc.stdout
 
 
 @pytest.mark.skipif(HAS_GPU, reason="checks the refusal on a machine without a GPU")

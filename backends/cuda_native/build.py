@@ -37,19 +37,22 @@ def load_extension():
     if nvcc is None:
         raise RuntimeError("cuda-native: no CUDA compiler found (nvcc): install the CUDA toolkit or set CUDA_HOME")
     os.environ.setdefault("CUDA_HOME", os.path.dirname(os.path.dirname(nvcc)))
+    import torch
     from torch.utils.cpp_extension import load
 
     key = _fingerprint()
     build_dir = cache_root("cuda_native", key)
-    return load(
+    load(
         name=f"pagedllm_cuda_native_{key}",
         sources=[os.path.join(CSRC, s) for s in SOURCES],
         extra_include_paths=[CSRC],
         extra_cflags=["-O3"],
         extra_cuda_cflags=["-O3", "--use_fast_math"],
         build_directory=build_dir,
+        is_python_module=False,  # binding.cpp registers torch operators
         verbose=False,
     )
+    return torch.ops.pagedllm_native
 
 
 def nvcc_compile_only(out_dir: str, arch: str = "sm_90") -> list[str]:

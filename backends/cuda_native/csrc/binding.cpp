@@ -1,6 +1,7 @@
 // torch bindings of the cuda-native kernels. The caller passes the CUDA stream as an integer
 // handle (torch.cuda.current_stream().cuda_stream), so this file needs no CUDA headers.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
 
 #include "kernels.h"
 
@@ -8,29 +9,29 @@ namespace {
 
 using pagedllm::DType;
 
-DType dtype_of(const torch::Tensor& t) {
+DType dtype_of(const at::Tensor& t) {
   switch (t.scalar_type()) {
-    case torch::kFloat32: return DType::Float32;
-    case torch::kFloat16: return DType::Float16;
-    case torch::kBFloat16: return DType::BFloat16;
+    case at::kFloat: return DType::Float32;
+    case at::kHalf: return DType::Float16;
+    case at::kBFloat16: return DType::BFloat16;
     default: TORCH_CHECK(false, "cuda-native: unsupported dtype ", t.scalar_type());
   }
 }
 
 void* stream_of(int64_t handle) { return reinterpret_cast<void*>(handle); }
 
-void check_cuda(const torch::Tensor& t, const char* name) {
+void check_cuda(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_cuda(), "cuda-native: ", name, " must be a CUDA tensor");
   TORCH_CHECK(t.stride(-1) == 1, "cuda-native: ", name, " must be contiguous in its last dimension");
 }
 
 // key/value [T, KVH, D]; k_cache/v_cache [N, bs, KVH, D]; slot_mapping [T] int64
-void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
-              torch::Tensor slot_mapping, int64_t stream) {
+void write_kv(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v_cache,
+              at::Tensor slot_mapping, int64_t stream) {
   check_cuda(key, "key");
   check_cuda(k_cache, "k_cache");
   TORCH_CHECK(key.scalar_type() == k_cache.scalar_type(), "cuda-native: key and cache dtypes differ");
-  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64, "cuda-native: slot_mapping must be int64");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong, "cuda-native: slot_mapping must be int64");
   pagedllm::launch_write_kv(dtype_of(key), key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                             slot_mapping.data_ptr<int64_t>(), key.size(0), key.size(1), key.size(2),
                             k_cache.size(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
@@ -39,10 +40,10 @@ void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, tor
 
 // out/query [rows, H, D]; caches [N, bs, KVH, D]; block_tables [R, max_blocks] int32;
 // row_request/row_position [rows] int32
-void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-                     torch::Tensor block_tables, torch::Tensor row_request, torch::Tensor row_position,
-                     double scale, int64_t partition_size, torch::Tensor part_out, torch::Tensor part_max,
-                     torch::Tensor part_sum, int64_t stream) {
+void paged_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
+                     at::Tensor block_tables, at::Tensor row_request, at::Tensor row_position,
+                     double scale, int64_t partition_size, at::Tensor part_out, at::Tensor part_max,
+                     at::Tensor part_sum, int64_t stream) {
   check_cuda(query, "query");
   check_cuda(k_cache, "k_cache");
   const int num_heads = query.size(1), head_size = query.size(2), kv_heads = k_cache.size(2);
@@ -50,8 +51,8 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cac
               pagedllm::kMaxHeadSize);
   TORCH_CHECK(num_heads % kv_heads == 0 && num_heads / kv_heads <= pagedllm::kMaxGroup,
               "cuda-native: query heads per KV head must divide and be <= ", pagedllm::kMaxGroup);
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && row_request.scalar_type() == torch::kInt32 &&
-                  row_position.scalar_type() == torch::kInt32,
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && row_request.scalar_type() == at::kInt &&
+                  row_position.scalar_type() == at::kInt,
               "cuda-native: block tables and row indices must be int32");
   const int partitions = part_max.numel() == 0 ? 1 : part_max.size(2);
   pagedllm::launch_paged_attention(
@@ -69,7 +70,7 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cac
 }
 
 // caches [layers, N, block_elems] (contiguous); pairs [n, 2] int64 on the device
-void copy_blocks(torch::Tensor caches, torch::Tensor pairs, int64_t stream) {
+void copy_blocks(at::Tensor caches, at::Tensor pairs, int64_t stream) {
   check_cuda(caches, "caches");
   pagedllm::launch_copy_blocks(dtype_of(caches), caches.data_ptr(), pairs.data_ptr<int64_t>(), pairs.size(0),
                                caches.size(0), caches.stride(0), caches.size(2), stream_of(stream));
@@ -77,8 +78,10 @@ void copy_blocks(torch::Tensor caches, torch::Tensor pairs, int64_t stream) {
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("write_kv", &write_kv, "store K/V of new tokens at their slots");
-  m.def("paged_attention", &paged_attention, "attention over paged K/V, one query token per row");
-  m.def("copy_blocks", &copy_blocks, "copy KV blocks (copy-on-write) in every layer");
+// Registered as torch operators (torch.ops.pagedllm_native.*) rather than a Python module: the
+// dispatcher's headers are a fraction of torch/extension.h's, and CUDA graphs capture them as is.
+TORCH_LIBRARY(pagedllm_native, m) {
+  m.def("write_kv", &write_kv);          // store K/V of new tokens at their slots
+  m.def("paged_attention", &paged_attention);  // attention over paged K/V, one query token per row
+  m.def("copy_blocks", &copy_blocks);    // copy KV blocks (copy-on-write) in every layer
 }
