@@ -196,6 +196,12 @@ class BlockPool:
         for block in list(self._cached.values()):
             self._evict(block)
 
+    def uncache(self, block: KVBlock) -> None:
+        """Take a held block out of the prefix cache (its content is not what its key says)."""
+        if block.ref_cnt == 0:
+            raise RuntimeError(f"block {block.block_id} is free: uncache only held blocks")
+        self._evict(block)
+
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             del self._cached[block.block_hash]

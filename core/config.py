@@ -94,6 +94,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     master_addr: str = "127.0.0.1"  # torch.distributed's rendezvous, on the head node
     master_port: int | None = None  # default: a free port (one host only)
     enforce_eager: bool = False
+    max_worker_restarts: int = 3  # within 10 minutes; past it the engine is dead
 
     def __post_init__(self):
         _check_block_size(self.block_size)
@@ -107,6 +108,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if not 0 < self.gpu_memory_utilization <= 1:
             raise InvalidParameter("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
         _check_positive(self, ("tensor_parallel_size", "nnodes"))
+        if self.max_worker_restarts < 0:
+            raise InvalidParameter("max_worker_restarts", f"must be >= 0, got {self.max_worker_restarts}")
         if self.tensor_parallel_size % self.nnodes:
             raise InvalidParameter(
                 "nnodes", f"{self.nnodes} nodes cannot share {self.tensor_parallel_size} ranks evenly"

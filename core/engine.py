@@ -1,12 +1,14 @@
 """The engine-core process: one loop that takes requests and aborts, schedules a step, has the
-worker run it, applies the sampled tokens and streams outputs back. Never imports torch.
+workers run it, applies the sampled tokens and streams outputs back. Never imports torch.
 
-While the worker computes step k+1, the core sends step k's outputs to the frontend and takes
-new messages, so its own work overlaps the forward pass.
+While the workers compute step k+1, the core sends step k's outputs to the frontend and takes
+new messages, so its own work overlaps the forward pass. A worker that dies is replaced (see
+`_recover`): the KV pool in shared memory outlives it.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -16,12 +18,15 @@ from . import shm
 from .config import CacheConfig, EngineConfig, SchedulerConfig
 from .errors import EngineFailure, InvalidParameter
 from .ipc import Channel, PeerGone, remove_ipc_dir
+from .outputs import SchedulerOutput
 from .protocol import (
     AbortRequests,
     AddRequests,
     EngineDead,
     EngineOutputs,
     EngineReady,
+    EngineRecovered,
+    EngineRecovering,
     EngineStats,
     FrontendMessage,
     InitCache,
@@ -33,8 +38,11 @@ from .protocol import (
     WorkerHello,
     WorkerReady,
 )
+from .recovery import RESTART_WINDOW_S, RestartBudget
 from .scheduler import Scheduler
-from .worker_group import WorkerGroup
+from .worker_group import WorkerFailure, WorkerGroup
+
+logger = logging.getLogger("pagedllm.core")
 
 POLL_MS = 100  # how often a blocked loop checks that its peers are alive
 WORKER_START_TIMEOUT_S = 300
@@ -61,6 +69,10 @@ class EngineCore:
         self._batch_sizes: list[int] = []
         self._batch_tokens: list[int] = []
         self.stopping = False
+        self.in_flight: SchedulerOutput | None = None
+        self._inits: list[InitCache] = []  # per rank, sent again to a replacement worker
+        self.restarts = RestartBudget(config.max_worker_restarts, RESTART_WINDOW_S)
+        self.recovered_tokens = 0  # computed tokens that recoveries kept (the pool outlived the worker)
 
     # --- start-up -------------------------------------------------------------------------
     def start(self) -> None:
@@ -106,6 +118,7 @@ class EngineCore:
             swap_segment=swap,
             max_model_len=sched.max_model_len,
         )
+        self._inits.append(init)
         self.workers.send(rank, init)
         return kv
 
@@ -147,6 +160,46 @@ class EngineCore:
         self.segments.append(name)
         return name
 
+    # --- recovery -------------------------------------------------------------------------
+    def _recover(self, failure: WorkerFailure) -> None:
+        """Replace the workers and go on: the same KV segments, every running request resent in
+        full, the step that failed planned again. Where the pool is not in shared memory the
+        running requests are recomputed. Past the restart budget, or when a replacement reports
+        an error while starting (it would meet it again), the engine is dead."""
+        self._to_frontend(EngineRecovering(str(failure)))
+        started = time.monotonic()
+        while True:
+            if self.config.nnodes > 1:
+                raise EngineFailure(f"{failure} (ranks on other hosts are not restarted)")
+            if not self.restarts.take():
+                raise EngineFailure(f"{failure}; {self.restarts.describe()}")
+            logger.warning("%s; restarting the workers (%s)", failure, self.restarts.describe())
+            try:
+                self._start_replacements()
+                break
+            except WorkerFailure as e:
+                if e.reported:
+                    raise EngineFailure(f"a replacement worker failed while starting: {e}") from None
+                failure = e  # killed while starting: that is one more restart
+        kv_lost = any(init.kv_segment is None for init in self._inits)
+        failed, self.in_flight = self.in_flight, None
+        kept = self.scheduler.recover(failed, kv_lost)
+        self.recovered_tokens += kept
+        logger.warning(
+            "workers replaced in %.1f s; %d computed tokens kept%s",
+            time.monotonic() - started,
+            kept,
+            " (the KV pool was lost: running requests recompute)" if kv_lost else "",
+        )
+        self._to_frontend(EngineRecovered(self.config.tensor_parallel_size))
+
+    def _start_replacements(self) -> None:
+        self.workers.restart()
+        self.workers.gather(WorkerHello, WORKER_START_TIMEOUT_S, self._check_frontend)
+        for rank, init in enumerate(self._inits):
+            self.workers.send(rank, init)
+        self.workers.gather(WorkerReady, WORKER_START_TIMEOUT_S, self._check_frontend)
+
     def _check_frontend(self) -> None:
         if os.getppid() != self.parent_pid:
             self.stopping = True
@@ -158,10 +211,16 @@ class EngineCore:
 
     # --- the loop -------------------------------------------------------------------------
     def run(self) -> None:
-        sched = self.scheduler
-        in_flight = None
         while not self.stopping:
-            if in_flight is None:
+            try:
+                self._run_steps()
+            except WorkerFailure as failure:
+                self._recover(failure)
+
+    def _run_steps(self) -> None:
+        sched = self.scheduler
+        while not self.stopping:
+            if self.in_flight is None:
                 busy = sched.has_unfinished_requests()
                 self._take_frontend_messages(0 if busy else POLL_MS)
                 if not busy:
@@ -171,32 +230,36 @@ class EngineCore:
                     continue
                 if self.stopping:
                     break
-                in_flight = self._send_step()
-                if in_flight is None:
+                self._send_step()
+                if self.in_flight is None:
                     continue
             # the worker computes; meanwhile flush outputs and take new messages
             self._flush_outputs()
             self._take_frontend_messages(0)
             result = self._wait_result()
-            outputs = sched.update(in_flight, sampled_by_request(in_flight, result), result.logprobs)
+            plan, self.in_flight = self.in_flight, None
+            outputs = sched.update(plan, sampled_by_request(plan, result), result.logprobs)
             self.steps += 1
-            self._batch_sizes.append(len(in_flight.num_scheduled_tokens))
-            self._batch_tokens.append(in_flight.total_num_scheduled_tokens)
+            self._batch_sizes.append(len(plan.num_scheduled_tokens))
+            self._batch_tokens.append(plan.total_num_scheduled_tokens)
             self.step_seconds += time.perf_counter() - self._step_start
             self.forward_seconds += result.forward_seconds
-            in_flight = self._send_step() if sched.has_unfinished_requests() and not self.stopping else None
+            if sched.has_unfinished_requests() and not self.stopping:
+                self._send_step()
             self._collect(outputs, result)  # after the next step is on its way
-            if in_flight is None:
+            if self.in_flight is None:
                 self._flush_outputs()
 
-    def _send_step(self):
+    def _send_step(self) -> None:
+        """Plan a step and send it; `in_flight` holds it until its result is applied (a step
+        whose workers die is planned again from it)."""
         self._step_start = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan.is_empty:
             self._flush_outputs()
-            return None
+            return
+        self.in_flight = plan
         self.workers.broadcast(Step(plan))
-        return plan
 
     def _wait_result(self) -> StepResult:
         return self.workers.wait_result(StepResult, self._check_frontend)
@@ -229,6 +292,8 @@ class EngineCore:
             forward_seconds=self.forward_seconds,
             batch_sizes=sizes,
             batch_tokens=tokens,
+            worker_restarts=self.restarts.total,
+            recovered_tokens=self.recovered_tokens,
         )
 
     def _take_frontend_messages(self, timeout_ms: int) -> None:

@@ -176,6 +176,24 @@ class KVCacheManager:
         if swap_ids is not None:
             self._swap_free.extend(reversed(swap_ids))
 
+    def forget_beyond(self, request: Request) -> None:
+        """The request's tokens past num_computed_tokens were not computed after all (a step
+        that never finished): its blocks past them leave the prefix cache."""
+        rid = request.request_id
+        table = self.tables.get(rid)
+        if table is None:
+            return
+        first = request.num_computed_tokens // self.block_size
+        for block in table[first : self._num_hashed[rid]]:
+            if block.ref_cnt:
+                self.pool.uncache(block)
+        self._num_hashed[rid] = min(self._num_hashed[rid], first)
+
+    def restore_copies(self, copies: list[tuple[int, int]], live_blocks: set[int]) -> None:
+        """Copies of a step that never finished, to be done before the next one (those whose
+        destination a request still holds)."""
+        self._copies = [c for c in copies if c[1] in live_blocks] + self._copies
+
     # --- swap -----------------------------------------------------------------------------
     def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
         """Move a request's blocks to the swap space: (device block, swap block) pairs to copy,

@@ -6,7 +6,7 @@ further frames, referenced from the body by an extension type, so large integer 
 neither copied into the body on send nor out of the frame on receive.
 
 Frontend -> core:  AddRequests, AbortRequests, Shutdown        (PUSH -> PULL)
-Core -> frontend:  EngineReady, EngineOutputs, RequestRejected, EngineDead
+Core -> frontend:  EngineReady, EngineOutputs, RequestRejected, EngineDead, EngineRecovering, EngineRecovered
 Core -> workers:   Configure, InitCache, Step, Heartbeat, Shutdown   (ROUTER -> DEALER per rank)
 Workers -> core:   WorkerJoin, WorkerHello, WorkerReady, StepResult, WorkerFailed
 """
@@ -47,6 +47,8 @@ class EngineStats(msgspec.Struct):
     # the steps since the previous stats: requests in each step's batch, and tokens computed
     batch_sizes: list[int] = []
     batch_tokens: list[int] = []
+    worker_restarts: int = 0  # since start
+    recovered_tokens: int = 0  # computed tokens restarts kept instead of recomputing
 
 
 class EngineReady(msgspec.Struct, tag="ready"):
@@ -74,8 +76,18 @@ class EngineDead(msgspec.Struct, tag="dead"):
     reason: str
 
 
+class EngineRecovering(msgspec.Struct, tag="recovering"):
+    """A worker failed and is being replaced; requests pause, none fails."""
+
+    reason: str
+
+
+class EngineRecovered(msgspec.Struct, tag="recovered"):
+    num_workers: int
+
+
 FrontendMessage = AddRequests | AbortRequests | Shutdown
-CoreMessage = EngineReady | EngineOutputs | RequestRejected | EngineDead
+CoreMessage = EngineReady | EngineOutputs | RequestRejected | EngineDead | EngineRecovering | EngineRecovered
 
 
 # --- core <-> worker -----------------------------------------------------------------------

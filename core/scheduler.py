@@ -317,16 +317,53 @@ class Scheduler:
                     member.status = RequestStatus.SWAPPED
                     self.swapped.add(member)
                     continue
-            self.kv.free(member)
-            member.num_computed_tokens = 0
-            member.status = RequestStatus.PREEMPTED
-            self.waiting.add(member)
+            self._requeue_for_recompute(member)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         self.kv.free(request)
         self.worker.forget(request, preempted=False)
         del self.requests[request.request_id]
+
+    # --- recovery -------------------------------------------------------------------------
+    def recover(self, failed: SchedulerOutput | None, kv_lost: bool) -> int:
+        """The workers were replaced and hold no request state; every running request goes to
+        them in full with the next step. `failed`: the step they did not finish, planned again
+        from the state before it. kv_lost: their KV pool went with them (device memory), so
+        everything running is recomputed. Returns the computed tokens kept (not recomputed)."""
+        recompute: list[Request] = []
+        if failed is not None:
+            new = {n.request_id for n in failed.new_requests}
+            for rid, num_tokens in failed.num_scheduled_tokens.items():
+                request = self.requests.get(rid)
+                if request is None or request.status != RUNNING:
+                    continue
+                if rid in new:  # admitted, resumed or forked in that step: it may lean on blocks never written
+                    recompute.append(request)
+                else:
+                    request.num_computed_tokens -= num_tokens
+                    self.kv.forget_beyond(request)
+            swapped_out = {s for _, s in failed.swap_out}
+            recompute += [r for r in self.swapped if set(self.kv.swapped[r.request_id]) & swapped_out]
+            live = {b.block_id for table in self.kv.tables.values() for b in table}
+            self.kv.restore_copies(failed.block_copies, live)
+        if kv_lost:
+            recompute += [r for r in self.running if r not in recompute]
+        for request in recompute:
+            self._requeue_for_recompute(request)
+        self.running = [r for r in self.running if r.status == RUNNING]
+        if kv_lost:
+            self.kv.pool.reset_prefix_cache()
+        self.worker = WorkerView()
+        return sum(r.num_computed_tokens for r in self.running) + sum(r.num_computed_tokens for r in self.swapped)
+
+    def _requeue_for_recompute(self, request: Request) -> None:
+        if request.status == RequestStatus.SWAPPED:
+            self.swapped.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.add(request)
 
     # --- stats and checks -----------------------------------------------------------------
     def stats(self) -> SchedulerStats:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import subprocess
-import sys
 import time
 
 import zmq
@@ -20,6 +18,7 @@ import zmq
 from .config import EngineConfig
 from .errors import EngineFailure
 from .ipc import free_tcp_port
+from .local_workers import LauncherGone, LocalWorkers
 from .protocol import Configure, Decoder, Encoder, FromWorker, Heartbeat, Shutdown, WorkerFailed, WorkerJoin
 
 POLL_MS = 100
@@ -28,7 +27,12 @@ logger = logging.getLogger("pagedllm.core")
 
 
 class WorkerFailure(EngineFailure):
-    """A worker failed, died, or broke the protocol."""
+    """A worker failed, died, or broke the protocol. `reported`: the worker itself said why (an
+    error in its code or setup, which a restart would meet again), rather than being killed."""
+
+    def __init__(self, message: str, reported: bool = False):
+        super().__init__(message)
+        self.reported = reported
 
 
 def exit_cause(returncode: int) -> str:
@@ -51,6 +55,7 @@ class WorkerGroup:
         self.local_ranks = config.ranks_of_node(0)
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a rank that is gone raises
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a replacement worker takes over its rank's name
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -58,7 +63,7 @@ class WorkerGroup:
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.encoder = Encoder()
         self.decoder = Decoder(FromWorker)
-        self.procs: dict[int, subprocess.Popen] = {}
+        self.local: LocalWorkers | None = None  # this host's ranks, forked by the launcher
         self.joined: dict[int, WorkerJoin] = {}
         self.master_port = config.master_port or free_tcp_port(config.master_addr)
         self._last_send = time.monotonic()
@@ -66,32 +71,54 @@ class WorkerGroup:
     # --- processes ------------------------------------------------------------------------
     def start(self) -> None:
         """Start this host's ranks; they join (and are configured) in `gather`."""
+        if self.local is None:
+            self.local = LocalWorkers(self.endpoint)
         for rank in self.local_ranks:
-            self.procs[rank] = subprocess.Popen(
-                [sys.executable, "-m", "pagedllm.backends.worker", "--head", self.endpoint, "--rank", str(rank)],
-                stdin=subprocess.DEVNULL,
-            )
+            self.local.start(rank)
+
+    def restart(self) -> None:
+        """Stop every local rank (a torch.distributed group does not take a new member) and start
+        them again; they join as at the start, with a fresh rendezvous port. A launcher that died
+        is replaced too (its workers died with it)."""
+        try:
+            for rank in self.local_ranks:
+                if rank not in self.local.exits:
+                    self.local.kill(rank)
+            if not self.local.wait_exited(self.local_ranks, timeout_s=10):
+                raise WorkerFailure("the old workers did not end")
+        except LauncherGone:
+            self.local.close()
+            self.local = None
+        self.joined = {}
+        self.master_port = self.config.master_port or free_tcp_port(self.config.master_addr)
+        self.start()
 
     def is_local(self, rank: int) -> bool:
-        return rank in self.procs
+        return rank in self.local_ranks
 
-    def check_alive(self) -> None:
-        for rank, proc in self.procs.items():
-            if proc.poll() is not None:
-                raise WorkerFailure(f"worker {rank} (pid {proc.pid}) {exit_cause(proc.returncode)}")
+    def check_alive(self, besides: int | None = None) -> None:
+        if self.local is None:
+            return
+        try:
+            self.local.poll()
+        except LauncherGone as e:
+            raise WorkerFailure(str(e)) from None
+        for rank, code in self.local.exits.items():
+            if rank != besides:
+                pid = self.local.pids.get(rank)
+                raise WorkerFailure(f"worker {rank} (pid {pid}) {exit_cause(code)}")
 
     def shutdown(self) -> None:
         try:
             self.broadcast(Shutdown())
-        except zmq.ZMQError:
-            pass
-        deadline = time.monotonic() + 5
-        for proc in self.procs.values():
+        except (zmq.ZMQError, EngineFailure):
+            pass  # a rank that is gone needs no telling
+        if self.local is not None:
             try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+                self.local.wait_exited(self.local_ranks, timeout_s=5)
+            except EngineFailure:
+                pass
+            self.local.close()  # the launcher kills what is left
         self.sock.close(linger=0)
 
     # --- messages -------------------------------------------------------------------------
@@ -99,33 +126,40 @@ class WorkerGroup:
         """The same frames to every rank, encoded once."""
         frames = self.encoder.encode(message)
         for rank in range(self.size):
-            self.sock.send_multipart([rank_identity(rank), *frames], copy=len(frames) == 1)
+            self._send_frames(rank, frames)
         self._last_send = time.monotonic()
 
+    def _send_frames(self, rank: int, frames: list) -> None:
+        try:
+            self.sock.send_multipart([rank_identity(rank), *frames], copy=len(frames) == 1)
+        except zmq.ZMQError as e:  # EHOSTUNREACH: the rank's connection is gone
+            self.check_alive()
+            raise WorkerFailure(f"worker {rank} cannot be reached: {e}") from None
+
     def send(self, rank: int, message) -> None:
-        self.sock.send_multipart([rank_identity(rank), *self.encoder.encode(message)])
+        self._send_frames(rank, self.encoder.encode(message))
 
     def keep_alive(self) -> None:
         """A heartbeat to every rank that has joined, when the core has been quiet a while."""
         if time.monotonic() - self._last_send > HEARTBEAT_S:
             frames = self.encoder.encode(Heartbeat())
             for rank in self.joined:
-                self.sock.send_multipart([rank_identity(rank), *frames])
+                self._send_frames(rank, frames)
             self._last_send = time.monotonic()
 
     def recv(self, timeout_ms: int = POLL_MS):
         """(rank, message) from any rank, or None after timeout_ms. A join is answered here; a
         failure, or a local worker that died, raises WorkerFailure."""
-        self.check_alive()
         if not self.sock.poll(timeout_ms, zmq.POLLIN):
+            self.check_alive()
             return None
         identity, *frames = self.sock.recv_multipart(copy=False)
         msg = self.decoder.decode([f.buffer for f in frames])
         rank = int(identity.bytes.decode().rpartition("-")[2])
         if isinstance(msg, WorkerFailed):
             time.sleep(0.2)  # a rank that died makes the others fail: name the one that died
-            self.check_alive()
-            raise WorkerFailure(f"worker {msg.rank} failed: {msg.reason}")
+            self.check_alive(besides=msg.rank)
+            raise WorkerFailure(f"worker {msg.rank} failed: {msg.reason}", reported=True)
         if isinstance(msg, WorkerJoin):
             self._configure(msg)
             return None

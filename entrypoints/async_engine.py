@@ -19,7 +19,7 @@ import threading
 import time
 
 from pagedllm.core.errors import InvalidParameter
-from pagedllm.core.protocol import EngineOutputs, RequestRejected
+from pagedllm.core.protocol import EngineOutputs, EngineRecovered, EngineRecovering, RequestRejected
 from pagedllm.core.sampling_params import SamplingParams
 
 from .engine_args import EngineArgs, start_engine
@@ -89,6 +89,7 @@ class AsyncEngine:
         self._send_lock = threading.Lock()
         self._stopping = threading.Event()
         self._accepting = True
+        self.recovering: str | None = None  # why, while a failed worker is being replaced
         self.last_stats = None
         self._reader = threading.Thread(target=self._read, name="pagedllm-engine-reader", daemon=True)
         self._reader.start()
@@ -126,6 +127,10 @@ class AsyncEngine:
                 if self.metrics is not None and msg.stats is not None:
                     self.metrics.observe_stats(msg.stats)
                 self._deliver(msg.outputs)
+            elif isinstance(msg, EngineRecovering):
+                self.recovering = msg.reason
+            elif isinstance(msg, EngineRecovered):
+                self.recovering = None
             elif isinstance(msg, RequestRejected):
                 error = InvalidParameter(msg.field, msg.message)
                 with self._lock:

@@ -38,6 +38,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks to split the model over")
     g.add_argument(
+        "--max-worker-restarts",
+        type=int,
+        default=3,
+        help="workers replaced within 10 minutes before the engine gives up",
+    )
+    g.add_argument(
         "--nnodes", type=int, default=1, help="hosts the ranks split over (the others run `pagedllm worker`)"
     )
     g.add_argument("--worker-endpoint", default=None, help="several hosts: where their ranks reach this core (tcp://)")
@@ -114,6 +120,7 @@ def engine_kwargs(args) -> dict:
         num_kv_blocks=args.num_kv_blocks,
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,
+        max_worker_restarts=args.max_worker_restarts,
         nnodes=args.nnodes,
         worker_endpoint=args.worker_endpoint,
         master_addr=args.master_addr,

@@ -47,6 +47,7 @@ class EngineArgs:
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
+    max_worker_restarts: int = 3
     tokenizer: str | None = None
     skip_tokenizer_init: bool = False
     transport: str = "ipc"

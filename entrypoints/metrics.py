@@ -73,6 +73,7 @@ class EngineMetrics:
         self.prefix_queries = metric(Counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = metric(Counter, "prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = metric(Counter, "num_preemptions", "Preemptions of running requests.")
+        self.worker_restarts = metric(Counter, "worker_restarts", "Workers replaced after they died.")
         self.prompt_tokens = metric(Counter, "prompt_tokens", "Prompt tokens of requests that started.")
         self.generation_tokens = metric(Counter, "generation_tokens", "Generated tokens.")
         self.batch_size = metric(Histogram, "batch_size", "Requests in each step's batch.", buckets=_BATCH_BUCKETS)
@@ -99,6 +100,7 @@ class EngineMetrics:
             registry=self.registry,
         )
         self._last: SchedulerStats | None = None
+        self._last_restarts = 0
 
     def observe_stats(self, stats: EngineStats) -> None:
         sched = stats.scheduler
@@ -111,6 +113,8 @@ class EngineMetrics:
         self.prefix_queries.inc(sched.prefix_cache_queries - (last.prefix_cache_queries if last else 0))
         self.prefix_hits.inc(sched.prefix_cache_hits - (last.prefix_cache_hits if last else 0))
         self.preemptions.inc(sched.num_preemptions - (last.num_preemptions if last else 0))
+        self.worker_restarts.inc(stats.worker_restarts - self._last_restarts)
+        self._last_restarts = stats.worker_restarts
         self._last = sched
         for size, tokens in zip(stats.batch_sizes, stats.batch_tokens):
             self.batch_size.observe(size)

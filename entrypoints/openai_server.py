@@ -178,6 +178,8 @@ class OpenAIServer:
         reason = self.engine.dead_reason
         if reason is not None:
             return Response(reason, status_code=503)
+        if self.engine.recovering is not None:  # requests pause meanwhile; none fails
+            return Response(f"recovering: {self.engine.recovering}", status_code=503)
         return Response(status_code=200)
 
     async def render_metrics(self, request: Request) -> Response:

@@ -1,3 +1,8 @@
+import importlib
+import os
+import subprocess
+import sys
+
 import pytest
 
 from pagedllm.entrypoints.tiny_models import make_model_dir
@@ -13,3 +18,26 @@ def tiny_model(tmp_path_factory):
         return make_model_dir(str(root / name), arch, dtype=dtype, **kw)
 
     return make
+
+
+PLUGIN_SRC = os.path.join(os.path.dirname(__file__), "plugins", "pagedllm_test_backends")
+
+
+@pytest.fixture(scope="session")
+def plugins_installed(tmp_path_factory):
+    """pip-installs the plugin package into a folder put on the path, as a user's install would
+    be; engine worker processes inherit it through PYTHONPATH."""
+    target = tmp_path_factory.mktemp("site")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), PLUGIN_SRC], check=True
+    )
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = str(target) + (os.pathsep + old if old else "")
+    sys.path.insert(0, str(target))
+    importlib.invalidate_caches()
+    yield target
+    sys.path.remove(str(target))
+    if old is None:
+        del os.environ["PYTHONPATH"]
+    else:
+        os.environ["PYTHONPATH"] = old

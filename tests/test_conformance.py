@@ -1,8 +1,6 @@
 """The conformance suite on the cpu backend, on a third-party backend installed through its entry
 point, and on three deliberately broken backends, each of which must fail the right row."""
 
-import importlib
-import os
 import subprocess
 import sys
 
@@ -11,28 +9,6 @@ import pytest
 from pagedllm.backends.registry import UnknownBackend, available_backends, resolve
 from pagedllm.conformance.results import format_table
 from pagedllm.conformance.suite import run_suite
-
-PLUGIN_SRC = os.path.join(os.path.dirname(__file__), "plugins", "pagedllm_test_backends")
-
-
-@pytest.fixture(scope="module")
-def plugins_installed(tmp_path_factory):
-    """pip-installs the plugin package into a folder put on the path, as a user's install would
-    be; engine worker processes inherit it through PYTHONPATH."""
-    target = tmp_path_factory.mktemp("site")
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), PLUGIN_SRC], check=True
-    )
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = str(target) + (os.pathsep + old if old else "")
-    sys.path.insert(0, str(target))
-    importlib.invalidate_caches()
-    yield target
-    sys.path.remove(str(target))
-    if old is None:
-        del os.environ["PYTHONPATH"]
-    else:
-        os.environ["PYTHONPATH"] = old
 
 
 def failed_rows(results) -> dict[str, list[str]]:

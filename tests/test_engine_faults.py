@@ -13,13 +13,15 @@ import pytest
 from pagedllm import LLM, SamplingParams
 from pagedllm.entrypoints.engine_client import EngineDeadError
 
-from proc_helpers import children_of, is_running, segments_of, wait_until
+from proc_helpers import children_of, is_running, segments_of, wait_until, workers_of
 
 
-def test_killed_worker_raises_quickly_and_leaves_nothing(tiny_model):
-    llm = LLM(tiny_model("llama"), num_kv_blocks=512, max_model_len=1024)
+def test_killed_worker_without_restarts_left_raises_quickly_and_leaves_nothing(tiny_model):
+    """With no restarts allowed (max_worker_restarts=0), a dead worker ends the engine; with
+    restarts, test_worker_recovery.py shows it replaced."""
+    llm = LLM(tiny_model("llama"), num_kv_blocks=512, max_model_len=1024, max_worker_restarts=0)
     core_pid = llm.engine.pid
-    (worker_pid,) = children_of(core_pid)
+    (worker_pid,) = workers_of(core_pid)
     assert segments_of(core_pid), "the cpu backend's KV pool should be a shared-memory segment"
     killed_at = {}
 
@@ -29,7 +31,7 @@ def test_killed_worker_raises_quickly_and_leaves_nothing(tiny_model):
 
     timer = threading.Timer(1.0, kill)
     timer.start()
-    with pytest.raises(EngineDeadError, match="worker"):
+    with pytest.raises(EngineDeadError, match=r"worker 0 \(pid \d+\) was killed by SIGKILL; 0 of 0 restarts"):
         llm.generate([[5] * 50] * 64, SamplingParams(max_tokens=900, ignore_eos=True), use_tqdm=False)
     elapsed = time.monotonic() - killed_at["t"]
     assert elapsed <= 5.0, f"took {elapsed:.1f} s to notice the dead worker"
@@ -74,13 +76,14 @@ def test_sigint_on_pagedllm_generate_cleans_up(tiny_model, tmp_path):
         time.sleep(1.0)
         engine_pids = children_of(proc.pid)
         core_pid = next(p for p in engine_pids if segments_of(p))
+        engine_pids += children_of(core_pid) + workers_of(core_pid)
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=20)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 130, proc.stderr.read()
-    assert wait_until(lambda: not set(engine_pids) & set(children_of(1) + children_of(os.getpid())), timeout_s=5), (
+    assert wait_until(lambda: not [p for p in engine_pids if is_running(p)], timeout_s=5), (
         "engine processes outlived the CLI"
     )
     assert not segments_of(core_pid)
@@ -104,8 +107,8 @@ def test_a_killed_frontend_takes_the_engine_with_it(tiny_model, when):
     front = subprocess.Popen([sys.executable, "-c", script, tiny_model("llama")], stdout=subprocess.PIPE, text=True)
     core_pid, ipc_dir = front.stdout.readline().split()
     core_pid = int(core_pid)
-    engine_pids = [core_pid] + children_of(core_pid)
-    assert segments_of(core_pid)
+    engine_pids = [core_pid] + children_of(core_pid) + workers_of(core_pid)
+    assert segments_of(core_pid) and workers_of(core_pid)
     time.sleep(1.0)  # generating (or idle) for a while
     front.kill()
     front.wait()

@@ -24,7 +24,7 @@ from pagedllm.entrypoints.engine_client import EngineDeadError
 
 from core_helpers import add, make_scheduler
 from model_helpers import greedy_batched, make_runner
-from proc_helpers import children_of, is_running, segments_of, wait_until
+from proc_helpers import is_running, segments_of, wait_until, workers_of
 
 MODELS = {  # name: (architecture, config overrides)
     "llama": ("llama", {}),
@@ -134,11 +134,17 @@ def test_two_launches_meet_through_the_rendezvous(tiny_model):
 
 
 def test_a_killed_rank_fails_every_request_within_10_s_and_leaves_nothing(tiny_model):
+    """With no restarts allowed; with them, the ranks are replaced (test_worker_recovery.py)."""
     llm = LLM(
-        tiny_model("llama"), tensor_parallel_size=2, num_kv_blocks=512, max_model_len=1024, skip_tokenizer_init=True
+        tiny_model("llama"),
+        tensor_parallel_size=2,
+        num_kv_blocks=512,
+        max_model_len=1024,
+        skip_tokenizer_init=True,
+        max_worker_restarts=0,
     )
     core = llm.engine.pid
-    ranks = children_of(core)
+    ranks = workers_of(core)
     assert len(ranks) == 2 and len(segments_of(core)) == 2
     killed = {}
 

@@ -33,7 +33,9 @@ class TritonAttentionOps(AttentionOps):
         self.k = kernels
         self.interpret = _interpreting()
         self.device = "cpu" if self.interpret else "cuda"
-        self.kv_in_shared_memory = self.interpret  # on a GPU the pool lives in device memory
+        # the pool is the worker's own (device memory on a GPU; under the interpreter too, so that
+        # CPU tests take the GPU's paths, recovery by recompute among them)
+        self.kv_in_shared_memory = False
         # the interpreter runs one Python step per tile: big tiles and short partitions (so the
         # split-and-reduce path is exercised by small tests) keep it quick
         self.tile = 128 if self.interpret else 32

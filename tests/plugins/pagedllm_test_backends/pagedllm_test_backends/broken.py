@@ -1,5 +1,7 @@
-"""Backends with one classic bug each; the conformance suite must catch every one."""
+"""Backends with one classic bug each (the conformance suite must catch every one), and two
+that crash (the engine must give up on them cleanly)."""
 
+import os
 from dataclasses import replace
 
 from pagedllm.backends.cpu import CpuAttentionOps
@@ -57,3 +59,21 @@ class NeedsHardware(CpuAttentionOps):
     @staticmethod
     def unavailable_reason():
         return "no XPU device"
+
+
+class CrashOnStart(CpuAttentionOps):
+    """A backend whose worker fails while starting, every time (as a missing kernel would)."""
+
+    name = "crash-on-start"
+
+    def __init__(self):
+        raise RuntimeError("crash-on-start: its kernels are missing")
+
+
+class CrashMidRun(CpuAttentionOps):
+    """A backend whose worker process dies at its first decode, every time."""
+
+    name = "crash-mid-run"
+
+    def decode_attention(self, query, kv_cache, meta, scale):
+        os._exit(3)

@@ -1,0 +1,186 @@
+"""A worker that dies is replaced and its requests go on, token for token: the KV pool lives in
+the core's shared memory and outlives it; where the pool does not (device memory), the running
+requests are recomputed. Faults are caused, not simulated: the worker is SIGKILLed."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import threading
+import time
+
+import openai
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.entrypoints.engine_client import EngineDeadError
+from pagedllm.entrypoints.zmq_client import AsyncZmqClient
+
+from proc_helpers import children_of, is_running, segments_of, wait_until, workers_of
+from serve_helpers import ServerProcess
+
+
+class Killer(threading.Thread):
+    """SIGKILLs the engine core's worker `times` times, each a random while after the current
+    worker appeared (so some kills land mid-step, some while a replacement starts)."""
+
+    def __init__(self, core_pid: int, times: int, seed: int = 0, delay=(0.2, 0.7)):
+        super().__init__(daemon=True)
+        self.core_pid, self.times, self.rng, self.delay = core_pid, times, random.Random(seed), delay
+        self.killed: list[tuple[int, float]] = []  # (pid, when)
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        last = None
+        while len(self.killed) < self.times and not self.stop.is_set():
+            workers = [p for p in workers_of(self.core_pid) if p != last]
+            if not workers:
+                time.sleep(0.02)
+                continue
+            time.sleep(self.rng.uniform(*self.delay))
+            if is_running(workers[0]):
+                os.kill(workers[0], signal.SIGKILL)
+                self.killed.append((workers[0], time.monotonic()))
+                last = workers[0]
+
+
+def workload(seed: int = 3):
+    """32 requests: mixed lengths, some sharing a prefix, two with n = 2 (seeded), one beam search."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(5, 390) for _ in range(48)]
+    prompts, params = [], []
+    for i in range(32):
+        n = rng.randrange(1, 160)
+        body = [rng.randrange(5, 390) for _ in range(n)]
+        prompts.append(shared + body if i % 5 == 0 else body)
+        if i in (3, 17):
+            params.append(SamplingParams(n=2, temperature=1.0, seed=100 + i, max_tokens=40, ignore_eos=True))
+        elif i == 9:
+            params.append(SamplingParams(beam_width=2, temperature=0, max_tokens=12, ignore_eos=True))
+        else:
+            params.append(SamplingParams(temperature=0, max_tokens=rng.randrange(40, 160), ignore_eos=True))
+    return prompts, params
+
+
+def tokens_of(outputs) -> list[list[list[int]]]:
+    return [[c.token_ids for c in o.outputs] for o in outputs]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_five_worker_kills_change_no_token(tiny_model, mode):
+    path = tiny_model("llama")
+    prompts, params = workload()
+    engine = dict(
+        num_kv_blocks=64,
+        max_model_len=256,
+        max_num_batched_tokens=96,
+        preemption_mode=mode,
+        swap_space=0.02,
+        skip_tokenizer_init=True,
+    )
+    with LLM(path, **engine) as llm:
+        expected = tokens_of(llm.generate(prompts, params, use_tqdm=False))
+        assert llm.last_stats.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
+    with LLM(path, **engine, max_worker_restarts=5) as llm:
+        core = llm.engine.pid
+        killer = Killer(core, times=5)
+        killer.start()
+        got = tokens_of(llm.generate(prompts, params, use_tqdm=False))
+        killer.stop.set()
+        killer.join()
+        stats = llm.last_stats
+    assert len(killer.killed) == 5, "the workload ended before five kills"
+    assert stats.worker_restarts == 5
+    assert got == expected
+    assert stats.recovered_tokens > 0, "the shared pool should have spared some recomputation"
+    assert not children_of(core) and not segments_of(core)
+
+
+def test_a_pool_in_device_memory_recovers_by_recompute(tiny_model, monkeypatch):
+    """cuda-triton keeps its pool in its own memory (on a GPU, device memory; here, under
+    Triton's interpreter, the worker's): a replacement starts from an empty pool."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    path = tiny_model("llama")
+    prompts = [[5 + i, 6, 7] * (1 + i) for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    engine = dict(num_kv_blocks=64, max_model_len=256, skip_tokenizer_init=True)
+    with LLM(path, **engine) as llm:
+        expected = tokens_of(llm.generate(prompts, params, use_tqdm=False))
+    with LLM(path, backend="cuda-triton", **engine) as llm:
+        assert llm.engine.ready.kv_segments == [None]
+        killer = Killer(llm.engine.pid, times=1, delay=(2.0, 2.5))
+        killer.start()
+        got = tokens_of(llm.generate(prompts, params, use_tqdm=False))
+        killer.join(timeout=30)
+        stats = llm.last_stats
+    assert len(killer.killed) == 1 and stats.worker_restarts == 1
+    assert got == expected
+    assert stats.recovered_tokens == 0, "nothing survives a pool in the worker's memory"
+
+
+def test_a_worker_that_fails_as_it_starts_is_not_restarted(tiny_model, plugins_installed):
+    t0 = time.monotonic()
+    with pytest.raises(EngineDeadError, match="its kernels are missing"):
+        LLM(tiny_model("llama"), backend="crash-on-start", num_kv_blocks=64, skip_tokenizer_init=True)
+    assert time.monotonic() - t0 < 30
+
+
+def test_a_worker_that_dies_every_time_ends_the_engine_after_the_allowed_restarts(tiny_model, plugins_installed):
+    with (
+        LLM(
+            tiny_model("llama"),
+            backend="crash-mid-run",
+            num_kv_blocks=64,
+            max_model_len=256,
+            max_worker_restarts=2,
+            skip_tokenizer_init=True,
+        ) as llm,
+        pytest.raises(EngineDeadError, match=r"exited with code 3; 2 of 2 restarts used"),
+    ):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+
+
+def test_streaming_clients_of_the_server_see_no_error_across_a_worker_kill(tiny_model):
+    model = tiny_model("llama")
+    srv = ServerProcess(model, "--num-kv-blocks", "256")
+    prompt, max_tokens = [5, 6, 7, 8], 300
+
+    async def openai_text(url):
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        text, reason = "", None
+        stream = await client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        async for chunk in stream:
+            text += chunk.choices[0].text if chunk.choices else ""
+            reason = (chunk.choices[0].finish_reason if chunk.choices else None) or reason
+        await client.close()
+        return text, reason
+
+    async def zmq_text():
+        async with AsyncZmqClient(srv.zmq_endpoint) as zc:
+            final = await zc.generate(prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        return final.completions[0].text, final.completions[0].finish_reason
+
+    async def both():
+        return await asyncio.gather(openai_text(srv.url), zmq_text())
+
+    try:
+        expected = asyncio.run(both())
+        killer = Killer(srv.engine_pids[0], times=1, delay=(0.3, 0.6))
+        killer.start()
+        got = asyncio.run(both())
+        killer.join(timeout=30)
+        assert len(killer.killed) == 1
+        assert got == expected and all(reason == "length" for _, reason in got)
+        assert wait_until(lambda: srv.metrics().get("pagedllm:worker_restarts_total") == 1, timeout_s=10)
+        assert srv.get("/health")[0] == 200
+    finally:
+        srv.stop()
