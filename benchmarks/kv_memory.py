@@ -4,7 +4,10 @@ Runs the real scheduler over a 1,000-request synthetic trace (tokens stand in fo
 and, after every step, compares the KV slots holding live tokens with
 - paged: slots in the blocks the requests hold (only each request's last block is partial);
 - contiguous, max-model-len: each running request reserves max_model_len slots up front;
-- contiguous, exact: each reserves prompt + its true output length (needs an oracle).
+- contiguous, exact: each reserves prompt + its true output length (needs an oracle);
+and, every 10 steps, how the blocks are placed (core/outputs.Fragmentation): internal waste,
+external fragmentation of the free blocks, and how contiguous the live block tables are — once
+per block placement policy.
 Run: python -m pagedllm.benchmarks.kv_memory
 """
 
@@ -22,12 +25,15 @@ def measure_kv_utilisation(
     max_model_len: int = 2048,
     max_num_seqs: int = 256,
     seed: int = 0,
+    placement: str = "lru",
 ) -> dict:
     lengths = synthetic_lengths(num_requests, seed=seed)
     prompts = synthetic_prompts(lengths, vocab_size=32000, seed=seed)
     sched = Scheduler(
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=4096, max_model_len=max_model_len),
-        CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=False),
+        CacheConfig(
+            block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=False, block_placement=placement
+        ),
     )
     final_len = {}
     for i, (prompt, (_, out_len)) in enumerate(zip(prompts, lengths)):
@@ -42,6 +48,7 @@ def measure_kv_utilisation(
     live = paged = contiguous_max = contiguous_exact = 0
     steps = 0
     series = []  # per step: (live tokens, paged slots, contiguous max_model_len slots)
+    samples = []  # Fragmentation every 10 steps
     while sched.has_unfinished_requests():
         plan = sched.schedule()
         sched.update(plan, {rid: 11 for rid in plan.num_scheduled_tokens})
@@ -53,6 +60,9 @@ def measure_kv_utilisation(
         contiguous_max += len(running) * max_model_len
         contiguous_exact += sum(final_len[r.request_id] for r in running)
         series.append((step_live, sched.kv.pool.num_used * block_size, len(running) * max_model_len))
+        if steps % 10 == 0 and running:
+            samples.append(sched.fragmentation())
+    mean = lambda field: sum(getattr(f, field) for f in samples) / len(samples)
     return {
         "requests": num_requests,
         "steps": steps,
@@ -63,12 +73,30 @@ def measure_kv_utilisation(
         "contiguous_max_model_len": live / contiguous_max,
         "contiguous_exact_length": live / contiguous_exact,
         "preemptions": sched.num_preemptions,
+        "placement": placement,
+        "internal_waste": mean("internal_waste"),
+        "external_fragmentation": mean("external"),
+        "mean_table_run": mean("mean_table_run"),
         "series": series,
     }
 
 
+def print_placements(rows: list[dict]) -> None:
+    head = f"{'placement':<10} {'table run (blocks)':>18} {'internal waste':>15} {'external frag.':>15}"
+    head += f" {'preemptions':>12}"
+    print(head + "\n" + "-" * len(head))
+    for r in rows:
+        print(
+            f"{r['placement']:<10} {r['mean_table_run']:18.1f} {r['internal_waste']:15.1%} "
+            f"{r['external_fragmentation']:15.1%} {r['preemptions']:12d}"
+        )
+
+
 def main():
-    r = measure_kv_utilisation()
+    from pagedllm.core.free_blocks import PLACEMENTS
+
+    rows = [measure_kv_utilisation(placement=p) for p in PLACEMENTS]
+    r = rows[0]
     print(
         f"trace: {r['requests']} requests, mean prompt {r['mean_prompt']:.0f}, mean output "
         f"{r['mean_output']:.0f} tokens, {r['steps']} steps, {r['preemptions']} preemptions"
@@ -77,6 +105,7 @@ def main():
     print(f"  paged (block size {r['block_size']}):             {r['paged']:.1%}")
     print(f"  contiguous, max_model_len per request: {r['contiguous_max_model_len']:.1%}")
     print(f"  contiguous, exact final length:        {r['contiguous_exact_length']:.1%}")
+    print_placements(rows)
 
 
 if __name__ == "__main__":

@@ -50,9 +50,11 @@ def _mismatches(name: str, got, want, prompts) -> list[str]:
     ]
 
 
-def check_engine_behaviour(backend: str, model: str, quick: bool, tensor_parallel_size: int = 1) -> list[CheckResult]:
-    """The engine rows, every engine with `tensor_parallel_size` ranks; above 1, each row is
-    also held against one rank's tokens (tensor_parallel_equivalence)."""
+def check_engine_behaviour(
+    backend: str, model: str, quick: bool, tensor_parallel_size: int = 1, block_placement: str = "lru"
+) -> list[CheckResult]:
+    """The engine rows, every engine with `tensor_parallel_size` ranks and `block_placement`;
+    above 1 rank, each row is also held against one rank's tokens (tensor_parallel_equivalence)."""
     prompts = _prompts(12 if quick else 24, seed=1)
     params = [_greedy(8 + (i * 5) % 17) for i in range(len(prompts))]
     names = [
@@ -68,7 +70,9 @@ def check_engine_behaviour(backend: str, model: str, quick: bool, tensor_paralle
     rows = {name: CheckResult(name) for name in names}
     shared = prompts[0] + prompts[1]
     family = [shared + p[:20] for p in prompts[2:8]]
-    engine = functools.partial(_engine, backend, model, tensor_parallel_size=tensor_parallel_size)
+    engine = functools.partial(
+        _engine, backend, model, tensor_parallel_size=tensor_parallel_size, block_placement=block_placement
+    )
 
     if tensor_parallel_size > 1:
         with _engine(backend, model, enable_prefix_caching=False) as llm:

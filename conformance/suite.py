@@ -43,7 +43,11 @@ def _guarded(name: str, fn) -> list[CheckResult]:
 
 
 def run_suite(
-    backend: str, quick: bool = False, ops_only: bool = False, tensor_parallel_size: int = 1
+    backend: str,
+    quick: bool = False,
+    ops_only: bool = False,
+    tensor_parallel_size: int = 1,
+    block_placement: str = "lru",
 ) -> list[CheckResult]:
     from pagedllm.backends.registry import load_backend
 
@@ -57,7 +61,8 @@ def run_suite(
     models = tiny_model_dirs()
     results += _guarded("cache_placement", lambda: check_cache_placement(backend, models["llama"]))
     results += _guarded(
-        "engine behaviour", lambda: check_engine_behaviour(backend, models["llama"], quick, tensor_parallel_size)
+        "engine behaviour",
+        lambda: check_engine_behaviour(backend, models["llama"], quick, tensor_parallel_size, block_placement),
     )
     results += _guarded("end_to_end_vs_transformers", lambda: check_end_to_end(backend, models, quick))
     return results
@@ -72,7 +77,9 @@ def main(args) -> int:
         print(f"pagedllm: {picked}")
     check_available(args.backend)
     t0 = time.perf_counter()
-    results = run_suite(args.backend, args.quick, args.ops_only, args.tensor_parallel_size)
+    results = run_suite(
+        args.backend, args.quick, args.ops_only, args.tensor_parallel_size, getattr(args, "block_placement", "lru")
+    )
     elapsed = time.perf_counter() - t0
     print(format_table(args.backend, results))
     print(f"\n({'quick' if args.quick else 'full'}{', ops only' if args.ops_only else ''} suite, {elapsed:.0f} s)")

@@ -1,9 +1,10 @@
 """Fixed pool of KV blocks: O(1) allocate/free, ref counts, and a content-hashed prefix cache.
 
 A free block is in exactly one of two places:
-- `_free_ids`: never cached (no hash) — handed out first;
+- `_free`: never cached (no hash) — handed out first, in the order of the block placement
+  policy (core/free_blocks.py: lru, first-fit, best-fit);
 - the LRU list: full blocks whose content hash is still registered, kept so an equal prefix can
-  revive them; evicted oldest-first only when `_free_ids` is empty. The list is intrusive
+  revive them; evicted oldest-first only when `_free` is empty. The list is intrusive
   (prev/next on the block), so revival from the middle is O(1).
 A cached block keeps its token ids and its parent (the cached block before it, and which
 registration of that block): a lookup hits only when both match, so a hit is impossible
@@ -14,6 +15,8 @@ Block 0 is the null block: never allocated, so a zero in a block table means "no
 from __future__ import annotations
 
 from collections.abc import Iterable
+
+from .free_blocks import make_free_blocks
 
 
 def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
@@ -79,13 +82,13 @@ class _LRUList:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, placement: str = "lru"):
         if num_blocks < 2:
             raise ValueError("num_blocks must be >= 2: block 0 is reserved")
         self.num_blocks = num_blocks
+        self.placement = placement
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        # Popped from the end: low ids first, which keeps early allocations compact.
-        self._free_ids: list[int] = list(range(num_blocks - 1, 0, -1))
+        self._free = make_free_blocks(placement, range(1, num_blocks))
         self._lru = _LRUList()
         self._cached: dict[int, KVBlock] = {}
         self._registrations = 0
@@ -101,7 +104,7 @@ class BlockPool:
     @property
     def num_free(self) -> int:
         """Blocks that can be allocated now, evicting cached ones if need be."""
-        return len(self._free_ids) + self._lru.size
+        return len(self._free) + self._lru.size
 
     @property
     def num_used(self) -> int:
@@ -116,19 +119,24 @@ class BlockPool:
     def num_cached_free(self) -> int:
         return self._lru.size
 
+    def free_runs(self) -> list[int]:
+        """Lengths of the runs of consecutive never-cached free block ids."""
+        return self._free.runs()
+
     # --- allocation -----------------------------------------------------------------------
-    def allocate(self, n: int) -> list[KVBlock]:
+    def allocate(self, n: int, after: int | None = None) -> list[KVBlock]:
+        """n blocks, never-cached ones first (`after`: the block they follow in a table, for
+        the fit policies to continue its run), then the oldest cached-but-free ones."""
         if n > self.num_free:
             raise RuntimeError(f"asked for {n} blocks, {self.num_free} free")
-        out = []
-        for _ in range(n):
-            if self._free_ids:
-                block = self.blocks[self._free_ids.pop()]
-            else:
-                block = self._lru.pop_oldest()
-                self._evict(block)
-            block.ref_cnt = 1
+        plain = min(n, len(self._free))
+        out = [self.blocks[i] for i in self._free.take(plain, after)] if plain else []
+        for _ in range(n - plain):
+            block = self._lru.pop_oldest()
+            self._evict(block)
             out.append(block)
+        for block in out:
+            block.ref_cnt = 1
         used = self.num_used
         if used > self.peak_used:
             self.peak_used = used
@@ -151,7 +159,7 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 if block.block_hash is None:
-                    self._free_ids.append(block.block_id)
+                    self._free.put(block.block_id)
                 else:
                     self._lru.append(block)
             elif block.ref_cnt < 0:
@@ -192,7 +200,7 @@ class BlockPool:
         while self._lru.size:
             block = self._lru.pop_oldest()
             self._evict(block)
-            self._free_ids.append(block.block_id)
+            self._free.put(block.block_id)
         for block in list(self._cached.values()):
             self._evict(block)
 
@@ -210,7 +218,7 @@ class BlockPool:
     # --- checks ---------------------------------------------------------------------------
     def check_invariants(self, ref_counts: dict[int, int]) -> None:
         """`ref_counts`: block id -> how many block tables hold it. Raises AssertionError."""
-        free_ids = self._free_ids
+        free_ids = list(self._free)
         assert len(set(free_ids)) == len(free_ids), "a block is twice in the free list"
         lru_ids = [b.block_id for b in self._lru]
         assert len(lru_ids) == self._lru.size, "LRU size out of step with its links"

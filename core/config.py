@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from .errors import InvalidParameter
+from .free_blocks import PLACEMENTS
 from .utils import cdiv
 
 SCHEDULER_POLICIES = ("fcfs", "priority")
@@ -34,9 +35,11 @@ class CacheConfig(msgspec.Struct, kw_only=True):
     num_blocks: int = 1024  # including the reserved null block 0
     num_swap_blocks: int = 0  # host swap space, in blocks
     enable_prefix_caching: bool = True
+    block_placement: str = "lru"  # which free block a request gets (core/free_blocks.py)
 
     def __post_init__(self):
         _check_block_size(self.block_size)
+        _check_choice("block_placement", self.block_placement, PLACEMENTS)
         if self.num_blocks < 2:
             raise InvalidParameter("num_blocks", f"must be >= 2 (block 0 is reserved), got {self.num_blocks}")
         if self.num_swap_blocks < 0:
@@ -48,6 +51,7 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     policy: str = "fcfs"
+    priority_preemption: bool = True  # priority policy: a waiting request preempts lower-priority work
     preemption_mode: str = "recompute"
 
     def __post_init__(self):
@@ -80,6 +84,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     scheduler_policy: str = "fcfs"
+    priority_preemption: bool = True
+    block_placement: str = "lru"
     preemption_mode: str = "recompute"
     seed: int = 0
     kv_cache_memory: int = 1 << 30  # bytes of KV pool (cpu backend)
@@ -101,6 +107,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         _check_positive(self, ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks"))
         _check_choice("scheduler_policy", self.scheduler_policy, SCHEDULER_POLICIES)
         _check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        _check_choice("block_placement", self.block_placement, PLACEMENTS)
         if self.kv_cache_memory < 1:
             raise InvalidParameter("kv_cache_memory", f"must be > 0 bytes, got {self.kv_cache_memory}")
         if self.swap_space < 0:

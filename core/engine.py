@@ -144,12 +144,14 @@ class EngineCore:
             num_blocks=num_blocks,
             num_swap_blocks=cfg.swap_space // block_bytes,
             enable_prefix_caching=cfg.enable_prefix_caching,
+            block_placement=cfg.block_placement,
         )
         sched = SchedulerConfig(
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens or max(2048, max_model_len),
             max_model_len=max_model_len,
             policy=cfg.scheduler_policy,
+            priority_preemption=cfg.priority_preemption,
             preemption_mode=cfg.preemption_mode,
         )
         return cache, sched

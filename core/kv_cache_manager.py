@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections import Counter
 
 from .block_pool import BlockPool, KVBlock, hash_block_tokens
+from .free_blocks import table_runs
+from .outputs import Fragmentation
 from .request import Request
 from .utils import cdiv
 
@@ -16,10 +18,17 @@ TableDelta = tuple[int, list[int]]
 
 
 class KVCacheManager:
-    def __init__(self, block_size: int, num_blocks: int, enable_caching: bool = True, num_swap_blocks: int = 0):
+    def __init__(
+        self,
+        block_size: int,
+        num_blocks: int,
+        enable_caching: bool = True,
+        num_swap_blocks: int = 0,
+        placement: str = "lru",
+    ):
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, placement)
         self.tables: dict[str, list[KVBlock]] = {}
         self._num_hashed: dict[str, int] = {}  # leading blocks already registered in the cache
         self.num_swap_blocks = num_swap_blocks
@@ -33,6 +42,36 @@ class KVCacheManager:
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
+
+    def num_blocks_of(self, request: Request) -> int:
+        return len(self.tables.get(request.request_id, ()))
+
+    def fragmentation(self, tokens_of: dict[str, int]) -> Fragmentation:
+        """`tokens_of`: request id -> tokens its table holds (or is about to)."""
+        tables = {rid: t for rid, t in self.tables.items() if t}
+        slots = sum(len(t) for t in tables.values()) * self.block_size
+        held = sum(min(tokens_of.get(rid, 0), len(t) * self.block_size) for rid, t in tables.items())
+        sizes = sorted(len(t) for t in tables.values())
+        need = sizes[len(sizes) // 2] if sizes else 1
+        runs = self.pool.free_runs()
+        free = sum(runs)
+        runs_of = [table_runs([b.block_id for b in t]) for t in tables.values()]
+        return Fragmentation(
+            internal_waste=1 - held / slots if slots else 0.0,
+            external=sum(r for r in runs if r < need) / free if free else 0.0,
+            mean_table_run=sum(len(t) / n for t, n in zip(tables.values(), runs_of)) / len(tables) if tables else 0.0,
+        )
+
+    def num_exclusive_blocks(self, request: Request) -> int:
+        """Blocks that freeing the request would return to the pool (nobody else holds them)."""
+        return sum(1 for b in self.tables.get(request.request_id, ()) if b.ref_cnt == 1)
+
+    def blocks_to_start(self, computed_blocks: list[KVBlock], num_tokens: int) -> int:
+        """Free blocks a request not yet started takes to hold its first `num_tokens` tokens,
+        `computed_blocks` (prefix hits) among them: the fresh ones, and the hits that are free
+        (cached, referenced by nobody) and would be revived."""
+        fresh = max(0, self.num_blocks_for(num_tokens) - len(computed_blocks))
+        return fresh + sum(1 for b in computed_blocks if b.ref_cnt == 0)
 
     @property
     def num_free_swap_blocks(self) -> int:
@@ -137,7 +176,7 @@ class KVCacheManager:
             self.pool.free((shared,))
             table[first_changed] = copy
             self._copies.append((shared.block_id, copy.block_id))
-        table.extend(self.pool.allocate(num_new_blocks))
+        table.extend(self.pool.allocate(num_new_blocks, after=table[-1].block_id if table else None))
         if self.enable_caching:
             self._cache_full_blocks(request, table, end)
         return first_changed, [b.block_id for b in table[first_changed:]]

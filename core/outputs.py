@@ -71,6 +71,14 @@ class RequestOutputDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     queued_seconds: float | None = None  # on a request's first token: arrival to first scheduled
 
 
+class Fragmentation(msgspec.Struct):
+    """How well the KV pool's blocks are used and placed."""
+
+    internal_waste: float  # of the slots in live block tables, the share holding no token
+    external: float  # of the never-cached free blocks, the share in runs shorter than a median table
+    mean_table_run: float  # blocks per run of consecutive ids in a live table, averaged over tables
+
+
 class SchedulerStats(msgspec.Struct):
     num_running: int
     num_waiting: int
@@ -81,3 +89,4 @@ class SchedulerStats(msgspec.Struct):
     num_preemptions: int
     peak_blocks_used: int
     num_blocks: int
+    fragmentation: Fragmentation | None = None  # refreshed at most once a second (it walks every table)

@@ -15,9 +15,12 @@ class RequestQueue:
         self._heap: list[tuple[int, float, int, Request]] = []
         self._seq = itertools.count()
 
+    def key(self, request: Request) -> tuple[int, float]:
+        """Where `request` ranks: lower goes first."""
+        return (request.priority if self.by_priority else 0, request.arrival_time)
+
     def add(self, request: Request) -> None:
-        key = request.priority if self.by_priority else 0
-        heapq.heappush(self._heap, (key, request.arrival_time, next(self._seq), request))
+        heapq.heappush(self._heap, (*self.key(request), next(self._seq), request))
 
     def peek(self) -> Request:
         return self._heap[0][3]

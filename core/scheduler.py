@@ -6,7 +6,12 @@ long prompt's chunks never stall the decodes), beam groups (all of a group's bea
 one step, or none), swapped requests, then waiting ones. When a running request needs blocks
 and none are free, the victim is the lowest-priority, latest-arriving request not yet
 scheduled in this step (possibly itself), preempted by recompute or swap; nothing new starts
-in a step that had to preempt."""
+in a step that had to preempt.
+
+Under the priority policy, a waiting request that cannot start (its first chunk's blocks are
+not free, or max_num_seqs run) first preempts running requests of strictly lower priority for
+itself (`_preempt_for_waiting`), and then starts in the same step; swapped and waiting
+requests start in one priority order."""
 
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ from .beam_search import BeamSearches, check_beams_fit
 from .config import CacheConfig, SchedulerConfig, check_fits
 from .errors import InvalidParameter
 from .kv_cache_manager import KVCacheManager
-from .outputs import RequestOutputDelta, SchedulerOutput, SchedulerStats
+from .outputs import Fragmentation, RequestOutputDelta, SchedulerOutput, SchedulerStats
 from .request import EngineRequest, Request, RequestStatus, child_request_id, child_seed
 from .request_queue import RequestQueue
 from .sampling_params import SamplingParams
@@ -39,8 +44,9 @@ class Scheduler:
             cache_config.num_blocks,
             cache_config.enable_prefix_caching,
             cache_config.num_swap_blocks,
+            cache_config.block_placement,
         )
-        by_priority = scheduler_config.policy == "priority"
+        self.by_priority = by_priority = scheduler_config.policy == "priority"
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
         self.waiting = RequestQueue(by_priority)
@@ -49,6 +55,8 @@ class Scheduler:
         self.beams = BeamSearches()
         self._step_ids = itertools.count()
         self.num_preemptions = 0
+        self.num_priority_preemptions = 0  # steps in which a waiting request preempted for itself
+        self._fragmentation, self._fragmentation_at = None, -1e9
 
     # --- requests in and out --------------------------------------------------------------
     def add_request(self, engine_request: EngineRequest) -> Request:
@@ -140,6 +148,8 @@ class Scheduler:
     # --- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         step = StepBuilder(self.config.max_num_batched_tokens, self.worker, self.kv)
+        if self.by_priority and self.config.priority_preemption:
+            self._preempt_for_waiting(step)
         self._schedule_running(step)
         self._schedule_beam_groups(step)
         if step.preempted:
@@ -205,8 +215,55 @@ class Scheduler:
                 for member in members:
                     step.add(member, 1, self.kv.allocate_slots(member, 1))
 
+    def _preempt_for_waiting(self, step: StepBuilder) -> None:
+        """The first waiting request, if it ranks before every swapped one and cannot start,
+        preempts running requests of strictly lower priority — the lowest, then the latest
+        arrival first; beam groups whole — until its first chunk (and this step's decodes) fit
+        and a sequence slot is free. Only running requests are victims, so one preempted for it
+        is not preempted again for it; it starts in this step unless the budget runs out first."""
+        if not self.waiting or not self._waiting_goes_first():
+            return
+        head = self.waiting.peek()
+        computed_blocks, num_hit = self.kv.get_computed_blocks(head)
+        num_new = min(head.fork_point - num_hit, step.budget)
+        need_blocks = self.kv.blocks_to_start(computed_blocks, num_hit + num_new)
+        lower = [r for r in self.running if r.priority > head.priority]
+        if not lower or not self._can_start(head, need_blocks, lower):
+            return  # not even preempting all of them would let it start: preempt none
+        preempted = False
+        while not self._can_start(head, need_blocks):
+            victims = [r for r in self.running if r.status == RUNNING and r.priority > head.priority]
+            if not victims:
+                break
+            self._preempt(max(victims, key=lambda r: (r.priority, r.arrival_time)), step)
+            self.running = [r for r in self.running if r.status == RUNNING]
+            preempted = True
+        if preempted:
+            step.preempted = False  # preempted so that `head` starts now: let it
+            self.num_priority_preemptions += 1
+
+    def _can_start(self, request: Request, need_blocks: int, without: list[Request] = ()) -> bool:
+        """Whether `request` could start now, after this step's decodes take their new blocks;
+        `without`: as if these running requests were preempted (their own blocks freed)."""
+        kv = self.kv
+        running = [r for r in self.running if r not in without] if without else self.running
+        if len(running) + 1 + request.forks_pending > self.config.max_num_seqs:
+            return False
+        decodes_need = sum(kv.num_blocks_for(r.num_tokens) > kv.num_blocks_of(r) for r in running)
+        freed = sum(kv.num_exclusive_blocks(r) for r in without)
+        return need_blocks + decodes_need <= kv.pool.num_free + freed
+
+    def _waiting_goes_first(self) -> bool:
+        """Swapped requests start before waiting ones, except under the priority policy, where
+        a waiting request that ranks before every swapped one goes first."""
+        if not self.swapped:
+            return True
+        return self.by_priority and self.waiting.key(self.waiting.peek()) < self.swapped.key(self.swapped.peek())
+
     def _schedule_swapped(self, step: StepBuilder) -> None:
         while self.swapped and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
+            if self.waiting and self._waiting_goes_first():
+                break
             request = self.swapped.peek()
             num_new = min(request.fork_point - request.num_computed_tokens, step.budget)
             if self.kv.num_blocks_for(request.num_computed_tokens + num_new) > self.kv.pool.num_free:
@@ -223,7 +280,7 @@ class Scheduler:
         max_seqs = self.config.max_num_seqs
         while (
             self.waiting
-            and not self.swapped
+            and self._waiting_goes_first()
             and step.budget > 0
             and len(self.running) + 1 + self.waiting.peek().forks_pending <= max_seqs
         ):
@@ -366,8 +423,14 @@ class Scheduler:
         self.waiting.add(request)
 
     # --- stats and checks -----------------------------------------------------------------
+    def fragmentation(self) -> Fragmentation:
+        return self.kv.fragmentation({r.request_id: r.num_tokens for r in self.running})
+
     def stats(self) -> SchedulerStats:
         pool = self.kv.pool
+        now = time.monotonic()
+        if now - self._fragmentation_at >= 1.0:
+            self._fragmentation, self._fragmentation_at = self.fragmentation(), now
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -378,6 +441,7 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             peak_blocks_used=pool.peak_used,
             num_blocks=pool.num_blocks,
+            fragmentation=self._fragmentation,
         )
 
     def check_invariants(self) -> None:

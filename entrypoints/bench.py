@@ -65,15 +65,21 @@ def cmd_bench(args) -> int:
     if args.mode == "serving":
         return _serving(args, out_dir)
     if args.mode == "memory":
-        from pagedllm.benchmarks.kv_memory import measure_kv_utilisation
+        from pagedllm.benchmarks.kv_memory import measure_kv_utilisation, print_placements
+        from pagedllm.core.free_blocks import PLACEMENTS
 
-        r = measure_kv_utilisation(num_requests=args.num_prompts, seed=args.seed)
+        rows = [measure_kv_utilisation(num_requests=args.num_prompts, seed=args.seed, placement=p) for p in PLACEMENTS]
+        r = next(row for row in rows if row["placement"] == "lru")
         print(
             f"{r['requests']} requests, {r['steps']} steps: live share of allocated KV slots — paged "
             f"{r['paged']:.1%}, contiguous max_model_len {r['contiguous_max_model_len']:.1%}, "
             f"contiguous exact length {r['contiguous_exact_length']:.1%}"
         )
-        report.write_json(os.path.join(out_dir, "memory.json"), {k: v for k, v in r.items() if k != "series"})
+        print_placements(rows)
+        without_series = lambda row: {k: v for k, v in row.items() if k != "series"}
+        report.write_json(
+            os.path.join(out_dir, "memory.json"), {**without_series(r), "placements": [without_series(x) for x in rows]}
+        )
         report.plot_kv_usage(os.path.join(out_dir, "kv_usage.png"), r["series"], r["block_size"])
         return 0
     return _throughput(args, out_dir)

@@ -24,7 +24,19 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--scheduler-policy", default="fcfs", choices=["fcfs", "priority"])
+    g.add_argument(
+        "--priority-preemption",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="priority policy: a waiting request preempts running ones of lower priority",
+    )
     g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
+    g.add_argument(
+        "--block-placement",
+        default="lru",
+        choices=["lru", "first-fit", "best-fit"],
+        help="which free KV block a request gets: the last freed, or from the lowest / smallest run that fits",
+    )
     g.add_argument("--swap-space", type=float, default=None, help="GiB of host swap space")
     g.add_argument("--kv-cache-memory", default="1GiB", help="KV pool size, e.g. 512MiB or 4GiB")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides the above)")
@@ -112,6 +124,8 @@ def engine_kwargs(args) -> dict:
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
         scheduler_policy=args.scheduler_policy,
+        priority_preemption=args.priority_preemption,
+        block_placement=args.block_placement,
         preemption_mode=args.preemption_mode,
         swap_space=args.swap_space,
         kv_cache_memory=args.kv_cache_memory,
@@ -291,6 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
     conf.add_argument("--json", help="also write the results as JSON here")
     conf.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="run the engine rows with this many ranks, against one"
+    )
+    conf.add_argument(
+        "--block-placement", default="lru", choices=["lru", "first-fit", "best-fit"], help="for the engine rows"
     )
     conf.set_defaults(func=cmd_conformance)
     return parser

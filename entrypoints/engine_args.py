@@ -35,6 +35,8 @@ class EngineArgs:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     scheduler_policy: str = "fcfs"
+    priority_preemption: bool = True
+    block_placement: str = "lru"
     preemption_mode: str = "recompute"
     seed: int = 0
     kv_cache_memory: int | str = "1GiB"

@@ -70,6 +70,17 @@ class EngineMetrics:
         self.waiting = metric(Gauge, "num_requests_waiting", "Requests waiting to be scheduled.")
         self.swapped = metric(Gauge, "num_requests_swapped", "Requests whose KV cache is swapped out.")
         self.kv_usage = metric(Gauge, "kv_cache_usage_perc", "Fraction of KV-cache blocks held by requests (1 = full).")
+        self.kv_internal_waste = metric(
+            Gauge, "kv_internal_waste_perc", "Share of the slots in live block tables holding no token."
+        )
+        self.kv_external_fragmentation = metric(
+            Gauge,
+            "kv_external_fragmentation_perc",
+            "Share of free KV blocks in runs of consecutive ids shorter than a median block table.",
+        )
+        self.kv_table_run = metric(
+            Gauge, "kv_table_mean_run_blocks", "Blocks per run of consecutive ids in live block tables, on average."
+        )
         self.prefix_queries = metric(Counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = metric(Counter, "prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = metric(Counter, "num_preemptions", "Preemptions of running requests.")
@@ -108,6 +119,10 @@ class EngineMetrics:
         self.waiting.set(sched.num_waiting)
         self.swapped.set(sched.num_swapped)
         self.kv_usage.set(sched.kv_cache_usage)
+        if sched.fragmentation is not None:
+            self.kv_internal_waste.set(sched.fragmentation.internal_waste)
+            self.kv_external_fragmentation.set(sched.fragmentation.external)
+            self.kv_table_run.set(sched.fragmentation.mean_table_run)
         last = self._last
         # the engine's counts are cumulative; the counters take the increments
         self.prefix_queries.inc(sched.prefix_cache_queries - (last.prefix_cache_queries if last else 0))

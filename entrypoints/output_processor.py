@@ -25,8 +25,6 @@ class StreamOutput:
     first_token: bool = False  # this update brought the request's first token
     # the logprob entries of delta_token_ids (a copy: `output` goes on growing while this waits)
     delta_logprobs: list[dict] | None = None
-    # the logprob entries of delta_token_ids (a copy: `output` goes on growing while this waits)
-    delta_logprobs: list[dict] | None = None
 
 
 class OutputProcessor:

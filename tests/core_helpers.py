@@ -23,6 +23,8 @@ def make_scheduler(
     preemption_mode="recompute",
     num_swap_blocks=0,
     enable_prefix_caching=True,
+    block_placement="lru",
+    priority_preemption=True,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -31,12 +33,14 @@ def make_scheduler(
             max_model_len=max_model_len,
             policy=policy,
             preemption_mode=preemption_mode,
+            priority_preemption=priority_preemption,
         ),
         CacheConfig(
             block_size=block_size,
             num_blocks=num_blocks,
             num_swap_blocks=num_swap_blocks,
             enable_prefix_caching=enable_prefix_caching,
+            block_placement=block_placement,
         ),
     )
 

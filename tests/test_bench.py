@@ -47,6 +47,9 @@ def test_memory_writes_json_and_plot(tmp_path):
     assert proc.returncode == 0, proc.stderr
     data = json.loads((tmp_path / "memory.json").read_text())
     assert data["paged"] > data["contiguous_exact_length"] > data["contiguous_max_model_len"]
+    placed = {r["placement"]: r for r in data["placements"]}
+    assert set(placed) == {"lru", "first-fit", "best-fit"}
+    assert all(r["mean_table_run"] >= 1 and 0 <= r["internal_waste"] < 1 for r in placed.values())
     assert (tmp_path / "kv_usage.png").read_bytes()[:4] == b"\x89PNG"
 
 

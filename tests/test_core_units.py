@@ -134,3 +134,55 @@ def test_scheduler_output_is_msgpack_serialisable():
     assert again.num_scheduled_tokens == {"a": 9}
     assert again.new_requests[0].block_ids == plan.new_requests[0].block_ids
     assert again.new_requests[0].token_ids.tolist() == list(range(1, 10))
+
+
+@pytest.mark.parametrize("placement", ["lru", "first-fit", "best-fit"])
+def test_free_block_policies_against_a_model_of_the_free_set(placement):
+    """Random takes and puts: every policy hands out each free id once, and the fit policies
+    keep their runs equal to the runs of the free set."""
+    import random
+
+    from pagedllm.core.free_blocks import make_free_blocks, run_lengths
+
+    rng = random.Random(7)
+    free = make_free_blocks(placement, range(1, 200))
+    model = set(range(1, 200))
+    held: list[int] = []
+    for _ in range(2000):
+        if held and (rng.random() < 0.45 or len(model) < 10):
+            block_id = held.pop(rng.randrange(len(held)))
+            free.put(block_id)
+            model.add(block_id)
+        else:
+            n = rng.randrange(1, 6)
+            after = rng.choice(held) if held and rng.random() < 0.5 else None
+            got = free.take(n, after)
+            assert len(got) == n and set(got) <= model and len(set(got)) == n
+            model -= set(got)
+            held += got
+        assert len(free) == len(model) and sorted(free) == sorted(model)
+        if placement != "lru":
+            assert sorted(free.runs()) == sorted(run_lengths(model))
+
+
+def test_first_fit_and_best_fit_choose_their_runs():
+    from pagedllm.core.free_blocks import make_free_blocks
+
+    # free runs: [1..2] (2), [5..9] (5), [12..14] (3)
+    ids = [1, 2, 5, 6, 7, 8, 9, 12, 13, 14]
+    assert make_free_blocks("first-fit", ids).take(3) == [5, 6, 7]  # the lowest run holding 3
+    assert make_free_blocks("best-fit", ids).take(3) == [12, 13, 14]  # the smallest run holding 3
+    assert make_free_blocks("best-fit", ids).take(2) == [1, 2]
+    assert make_free_blocks("first-fit", ids).take(1, after=11) == [12]  # a table grows in place
+    # none holds 7: the longest first, then the rest as any 2 would be placed
+    assert make_free_blocks("best-fit", ids).take(7) == [5, 6, 7, 8, 9, 1, 2]
+
+
+@pytest.mark.parametrize("placement,grows_into", [("lru", 5), ("first-fit", 12), ("best-fit", 12)])
+def test_a_growing_table_continues_its_run_under_the_fit_policies(placement, grows_into):
+    pool = BlockPool(32, placement)
+    blocks = pool.allocate(11)
+    assert [b.block_id for b in blocks] == list(range(1, 12))  # every policy starts from the low ids
+    pool.free([blocks[i - 1] for i in (7, 3, 9, 1, 5)])  # churn: 5 was freed last
+    (grown,) = pool.allocate(1, after=11)  # a table ending in block 11 grows
+    assert grown.block_id == grows_into

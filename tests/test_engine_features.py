@@ -1,5 +1,7 @@
 """n > 1, seeds, stop strings, detokenization, chat and bad input through the real engine."""
 
+import asyncio
+
 import pytest
 
 from pagedllm import LLM, InvalidParameter, SamplingParams
@@ -158,3 +160,45 @@ def test_every_eos_id_of_generation_config_stops(tiny_model, tmp_path):
         assert engine.eos_token_ids == [unused, stop_at]
     assert out.finish_reason == "stop"
     assert out.token_ids == tokens[: first + 1]
+
+
+def test_a_high_priority_request_preempts_a_full_engine_and_nothing_changes_tokens(tiny_model):
+    """8 long low-priority generations hold every sequence slot; an urgent request finishes
+    while they still run (under fcfs it waits for one to finish), and theirs end with the
+    tokens they have without preemption."""
+    from pagedllm.entrypoints.async_engine import AsyncEngine
+
+    low = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True, priority=5)
+    urgent = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, priority=0)
+    prompts = [[5 + i, 6, 7 + i] * (2 + i) for i in range(8)]
+
+    async def run(policy):
+        engine = AsyncEngine(
+            model=tiny_model("llama"), max_num_seqs=8, scheduler_policy=policy, skip_tokenizer_init=True
+        )
+        try:
+            tokens = {}
+            started = asyncio.Event()
+
+            async def one(name, prompt, params):
+                async for out in engine.generate({"prompt_token_ids": prompt}, params):
+                    tokens[name] = list(out.output.outputs[0].token_ids)
+                    if all(len(tokens.get(f"low{i}", ())) >= 5 for i in range(8)):
+                        started.set()
+                return name
+
+            lows = [asyncio.create_task(one(f"low{i}", p, low)) for i, p in enumerate(prompts)]
+            await started.wait()
+            await one("urgent", [300, 301, 302], urgent)
+            lows_done = sum(t.done() for t in lows)
+            await asyncio.gather(*lows)
+            return tokens, lows_done, engine.last_stats
+        finally:
+            engine.shutdown()
+
+    fcfs_tokens, fcfs_done, _ = asyncio.run(run("fcfs"))
+    assert fcfs_done > 0, "under fcfs the urgent request waits for a free slot"
+    tokens, done, stats = asyncio.run(run("priority"))
+    assert done == 0, "the urgent request should have finished while every low-priority one ran"
+    assert stats.scheduler.num_preemptions > 0
+    assert tokens == fcfs_tokens

@@ -234,3 +234,83 @@ def test_colliding_prefix_keys_never_hand_one_request_anothers_kv(monkeypatch):
     add(sched, "a-again", range(10, 30), max_tokens=4)  # a's prompt does hit its first block
     run_to_completion(sched, worker)
     assert sched.kv.pool.prefix_hits == 4
+
+
+def _step(sched, worker, outputs):
+    plan = sched.schedule()
+    sched.check_invariants()
+    for out in sched.update(plan, worker.execute(plan), worker.logprobs):
+        outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return plan
+
+
+@pytest.mark.parametrize("limit", ["max_num_seqs", "blocks"])
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_high_priority_arrival_preempts_lower_priority_work(limit, mode):
+    """8 long low-priority generations fill the engine (every sequence slot, or every block);
+    a high-priority request arriving is scheduled within 2 steps, the victims finish later
+    with the tokens they would have had."""
+    # every slot taken from the start; or 48 usable blocks, all taken from step 13 on
+    full = dict(max_num_seqs=8, num_blocks=200) if limit == "max_num_seqs" else dict(max_num_seqs=16, num_blocks=49)
+    arrives = 12 if limit == "max_num_seqs" else 14
+    kw = dict(block_size=4, budget=64, max_model_len=64, enable_prefix_caching=False, preemption_mode=mode)
+
+    def run(policy, urgent_at):
+        sched = make_scheduler(**kw, **full, policy=policy, num_swap_blocks=64 if mode == "swap" else 0)
+        worker = FakeWorker(4, sched.cache_config.num_blocks, sched.cache_config.num_swap_blocks)
+        for i in range(8):  # 8 x (8 prompt + 40 output tokens) = 96 blocks of 4 at the end
+            add(sched, f"low{i}", range(10 * i + 1, 10 * i + 9), max_tokens=40, priority=5)
+        outputs, steps = {}, 0
+        first_token_step = None
+        while sched.has_unfinished_requests():
+            if steps == urgent_at:
+                add(sched, "urgent", range(200, 208), max_tokens=4, priority=0)
+            plan = _step(sched, worker, outputs)
+            if first_token_step is None and "urgent" in plan.num_scheduled_tokens:
+                first_token_step = steps
+            steps += 1
+        return outputs, first_token_step, sched
+
+    baseline, _, _ = run("fcfs", urgent_at=None)
+    # with fcfs the urgent request waits for a low-priority one to finish
+    _, fcfs_start, _ = run("fcfs", urgent_at=arrives)
+    assert fcfs_start > arrives + 10
+    outputs, start, sched = run("priority", urgent_at=arrives)
+    assert start - arrives < 2, f"scheduled {start - arrives} steps after it arrived"
+    assert sched.num_preemptions > 0 and sched.num_priority_preemptions > 0
+    assert {k: v for k, v in outputs.items() if k != "urgent"} == baseline
+    assert len(outputs["urgent"]) == 4
+
+
+def test_equal_priority_is_never_preempted_for_a_waiting_request():
+    sched = make_scheduler(block_size=4, num_blocks=200, budget=64, max_num_seqs=4, policy="priority")
+    worker = FakeWorker(4, 200)
+    outputs = {}
+    for i in range(4):
+        add(sched, f"r{i}", range(10 * i + 1, 10 * i + 9), max_tokens=30, priority=1)
+    for _ in range(3):
+        _step(sched, worker, outputs)
+    add(sched, "same", range(100, 108), max_tokens=4, priority=1)
+    add(sched, "later", range(110, 118), max_tokens=4, priority=2)
+    for _ in range(10):
+        plan = _step(sched, worker, outputs)
+        assert not plan.preempted_request_ids
+        assert "same" not in plan.num_scheduled_tokens and "later" not in plan.num_scheduled_tokens
+    assert sched.num_preemptions == 0
+
+
+def test_a_beam_group_is_preempted_whole_for_a_higher_priority_request():
+    sched = make_scheduler(block_size=4, num_blocks=200, budget=64, max_num_seqs=4, policy="priority")
+    worker = FakeWorker(4, 200)
+    outputs = {}
+    add(sched, "beams", range(1, 9), max_tokens=20, beam_width=2, temperature=0, priority=3)
+    add(sched, "other", range(11, 19), max_tokens=30, priority=2)
+    add(sched, "other2", range(21, 29), max_tokens=30, priority=2)
+    for _ in range(4):
+        _step(sched, worker, outputs)
+    assert len(sched.running) == 4  # two beams and two others: every slot
+    add(sched, "urgent", range(100, 108), max_tokens=4, priority=0)
+    plan = _step(sched, worker, outputs)
+    beams = {r for r in plan.preempted_request_ids if r.startswith("beams")}
+    assert len(beams) == 2 and not {"other", "other2"} & set(plan.preempted_request_ids)
+    assert "urgent" in plan.num_scheduled_tokens

@@ -26,8 +26,22 @@ class SchedulerMachine(RuleBasedStateMachine):
         caching=st.booleans(),
         policy=st.sampled_from(["fcfs", "priority"]),
         num_swap_blocks=st.integers(0, 24),
+        placement=st.sampled_from(["lru", "first-fit", "best-fit"]),
+        priority_preemption=st.booleans(),
     )
-    def setup(self, block_size, extra_blocks, budget, max_num_seqs, mode, caching, policy, num_swap_blocks):
+    def setup(
+        self,
+        block_size,
+        extra_blocks,
+        budget,
+        max_num_seqs,
+        mode,
+        caching,
+        policy,
+        num_swap_blocks,
+        placement,
+        priority_preemption,
+    ):
         # tight: the smallest pool that still fits one max_model_len request, plus a little
         num_blocks = 1 + cdiv(MAX_MODEL_LEN, block_size) + extra_blocks
         self.sched = make_scheduler(
@@ -40,6 +54,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             preemption_mode=mode,
             num_swap_blocks=num_swap_blocks,
             enable_prefix_caching=caching,
+            block_placement=placement,
+            priority_preemption=priority_preemption,
         )
         self.worker = FakeWorker(block_size, num_blocks, num_swap_blocks, vocab=12)
         self.next_id = 0

@@ -163,6 +163,8 @@ def test_64_concurrent_clients_match_offline_and_leavers_free_their_blocks(serve
     )
     after = server.metrics()
     assert after["pagedllm:kv_cache_usage_perc"] == 0.0  # every block back (cached ones count as free)
+    assert after["pagedllm:kv_table_mean_run_blocks"] >= 1  # tables were live while it was sampled
+    assert 0 <= after["pagedllm:kv_internal_waste_perc"] < 1 and "pagedllm:kv_external_fragmentation_perc" in after
     assert after["pagedllm:request_success_total{finished_reason=abort}"] - aborts_before == 16
     assert after["pagedllm:num_requests_waiting"] == 0
 
