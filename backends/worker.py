@@ -25,7 +25,7 @@ import torch
 import zmq
 
 from pagedllm.core import shm
-from pagedllm.core.config import EngineConfig
+from pagedllm.core.config import EngineConfig, default_batched_tokens
 from pagedllm.core.logs import setup_logging
 from pagedllm.core.outputs import SchedulerOutput
 from pagedllm.core.protocol import (
@@ -117,7 +117,7 @@ class Worker:
             self.ops,
             cfg.block_size,
             slot_bytes,
-            cfg.max_num_batched_tokens or max(2048, max_len),
+            cfg.max_num_batched_tokens or default_batched_tokens(max_len),
             max_len,
             cfg.gpu_memory_utilization,
             self.device,

@@ -13,6 +13,13 @@ PREEMPTION_MODES = ("recompute", "swap")
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
+def default_batched_tokens(max_model_len: int) -> int:
+    """The step budget when none is set: a whole prompt of up to 8,192 tokens in one step (at
+    least 2,048); longer prompts are prefilled in chunks, as vLLM's default budget does. It also
+    bounds the start-up profiling step on a GPU (one 131k-token prefill would not finish)."""
+    return max(2048, min(max_model_len, 8192))
+
+
 def _check_choice(field: str, value, choices: tuple) -> None:
     if value not in choices:
         raise InvalidParameter(field, f"must be one of {choices}, got {value!r}")
@@ -80,7 +87,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     dtype: str = "auto"
     block_size: int = 16
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # default: max(2048, max_model_len)
+    max_num_batched_tokens: int | None = None  # default: default_batched_tokens(max_model_len)
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     scheduler_policy: str = "fcfs"

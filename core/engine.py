@@ -15,7 +15,7 @@ import time
 import zmq
 
 from . import shm
-from .config import CacheConfig, EngineConfig, SchedulerConfig
+from .config import CacheConfig, EngineConfig, SchedulerConfig, default_batched_tokens
 from .errors import EngineFailure, InvalidParameter
 from .ipc import Channel, PeerGone, remove_ipc_dir
 from .outputs import SchedulerOutput
@@ -148,7 +148,7 @@ class EngineCore:
         )
         sched = SchedulerConfig(
             max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens or max(2048, max_model_len),
+            max_num_batched_tokens=cfg.max_num_batched_tokens or default_batched_tokens(max_model_len),
             max_model_len=max_model_len,
             policy=cfg.scheduler_policy,
             priority_preemption=cfg.priority_preemption,

@@ -186,3 +186,27 @@ def test_a_growing_table_continues_its_run_under_the_fit_policies(placement, gro
     pool.free([blocks[i - 1] for i in (7, 3, 9, 1, 5)])  # churn: 5 was freed last
     (grown,) = pool.allocate(1, after=11)  # a table ending in block 11 grows
     assert grown.block_id == grows_into
+
+
+def test_the_default_step_budget_and_the_gpu_profiling_step_stay_bounded(monkeypatch):
+    """A 131k-context model must not get a 131k-token profiling prefill at start-up (quadratic
+    in cuda-native: past the worker's start timeout); prompts past the budget are chunked."""
+    import types
+
+    from pagedllm.backends import worker
+    from pagedllm.backends.gpu import memory
+    from pagedllm.core.config import EngineConfig, default_batched_tokens
+
+    assert [default_batched_tokens(n) for n in (512, 4096, 131072)] == [2048, 4096, 8192]
+    seen = {}
+    monkeypatch.setattr(memory, "profile_num_blocks", lambda *a: seen.setdefault("tokens", a[4]) and 100)
+    fake = types.SimpleNamespace(
+        config=EngineConfig(model="m"),
+        on_gpu=True,
+        model_config=types.SimpleNamespace(max_position_embeddings=131072),
+        model=None,
+        ops=None,
+        device="cuda",
+    )
+    worker.Worker._profile_num_blocks(fake, 64)
+    assert seen["tokens"] == 8192

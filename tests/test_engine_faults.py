@@ -92,7 +92,7 @@ def test_sigint_on_pagedllm_generate_cleans_up(tiny_model, tmp_path):
 FRONTEND = """
 import sys, time
 from pagedllm import LLM, SamplingParams
-llm = LLM(sys.argv[1], num_kv_blocks=512, max_model_len=1024)
+llm = LLM(sys.argv[1], num_kv_blocks=512, max_model_len=1024, skip_tokenizer_init=True)
 print(llm.engine.pid, llm.engine.ipc_dir, flush=True)
 llm.generate([[5] * 50] * 32, SamplingParams(max_tokens=900, ignore_eos=True), use_tqdm=False)
 """

@@ -100,10 +100,11 @@ def test_five_worker_kills_change_no_token(tiny_model, mode):
 
 def test_a_pool_in_device_memory_recovers_by_recompute(tiny_model, monkeypatch):
     """cuda-triton keeps its pool in its own memory (on a GPU, device memory; here, under
-    Triton's interpreter, the worker's): a replacement starts from an empty pool."""
+    Triton's interpreter, the worker's): a replacement starts from an empty pool. Also the
+    whole engine on cuda-triton's kernels (prefills, chunked decode) against the cpu backend."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     path = tiny_model("llama")
-    prompts = [[5 + i, 6, 7] * (1 + i) for i in range(4)]
+    prompts = [[1, 2, 3], list(range(5, 45)), [9] * 20, [5, 6, 7] * 4]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     engine = dict(num_kv_blocks=64, max_model_len=256, skip_tokenizer_init=True)
     with LLM(path, **engine) as llm:

@@ -17,7 +17,7 @@ from pagedllm.backends.attention import (
 )
 from pagedllm.core.utils import cdiv
 
-from .build import find_nvcc, load_extension
+from .build import load_extension, missing_build_tools
 
 PARTITION = 512  # context positions per program in decode; longer contexts split and reduce
 
@@ -42,9 +42,7 @@ class NativeCudaAttentionOps(AttentionOps):
     def unavailable_reason() -> str | None:
         if not torch.cuda.is_available():
             return "no CUDA device"
-        if find_nvcc() is None:
-            return "no CUDA compiler (nvcc) to build its kernels: install the CUDA toolkit or set CUDA_HOME"
-        return None
+        return missing_build_tools(torch.version.cuda)
 
     @staticmethod
     def _stream() -> int:

@@ -222,9 +222,10 @@ def decode_reduce_kernel(
     total_max = tl.max(m, 0)
     w = tl.where(smask, tl.exp(m - total_max), 0.0)
     sums = tl.load(part_sum_ptr + base + s, mask=smask, other=0.0)
+    # a partition past the context (sum 0) is not read at all: its buffer may hold anything
     acc = tl.load(
         part_acc_ptr + (base + s)[:, None] * BLOCK_D + d[None, :],
-        mask=smask[:, None] & (d < HEAD_DIM)[None, :],
+        mask=(smask & (sums > 0))[:, None] & (d < HEAD_DIM)[None, :],
         other=0.0,
     )
     out = tl.sum(acc * w[:, None], 0) / tl.sum(sums * w, 0)

@@ -20,6 +20,10 @@ DType dtype_of(const at::Tensor& t) {
 
 void* stream_of(int64_t handle) { return reinterpret_cast<void*>(handle); }
 
+void check_launch(const char* error, const char* kernel) {
+  TORCH_CHECK(error == nullptr, "cuda-native: the ", kernel, " kernel failed to launch: ", error);
+}
+
 void check_cuda(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_cuda(), "cuda-native: ", name, " must be a CUDA tensor");
   TORCH_CHECK(t.stride(-1) == 1, "cuda-native: ", name, " must be contiguous in its last dimension");
@@ -32,10 +36,12 @@ void write_kv(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v
   check_cuda(k_cache, "k_cache");
   TORCH_CHECK(key.scalar_type() == k_cache.scalar_type(), "cuda-native: key and cache dtypes differ");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong, "cuda-native: slot_mapping must be int64");
-  pagedllm::launch_write_kv(dtype_of(key), key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                            slot_mapping.data_ptr<int64_t>(), key.size(0), key.size(1), key.size(2),
-                            k_cache.size(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-                            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), stream_of(stream));
+  check_launch(pagedllm::launch_write_kv(dtype_of(key), key.data_ptr(), value.data_ptr(), k_cache.data_ptr(),
+                                         v_cache.data_ptr(), slot_mapping.data_ptr<int64_t>(), key.size(0),
+                                         key.size(1), key.size(2), k_cache.size(1), key.stride(0), key.stride(1),
+                                         value.stride(0), value.stride(1), k_cache.stride(0), k_cache.stride(1),
+                                         k_cache.stride(2), stream_of(stream)),
+               "write_kv");
 }
 
 // out/query [rows, H, D]; caches [N, bs, KVH, D]; block_tables [R, max_blocks] int32;
@@ -55,25 +61,30 @@ void paged_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::T
                   row_position.scalar_type() == at::kInt,
               "cuda-native: block tables and row indices must be int32");
   const int partitions = part_max.numel() == 0 ? 1 : part_max.size(2);
-  pagedllm::launch_paged_attention(
+  check_launch(pagedllm::launch_paged_attention(
       dtype_of(query), out.data_ptr(), query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
       block_tables.data_ptr<int>(), row_request.data_ptr<int>(), row_position.data_ptr<int>(), query.size(0),
       num_heads, kv_heads, head_size, k_cache.size(1), block_tables.size(1), static_cast<float>(scale),
       query.stride(0), query.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
       k_cache.stride(2), partition_size, partitions, part_out.data_ptr<float>(), part_max.data_ptr<float>(),
-      part_sum.data_ptr<float>(), stream_of(stream));
+      part_sum.data_ptr<float>(), stream_of(stream)),
+               "paged_attention");
   if (partitions > 1) {
-    pagedllm::launch_reduce(dtype_of(out), out.data_ptr(), part_out.data_ptr<float>(), part_max.data_ptr<float>(),
-                            part_sum.data_ptr<float>(), query.size(0), num_heads, head_size, partitions,
-                            out.stride(0), out.stride(1), stream_of(stream));
+    check_launch(pagedllm::launch_reduce(dtype_of(out), out.data_ptr(), part_out.data_ptr<float>(),
+                                         part_max.data_ptr<float>(), part_sum.data_ptr<float>(), query.size(0),
+                                         num_heads, head_size, partitions, out.stride(0), out.stride(1),
+                                         stream_of(stream)),
+                 "reduce");
   }
 }
 
 // caches [layers, N, block_elems] (contiguous); pairs [n, 2] int64 on the device
 void copy_blocks(at::Tensor caches, at::Tensor pairs, int64_t stream) {
   check_cuda(caches, "caches");
-  pagedllm::launch_copy_blocks(dtype_of(caches), caches.data_ptr(), pairs.data_ptr<int64_t>(), pairs.size(0),
-                               caches.size(0), caches.stride(0), caches.size(2), stream_of(stream));
+  check_launch(pagedllm::launch_copy_blocks(dtype_of(caches), caches.data_ptr(), pairs.data_ptr<int64_t>(),
+                                            pairs.size(0), caches.size(0), caches.stride(0), caches.size(2),
+                                            stream_of(stream)),
+               "copy_blocks");
 }
 
 }  // namespace

@@ -198,6 +198,9 @@ __global__ void reduce_kernel(T* __restrict__ out, const float* __restrict__ par
   for (int d = threadIdx.x; d < head_size; d += blockDim.x) {
     float x = 0.f;
     for (int p = 0; p < partitions; ++p) {
+      // a partition past the row's context wrote its max and sum but not its output, which is
+      // whatever the buffer held (inf or NaN after the sampler's -inf): skip it, 0 x NaN is NaN
+      if (part_sum[base + p] == 0.f) continue;
       const float w = part_sum[base + p] * __expf(part_max[base + p] - global_max);
       x += w * part_out[(base + p) * head_size + d];
     }
@@ -267,46 +270,57 @@ template <typename T> struct CopyBlocks {
   }
 };
 
+// The error of the launch just made (bad configuration, no kernel image for this GPU, ...);
+// reading it also clears it, so it cannot surface later at an unrelated call.
+const char* launch_error() {
+  const cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
+}
+
 }  // namespace
 
-void launch_write_kv(DType dtype, const void* key, const void* value, void* k_cache, void* v_cache,
+const char* launch_write_kv(DType dtype, const void* key, const void* value, void* k_cache, void* v_cache,
                      const int64_t* slot_mapping, int tokens, int kv_heads, int head_size, int block_size,
                      int64_t key_stride_t, int64_t key_stride_h, int64_t value_stride_t, int64_t value_stride_h,
                      int64_t cache_stride_block, int64_t cache_stride_slot, int64_t cache_stride_head,
                      void* stream) {
-  if (tokens == 0) return;
+  if (tokens == 0) return nullptr;
   dispatch<WriteKv>(dtype, key, value, k_cache, v_cache, slot_mapping, tokens, kv_heads, head_size, block_size,
                     key_stride_t, key_stride_h, value_stride_t, value_stride_h, cache_stride_block,
                     cache_stride_slot, cache_stride_head, static_cast<cudaStream_t>(stream));
+  return launch_error();
 }
 
-void launch_paged_attention(DType dtype, void* out, const void* query, const void* k_cache, const void* v_cache,
+const char* launch_paged_attention(DType dtype, void* out, const void* query, const void* k_cache, const void* v_cache,
                             const int* block_tables, const int* row_request, const int* row_position, int rows,
                             int num_heads, int kv_heads, int head_size, int block_size, int max_blocks_per_request,
                             float scale, int64_t q_stride_row, int64_t q_stride_head, int64_t out_stride_row,
                             int64_t out_stride_head, int64_t cache_stride_block, int64_t cache_stride_slot,
                             int64_t cache_stride_head, int partition_size, int partitions, float* part_out,
                             float* part_max, float* part_sum, void* stream) {
-  if (rows == 0) return;
+  if (rows == 0) return nullptr;
   dispatch<Attention>(dtype, out, query, k_cache, v_cache, block_tables, row_request, row_position, rows, num_heads,
                       kv_heads, head_size, block_size, max_blocks_per_request, scale, q_stride_row, q_stride_head,
                       out_stride_row, out_stride_head, cache_stride_block, cache_stride_slot, cache_stride_head,
                       partition_size, partitions, part_out, part_max, part_sum, static_cast<cudaStream_t>(stream));
+  return launch_error();
 }
 
-void launch_reduce(DType dtype, void* out, const float* part_out, const float* part_max, const float* part_sum,
+const char* launch_reduce(DType dtype, void* out, const float* part_out, const float* part_max, const float* part_sum,
                    int rows, int num_heads, int head_size, int partitions, int64_t out_stride_row,
                    int64_t out_stride_head, void* stream) {
-  if (rows == 0) return;
+  if (rows == 0) return nullptr;
   dispatch<Reduce>(dtype, out, part_out, part_max, part_sum, rows, num_heads, head_size, partitions, out_stride_row,
                    out_stride_head, static_cast<cudaStream_t>(stream));
+  return launch_error();
 }
 
-void launch_copy_blocks(DType dtype, void* caches, const int64_t* pairs, int num_pairs, int layers,
+const char* launch_copy_blocks(DType dtype, void* caches, const int64_t* pairs, int num_pairs, int layers,
                         int64_t layer_stride, int64_t block_elems, void* stream) {
-  if (num_pairs == 0) return;
+  if (num_pairs == 0) return nullptr;
   dispatch<CopyBlocks>(dtype, caches, pairs, num_pairs, layers, layer_stride, block_elems,
                        static_cast<cudaStream_t>(stream));
+  return launch_error();
 }
 
 }  // namespace pagedllm

@@ -1,5 +1,6 @@
 // Launchers of the cuda-native kernels, callable without CUDA or torch headers: tensors are
-// passed as raw pointers with their strides, the stream as an opaque handle.
+// passed as raw pointers with their strides, the stream as an opaque handle. Each returns
+// nullptr, or the CUDA error of its launch (cudaGetLastError), for the caller to raise.
 #pragma once
 
 #include <cstdint>
@@ -10,7 +11,7 @@ enum class DType : int { Float32 = 0, Float16 = 1, BFloat16 = 2 };
 
 // key/value [tokens, kv_heads, head_size]; caches [num_blocks, block_size, kv_heads, head_size];
 // token t goes to slot slot_mapping[t] (negative: skipped).
-void launch_write_kv(DType dtype, const void* key, const void* value, void* k_cache, void* v_cache,
+const char* launch_write_kv(DType dtype, const void* key, const void* value, void* k_cache, void* v_cache,
                      const int64_t* slot_mapping, int tokens, int kv_heads, int head_size, int block_size,
                      int64_t key_stride_t, int64_t key_stride_h, int64_t value_stride_t, int64_t value_stride_h,
                      int64_t cache_stride_block, int64_t cache_stride_slot, int64_t cache_stride_head,
@@ -21,7 +22,7 @@ void launch_write_kv(DType dtype, const void* key, const void* value, void* k_ca
 // grid: rows x kv_heads x partitions; each block handles the query heads of one KV head.
 // partitions > 1: partial results go to part_out [rows, heads, partitions, head_size] and
 // part_max / part_sum [rows, heads, partitions], and launch_reduce combines them into out.
-void launch_paged_attention(DType dtype, void* out, const void* query, const void* k_cache, const void* v_cache,
+const char* launch_paged_attention(DType dtype, void* out, const void* query, const void* k_cache, const void* v_cache,
                             const int* block_tables, const int* row_request, const int* row_position,
                             int rows, int num_heads, int kv_heads, int head_size, int block_size,
                             int max_blocks_per_request, float scale,
@@ -30,12 +31,12 @@ void launch_paged_attention(DType dtype, void* out, const void* query, const voi
                             int64_t cache_stride_head, int partition_size, int partitions,
                             float* part_out, float* part_max, float* part_sum, void* stream);
 
-void launch_reduce(DType dtype, void* out, const float* part_out, const float* part_max, const float* part_sum,
+const char* launch_reduce(DType dtype, void* out, const float* part_out, const float* part_max, const float* part_sum,
                    int rows, int num_heads, int head_size, int partitions, int64_t out_stride_row,
                    int64_t out_stride_head, void* stream);
 
 // caches viewed as [layers, num_blocks, block_elems]; pairs [n, 2] (src, dst) on the device.
-void launch_copy_blocks(DType dtype, void* caches, const int64_t* pairs, int num_pairs, int layers,
+const char* launch_copy_blocks(DType dtype, void* caches, const int64_t* pairs, int num_pairs, int layers,
                         int64_t layer_stride, int64_t block_elems, void* stream);
 
 // Largest head size and GQA group the attention kernel supports.
