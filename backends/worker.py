@@ -158,11 +158,18 @@ class Worker:
             min(self.config.max_num_seqs, GRAPH_BATCH_SIZES[-1]),
             msg.max_model_len,
         )
+        started = time.perf_counter()
         try:
             graphs.capture()
             self.runner.decode_graphs = graphs
-        except Exception as e:  # noqa: BLE001 - eager mode still works
+        except Exception as e:
+            if os.environ.get("PAGEDLLM_STRICT_GRAPHS") == "1":  # the GPU check: graphs must run
+                raise RuntimeError(f"CUDA graph capture failed (PAGEDLLM_STRICT_GRAPHS=1): {e}") from e
             logger.warning("CUDA graph capture failed, running eagerly: %s", e)
+            return
+        logger.info(
+            "captured CUDA graphs for %d batch sizes in %.1f s", len(graphs.graphs), time.perf_counter() - started
+        )
 
     def execute(self, plan: SchedulerOutput) -> StepResult | None:
         """Run a step; rank 0 samples and answers, the other ranks learn its tokens and answer

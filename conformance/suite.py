@@ -48,23 +48,32 @@ def run_suite(
     ops_only: bool = False,
     tensor_parallel_size: int = 1,
     block_placement: str = "lru",
+    progress=None,
 ) -> list[CheckResult]:
+    """Every row; `progress(rows)` is called as each check finishes (a run cut short by a
+    timeout has still shown what it did)."""
     from pagedllm.backends.registry import load_backend
+
+    def run(name, make) -> list[CheckResult]:
+        rows = _guarded(name, make)
+        if progress is not None:
+            progress(rows)
+        return rows
 
     from .engine_checks import check_cache_placement, check_end_to_end, check_engine_behaviour
     from .op_checks import op_checks
 
     ops = load_backend(backend)
-    results = [row for name, make in op_checks(ops, quick) for row in _guarded(name, make)]
+    results = [row for name, make in op_checks(ops, quick) for row in run(name, make)]
     if ops_only:
         return results
     models = tiny_model_dirs()
-    results += _guarded("cache_placement", lambda: check_cache_placement(backend, models["llama"]))
-    results += _guarded(
+    results += run("cache_placement", lambda: check_cache_placement(backend, models["llama"]))
+    results += run(
         "engine behaviour",
         lambda: check_engine_behaviour(backend, models["llama"], quick, tensor_parallel_size, block_placement),
     )
-    results += _guarded("end_to_end_vs_transformers", lambda: check_end_to_end(backend, models, quick))
+    results += run("end_to_end_vs_transformers", lambda: check_end_to_end(backend, models, quick))
     return results
 
 
@@ -77,8 +86,19 @@ def main(args) -> int:
         print(f"pagedllm: {picked}")
     check_available(args.backend)
     t0 = time.perf_counter()
+
+    def progress(rows) -> None:
+        for r in rows:
+            status = "skip" if r.skipped else ("PASS" if r.ok else "FAIL")
+            print(f"  {r.check}: {status} ({time.perf_counter() - t0:.0f} s)", flush=True)
+
     results = run_suite(
-        args.backend, args.quick, args.ops_only, args.tensor_parallel_size, getattr(args, "block_placement", "lru")
+        args.backend,
+        args.quick,
+        args.ops_only,
+        args.tensor_parallel_size,
+        getattr(args, "block_placement", "lru"),
+        progress=progress,
     )
     elapsed = time.perf_counter() - t0
     print(format_table(args.backend, results))

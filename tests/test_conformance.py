@@ -109,3 +109,14 @@ def test_unavailable_backend_says_why(plugins_installed):
         text=True,
     )
     assert proc.returncode == 2 and "needs-hardware: no XPU device" in proc.stderr
+
+
+def test_rows_print_as_they_finish_so_a_run_cut_short_still_shows_them():
+    """The GPU check runs the suite under a timeout: what finished before it must be on screen."""
+    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "conformance", "--backend", "cpu", "--quick"]
+    with pytest.raises(subprocess.TimeoutExpired) as cut:
+        subprocess.run(cmd, capture_output=True, text=True, timeout=12)  # the engine rows take longer
+    shown = cut.value.stdout or ""
+    shown = shown.decode() if isinstance(shown, bytes) else shown
+    assert "write_kv: PASS" in shown and "copy_blocks / swap_blocks: PASS" in shown, shown
+    assert "checks passed" not in shown  # the table had not come yet

@@ -143,20 +143,19 @@ def test_cuda_alias_picks_a_backend_and_says_which():
     assert name in ("cuda-triton", "cuda-native") and name in picked
 
 
-def test_gpu_benchmark_scripts_run_in_smoke_mode():
-    """The GPU check's Python parts, on tiny shapes on the CPU, so a GPU session does not
-    spend its minutes on a typo."""
-    for module in ("gpu_decode_bandwidth", "gpu_end_to_end"):
-        proc = subprocess.run(
-            [sys.executable, "-m", f"pagedllm.benchmarks.{module}", "--smoke"],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert "goal" in proc.stdout
+def test_gpu_check_runs_its_cpu_parts_in_smoke_mode(tmp_path):
+    """gpu_check.sh --smoke: the preflight and both benchmark scripts on tiny shapes on the CPU,
+    one STEP line each and a summary, so a GPU session does not spend its minutes on a typo."""
     script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu_check.sh")
     assert subprocess.run(["bash", "-n", script]).returncode == 0
+    bindir = os.path.dirname(sys.executable)  # the script calls python3: this environment's
+    env = {**os.environ, "OUT": str(tmp_path), "PATH": bindir + os.pathsep + os.environ["PATH"]}
+    proc = subprocess.run(["bash", script, "--smoke"], capture_output=True, text=True, timeout=400, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = (tmp_path / "steps.txt").read_text().splitlines()
+    assert [line.split(":")[0] for line in steps] == ["STEP preflight", "STEP bandwidth", "STEP end-to-end"]
+    assert all(": PASS in " in line for line in steps), steps
+    assert "goal" in (tmp_path / "bandwidth.log").read_text() and "torch" in (tmp_path / "preflight.log").read_text()
 
 
 def _compile_for_hopper(fn, pointer_types: dict, constexprs: dict):

@@ -87,7 +87,7 @@ def load_extension():
         extra_cuda_cflags=["-O3", "--use_fast_math"],
         build_directory=build_dir,
         is_python_module=False,  # binding.cpp registers torch operators
-        verbose=False,
+        verbose=os.environ.get("PAGEDLLM_BUILD_VERBOSE") == "1",
     )
     return torch.ops.pagedllm_native
 

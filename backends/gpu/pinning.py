@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import ctypes
+import logging
+
 import torch
+
+logger = logging.getLogger("pagedllm.backends")
 
 
 def pin(tensor: torch.Tensor) -> bool:
@@ -10,5 +15,19 @@ def pin(tensor: torch.Tensor) -> bool:
     are asynchronous DMA. Returns whether it worked."""
     if tensor.numel() == 0:
         return False
-    err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0)
-    return int(err) == 0
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0)
+    if int(err) != 0:
+        _clear_last_cuda_error()
+        return False
+    return True
+
+
+def _clear_last_cuda_error() -> None:
+    """A failed cudaHostRegister also leaves the thread's last CUDA error set, which the next
+    kernel launch would report as its own (cuda-native checks every launch). torch's cudart
+    bindings have no cudaGetLastError; torch loads libcudart globally, so look it up there."""
+    try:
+        ctypes.CDLL(None).cudaGetLastError()
+    except (AttributeError, OSError):
+        logger.warning("could not clear the CUDA error of the failed cudaHostRegister")
