@@ -246,10 +246,12 @@ class Scheduler:
         """Whether `request` could start now, after this step's decodes take their new blocks;
         `without`: as if these running requests were preempted (their own blocks freed)."""
         kv = self.kv
-        running = [r for r in self.running if r not in without] if without else self.running
+        gone = {r.request_id for r in without}
+        running = [r for r in self.running if r.request_id not in gone]
         if len(running) + 1 + request.forks_pending > self.config.max_num_seqs:
             return False
-        decodes_need = sum(kv.num_blocks_for(r.num_tokens) > kv.num_blocks_of(r) for r in running)
+        # each running request's next token (a decode's whole step; a prefill chunk grows itself)
+        decodes_need = sum(kv.num_blocks_for(r.num_computed_tokens + 1) > kv.num_blocks_of(r) for r in running)
         freed = sum(kv.num_exclusive_blocks(r) for r in without)
         return need_blocks + decodes_need <= kv.pool.num_free + freed
 
