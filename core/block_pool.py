@@ -1,4 +1,5 @@
-"""Fixed pool of KV blocks: O(1) allocate/free, ref counts, and a content-hashed prefix cache.
+"""Fixed pool of KV blocks: allocate/free (O(1) under the lru placement), ref counts, and a
+content-hashed prefix cache.
 
 A free block is in exactly one of two places:
 - `_free`: never cached (no hash) — handed out first, in the order of the block placement
