@@ -168,7 +168,7 @@ def test_a_high_priority_request_preempts_a_full_engine_and_nothing_changes_toke
     tokens they have without preemption."""
     from pagedllm.entrypoints.async_engine import AsyncEngine
 
-    low = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True, priority=5)
+    low = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True, priority=5)
     urgent = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, priority=0)
     prompts = [[5 + i, 6, 7 + i] * (2 + i) for i in range(8)]
 
