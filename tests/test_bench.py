@@ -88,7 +88,7 @@ def test_serving_mode_runs_against_a_real_server(tiny_model, tmp_path):
         "--model",
         tiny_model("llama"),
         "--num-prompts",
-        "6",
+        "4",
         "--rates",
         "8",
         "--rounds",
