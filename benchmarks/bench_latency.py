@@ -5,10 +5,10 @@ measured where the caller receives them. `pagedllm bench latency` runs this."""
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 
 from . import report
+from .workload import poisson_arrivals
 
 
 async def _one(engine, delay: float, prompt: list[int], max_tokens: int):
@@ -23,11 +23,7 @@ async def _one(engine, delay: float, prompt: list[int], max_tokens: int):
 
 
 async def _at_rate(engine, prompts, max_tokens, rate: float, seed: int) -> dict:
-    rng = random.Random(seed)
-    arrivals, t = [], 0.0
-    for _ in prompts:
-        arrivals.append(t)
-        t += rng.expovariate(rate)
+    arrivals = poisson_arrivals(len(prompts), rate, seed)
     start = time.monotonic()
     done = await asyncio.gather(*(_one(engine, a, p, m) for a, p, m in zip(arrivals, prompts, max_tokens)))
     seconds = time.monotonic() - start

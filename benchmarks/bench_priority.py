@@ -18,6 +18,7 @@ import random
 import time
 
 from . import report
+from .workload import poisson_arrivals
 
 CONFIGS = {
     "fcfs": dict(scheduler_policy="fcfs"),
@@ -48,11 +49,7 @@ async def _one(engine, delay: float, cls: str, prompt: list[int], max_tokens: in
 
 
 async def _run(engine, requests, rate: float, seed: int) -> dict:
-    rng = random.Random(seed + 1)
-    arrivals, t = [], 0.0
-    for _ in requests:
-        arrivals.append(t)
-        t += rng.expovariate(rate)
+    arrivals = poisson_arrivals(len(requests), rate, seed + 1)
     start = time.monotonic()
     done = await asyncio.gather(*(_one(engine, a, *r) for a, r in zip(arrivals, requests)))
     seconds = time.monotonic() - start

@@ -14,13 +14,13 @@ import argparse
 import asyncio
 import itertools
 import json
-import random
 import signal
 import subprocess
 import sys
 import time
 
 from pagedllm.benchmarks.report import percentiles_ms
+from pagedllm.benchmarks.workload import poisson_arrivals
 from pagedllm.core.ipc import free_tcp_port
 from pagedllm.core.model_folder import ModelFolder
 
@@ -126,11 +126,7 @@ async def _one(host: str, port: int, model: str, ids: list[int], max_tokens: int
 def run_rate(base_url: str, model: str, prompts, max_tokens, rate: float, seed: int) -> dict:
     """One sweep point: requests arrive as a Poisson process at `rate` per second (inf: all at once)."""
     host, port = base_url.split("//")[1].split("/")[0].split(":")
-    rng = random.Random(seed)
-    delays, t = [], 0.0
-    for _ in prompts:
-        delays.append(t)
-        t += 0.0 if rate == float("inf") else rng.expovariate(rate)
+    delays = poisson_arrivals(len(prompts), rate, seed)
     record: list = []
 
     async def main():

@@ -8,9 +8,22 @@ mean output ≈ 340 with heavy tails; these defaults give means of about 200 and
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 
 PEERS = ("hf-static", "hf-cb", "vllm")  # the systems `bench throughput --vs` compares against
+
+
+def poisson_arrivals(num: int, rate: float, seed: int) -> list[float]:
+    """Arrival offsets in seconds of `num` requests as a Poisson process at `rate` per second
+    (the first at 0; rate inf: all at once)."""
+    rng = random.Random(seed)
+    arrivals, t = [], 0.0
+    for _ in range(num):
+        arrivals.append(t)
+        t += 0.0 if rate == float("inf") else rng.expovariate(rate)
+    return arrivals
 
 
 def synthetic_lengths(

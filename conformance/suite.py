@@ -97,7 +97,7 @@ def main(args) -> int:
         args.quick,
         args.ops_only,
         args.tensor_parallel_size,
-        getattr(args, "block_placement", "lru"),
+        args.block_placement,
         progress=progress,
     )
     elapsed = time.perf_counter() - t0
