@@ -81,7 +81,11 @@ class Worker:
             config.tensor_parallel_size // config.nnodes,
         )
         dtype = default_dtype(config.model, config.dtype) if self.on_gpu else config.dtype
-        self.model = load_model(config.model, dtype=dtype, device=self.device, tp=self.tp)
+        # rotary tables as long as the context (a config past the model's positions was refused
+        # or explicitly allowed by the frontend)
+        self.model = load_model(
+            config.model, dtype=dtype, max_positions=config.max_model_len, device=self.device, tp=self.tp
+        )
         self.model_config = self.model.config
         self.state = WorkerState()
         self.runner: ModelRunner | None = None

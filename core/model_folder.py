@@ -4,9 +4,24 @@ read in one place for the frontend, the workers and the benchmarks. Torch-free."
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 from .errors import InvalidParameter
+
+ALLOW_LONG_ENV = "PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN"
+logger = logging.getLogger("pagedllm.model")
+
+
+def rope_parameters(cfg: dict) -> dict:
+    """transformers 5 writes `rope_parameters`; older configs have rope_theta + rope_scaling."""
+    params = dict(cfg.get("rope_parameters") or {})
+    if not params:
+        params = dict(cfg.get("rope_scaling") or {})
+        params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    return params
 
 
 class ModelFolder:
@@ -30,6 +45,34 @@ class ModelFolder:
     @property
     def max_position_embeddings(self) -> int:
         return self.config.get("max_position_embeddings", 2048)
+
+    def position_limit(self) -> tuple[int, str]:
+        """The longest context the model's positions cover, and what says so. Linear rope
+        scaling stretches the trained positions by its factor (as vLLM derives it); Llama 3's
+        scaling is already counted in max_position_embeddings."""
+        positions = self.max_position_embeddings
+        rope = rope_parameters(self.config)
+        if rope["rope_type"] == "linear" and rope.get("factor", 1) > 1:
+            factor = rope["factor"]
+            return int(positions * factor), f"max_position_embeddings {positions} x linear rope scaling {factor:g}"
+        return positions, f"max_position_embeddings {positions}"
+
+    def check_max_model_len(self, max_model_len: int | None) -> None:
+        """Refuse a context longer than the model's positions (the rotary tables end there) unless
+        PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN=1 says to run past them anyway."""
+        limit, source = self.position_limit()
+        if max_model_len is None or max_model_len <= limit:
+            return
+        if os.environ.get(ALLOW_LONG_ENV) == "1":
+            logger.warning(
+                "max_model_len %d is past the model's %s: outputs there may be garbage", max_model_len, source
+            )
+            return
+        raise InvalidParameter(
+            "max_model_len",
+            f"{max_model_len} is longer than the model allows ({source}, in {self.path}/config.json); "
+            f"lower it, or set {ALLOW_LONG_ENV}=1 to run past the trained positions anyway",
+        )
 
     @property
     def dtype(self) -> str | None:

@@ -73,6 +73,7 @@ class EngineArgs:
             swap = parse_size(self.swap_space, "swap_space")
         else:
             swap = int(self.swap_space * GiB)  # vLLM's unit: GiB
+        ModelFolder(model).check_max_model_len(self.max_model_len)
         self._check_tensor_parallel(model, backend)
         fields = {
             k: v

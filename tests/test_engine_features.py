@@ -202,3 +202,23 @@ def test_a_high_priority_request_preempts_a_full_engine_and_nothing_changes_toke
     assert done == 0, "the urgent request should have finished while every low-priority one ran"
     assert stats.scheduler.num_preemptions > 0
     assert tokens == fcfs_tokens
+
+
+def test_max_model_len_past_the_models_positions_is_refused_unless_allowed(tiny_model, monkeypatch):
+    """The tiny models have max_position_embeddings 1024: 2048 is refused before anything starts,
+    naming both numbers; with PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN=1 the engine runs a prompt past
+    position 1024 (the rotary tables are as long as the context) instead of its worker dying."""
+    from pagedllm.core.model_folder import ModelFolder
+
+    path = tiny_model("llama")
+    with pytest.raises(InvalidParameter, match=r"max_model_len: 2048 .*max_position_embeddings 1024"):
+        LLM(path, max_model_len=2048)
+    monkeypatch.setenv("PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    with LLM(path, max_model_len=2048, num_kv_blocks=160, skip_tokenizer_init=True) as llm:
+        out = llm.generate([[7] * 1500], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    # linear rope scaling stretches the positions by its factor, as vLLM derives it
+    scaled = ModelFolder(path)
+    scaled.config["rope_parameters"] = {**scaled.config["rope_parameters"], "rope_type": "linear", "factor": 4.0}
+    assert scaled.position_limit()[0] == 4096
+    scaled.check_max_model_len(4096)

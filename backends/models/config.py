@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedllm.core.model_folder import ModelFolder
+from pagedllm.core.model_folder import ModelFolder, rope_parameters
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -73,7 +73,7 @@ class ModelConfig:
             o_bias=attention_bias and arch != "Qwen2ForCausalLM",
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
-            rope=_rope_parameters(cfg),
+            rope=rope_parameters(cfg),
             sliding_window=sliding,
             dtype=resolve_dtype(dtype, cfg.get("dtype") or cfg.get("torch_dtype")),
             eos_token_id=cfg.get("eos_token_id"),
@@ -89,14 +89,3 @@ def resolve_dtype(requested: str | None, from_config: str | None) -> torch.dtype
     if name not in DTYPES:
         raise ValueError(f"dtype: {name!r} is not supported; choose one of {', '.join(DTYPES)} or auto")
     return DTYPES[name]
-
-
-def _rope_parameters(cfg: dict) -> dict:
-    """transformers 5 writes `rope_parameters`; older configs have rope_theta + rope_scaling."""
-    params = dict(cfg.get("rope_parameters") or {})
-    if not params:
-        params = dict(cfg.get("rope_scaling") or {})
-        params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
-    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
-    params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
-    return params

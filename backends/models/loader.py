@@ -69,7 +69,7 @@ def load_model(
     cfg = ModelConfig.from_pretrained(model_dir, dtype)
     # the rotary tables are computed, not loaded: outside the meta device (where computing them
     # would pull in torch's meta kernels, a second and a half of every worker's start)
-    rope = RotaryEmbedding(cfg.head_dim, cfg.rope, max_positions or cfg.max_position_embeddings)
+    rope = RotaryEmbedding(cfg.head_dim, cfg.rope, max(max_positions or 0, cfg.max_position_embeddings))
     with torch.device("meta"):
         model = CausalLM(cfg, tp=tp, rope=rope)
     model = model.to_empty(device=device).to(cfg.dtype)
