@@ -379,8 +379,14 @@ def main(argv: list[str] | None = None) -> int:
     from pagedllm.backends.registry import BackendUnavailable, UnknownBackend
     from pagedllm.core.errors import InvalidParameter
 
+    from .interrupt import defer_sigint, raise_if_interrupted
+
+    if args.command == "generate":  # its waits are all in the engine client's loops
+        defer_sigint()
     try:
-        return args.func(args)
+        code = args.func(args)
+        raise_if_interrupted()  # a Ctrl-C while the outputs were written
+        return code
     except InvalidParameter as e:
         flag = "--" + e.field.replace("_", "-")
         parser.exit(2, f"pagedllm: error: {flag}: {str(e).split(': ', 1)[-1]}\n")

@@ -17,6 +17,8 @@ from pagedllm.core.ipc import Channel, free_tcp_endpoint, ipc_endpoint, make_ipc
 from pagedllm.core.protocol import AbortRequests, AddRequests, CoreMessage, EngineDead, EngineReady, Shutdown
 from pagedllm.core.request import EngineRequest
 
+from .interrupt import raise_if_interrupted
+
 POLL_MS = 100
 
 
@@ -86,6 +88,7 @@ class EngineClient:
 
     def recv(self, timeout_ms: int = POLL_MS):
         """The next message from the core, or None after timeout_ms. Raises EngineDeadError."""
+        raise_if_interrupted()
         self._check_alive()
         if not self.from_core.poll(timeout_ms):
             if self.proc.poll() is not None and not self.from_core.poll(0):
