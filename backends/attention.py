@@ -66,13 +66,32 @@ class AttentionOps:
     # True: the KV pool lives in the engine core's shared-memory segment (host memory), so it
     # outlives the worker; False: the backend allocates it on its device after profiling
     kv_in_shared_memory: bool = True
-    # model dtypes the ops accept; the conformance suite tests these
+    # what the ops accept: the conformance suite tests these (and prints them), and the worker
+    # refuses a model or configuration outside them at start-up. None: any block size the
+    # engine accepts (powers of two to 128), any head size, any context length.
     supported_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
+    supported_block_sizes: tuple[int, ...] | None = None
+    supported_head_sizes: tuple[int, ...] | None = None
+    max_context_len: int | None = None
 
     @staticmethod
     def unavailable_reason() -> str | None:
         """Why this backend cannot run here (no device, no compiler), or None. Asked before
         the backend is instantiated; `--backend cuda` uses it to pick a backend."""
+        return None
+
+    def unsupported(self, dtype: torch.dtype, head_size: int, block_size: int, max_model_len: int | None) -> str | None:
+        """What of a configuration these ops do not declare support for, or None."""
+        names = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+        if dtype not in self.supported_dtypes:
+            listed = ", ".join(names.get(d, str(d)) for d in self.supported_dtypes)
+            return f"dtype {names.get(dtype, dtype)} (supported: {listed})"
+        if self.supported_head_sizes is not None and head_size not in self.supported_head_sizes:
+            return f"head size {head_size} (supported: {', '.join(map(str, self.supported_head_sizes))})"
+        if self.supported_block_sizes is not None and block_size not in self.supported_block_sizes:
+            return f"block_size {block_size} (supported: {', '.join(map(str, self.supported_block_sizes))})"
+        if self.max_context_len is not None and max_model_len is not None and max_model_len > self.max_context_len:
+            return f"max_model_len {max_model_len} (contexts up to {self.max_context_len})"
         return None
 
     @staticmethod

@@ -103,9 +103,12 @@ def device_count(name: str) -> int | None:
     return getattr(factory, "device_count", lambda: None)()
 
 
+def backend_class(name: str):
+    """The backend's AttentionOps class, not instantiated (its declared support is on it)."""
+    module_name, _, attr = resolve(name).target.partition(":")
+    return getattr(importlib.import_module(module_name), attr)
+
+
 def load_backend(name: str):
     """Instantiate the backend's AttentionOps."""
-    spec = resolve(name)
-    module_name, _, attr = spec.target.partition(":")
-    factory = getattr(importlib.import_module(module_name), attr)
-    return factory()
+    return backend_class(name)()

@@ -87,6 +87,11 @@ class Worker:
             config.model, dtype=dtype, max_positions=config.max_model_len, device=self.device, tp=self.tp
         )
         self.model_config = self.model.config
+        problem = self.ops.unsupported(
+            self.model_config.dtype, self.model_config.head_dim, config.block_size, config.max_model_len
+        )
+        if problem:
+            raise ValueError(f"backend {config.backend} does not support {problem}")
         self.state = WorkerState()
         self.runner: ModelRunner | None = None
         self.sampler = Sampler(config.seed)

@@ -42,12 +42,24 @@ def _engine(backend: str, model: str, **kw):
     return LLM(model, backend=backend, dtype="float32", **kw)
 
 
+def first_difference(got: list[int], want: list[int]) -> str:
+    """Where two token lists part, with a few tokens either side."""
+    at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    lo = max(0, at - 2)
+    return f"token {at} differs: {got[lo : at + 3]} vs expected {want[lo : at + 3]} (tokens {lo}..)"
+
+
 def _mismatches(name: str, got, want, prompts) -> list[str]:
-    return [
-        f"{name}: request {i} (prompt of {len(prompts[i])} tokens) generated {g[0][:8]}..., expected {w[0][:8]}..."
-        for i, (g, w) in enumerate(zip(got, want))
-        if g != w
-    ]
+    bad = []
+    for i, (g, w) in enumerate(zip(got, want)):
+        for j, (gs, ws) in enumerate(zip(g, w)):
+            if gs != ws:
+                sample = f" sample {j}" if len(g) > 1 else ""
+                bad.append(
+                    f"{name}: request {i}{sample} (prompt of {len(prompts[i])} tokens): {first_difference(gs, ws)}"
+                )
+                break
+    return bad
 
 
 def check_engine_behaviour(
@@ -78,16 +90,21 @@ def check_engine_behaviour(
         with _engine(backend, model, enable_prefix_caching=False) as llm:
             one_rank = _generate(llm, prompts, params)
 
+    # a batch as wide as the default max_num_seqs (256; 64 in --quick) of short prompts
+    wide = _prompts(64 if quick else 256, seed=5, lo=1, hi=12)
     with engine(enable_prefix_caching=False) as llm:
-        alone = [_generate(llm, [p], [sp])[0] for p, sp in zip(prompts[:4], params[:4])]
+        alone = [_generate(llm, [p], [sp])[0] for p, sp in zip(prompts, params)]
         batched = _generate(llm, prompts, params)
-        bad = _mismatches("alone vs in a batch", batched[:4], alone, prompts)
+        bad = _mismatches("alone vs in a batch", batched, alone, prompts)
+        wide_alone = [_generate(llm, [p], [_greedy(6)])[0] for p in wide]
+        wide_batched = _generate(llm, wide, [_greedy(6)] * len(wide))
+        bad += _mismatches(f"alone vs in a batch of {len(wide)}", wide_batched, wide_alone, wide)
         rows["batching_invariance"].record(not bad, failure="; ".join(bad[:3]) or None)
         # n=2 at temperature 0: both forks must continue exactly like the single sequence,
         # after the shared partial block was copied on write
         forked = _generate(llm, prompts[:6], [_greedy(sp.max_tokens, n=2) for sp in params[:6]])
         bad = [
-            f"request {i}: sample {j} of 2 differs from the n=1 output"
+            f"request {i}: sample {j} of 2 differs from the n=1 output: {first_difference(f[j], b[0])}"
             for i, (f, b) in enumerate(zip(forked, batched))
             for j in range(2)
             if f[j] != b[0]
@@ -229,7 +246,7 @@ def check_end_to_end(backend: str, model_dirs: dict[str, str], quick: bool) -> C
         with _engine(backend, path) as llm:
             got = [g[0] for g in _generate(llm, prompts, [_greedy(12)] * len(prompts))]
         bad = [
-            f"{arch}: prompt of {len(p)} tokens: {g} != transformers {w}"
+            f"{arch}: prompt of {len(p)} tokens vs transformers: {first_difference(g, w)}"
             for p, g, w in zip(prompts, got, want)
             if g != w
         ]

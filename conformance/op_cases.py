@@ -3,12 +3,17 @@
 A case is a batch of requests, each with its own dense K/V history. The K/V is written into
 a paged cache through shuffled, non-contiguous block tables (block 0 never used), optionally
 with requests sharing leading blocks, and the backend's op must reproduce dense attention.
+
+Inputs of a 16-bit case are drawn on values that bfloat16 and float16 both hold exactly, so
+one float64 reference serves both (the references are most of the suite's time); float32
+cases keep full-precision inputs (a kernel that rounds float32 to TF32 or bfloat16 must fail).
 """
 
 from __future__ import annotations
 
+import functools
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -25,6 +30,15 @@ class PagedCase:
     block_tables: torch.Tensor  # [R, max_blocks] int32
     expected: torch.Tensor  # [T, H, D] float64
     scale: float
+
+    def cast(self, dtype: torch.dtype, device="cpu") -> PagedCase:
+        """The same case in `dtype` on `device` (exact when the inputs were drawn for it)."""
+        return replace(
+            self,
+            kv_cache=self.kv_cache.to(device=device, dtype=dtype, copy=True),
+            query=self.query.to(device=device, dtype=dtype, copy=True),
+            block_tables=self.block_tables.to(device, copy=True),
+        )
 
     def decode_metadata(self) -> DecodeMetadata:
         ctx = torch.tensor(self.context_lens, dtype=torch.int32, device=self.kv_cache.device)
@@ -47,16 +61,32 @@ class PagedCase:
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [L, H, D] at the last L of S positions; k/v [S, KVH, D]; causal; float64."""
-    q_len, num_heads, _ = q.shape
-    ctx = k.shape[0]
-    group = num_heads // k.shape[1]
-    k = k.double().repeat_interleave(group, dim=1)
-    v = v.double().repeat_interleave(group, dim=1)
-    scores = torch.einsum("lhd,shd->hls", q.double(), k) * scale
-    q_pos = torch.arange(ctx - q_len, ctx)[:, None]
-    scores = scores.masked_fill(torch.arange(ctx)[None, :] > q_pos, float("-inf"))
-    return torch.einsum("hls,shd->lhd", scores.softmax(-1), v)
+    """q [L, H, D] at the last L of S positions; k/v [S, KVH, D]; causal; float64. The query
+    heads that share a KV head go through one matmul (no repeated K/V)."""
+    q_len, num_heads, head_size = q.shape
+    ctx, num_kv_heads = k.shape[0], k.shape[1]
+    group = num_heads // num_kv_heads
+    q = q.double().view(q_len, num_kv_heads, group, head_size).permute(1, 2, 0, 3)
+    q = q.reshape(num_kv_heads, group * q_len, head_size)
+    scores = torch.matmul(q, k.double().permute(1, 2, 0)) * scale  # [KVH, G * L, S]
+    q_pos = torch.arange(ctx - q_len, ctx).repeat(group)[:, None]
+    scores.masked_fill_(torch.arange(ctx)[None, :] > q_pos, float("-inf"))
+    out = torch.matmul(scores.softmax(-1), v.double().transpose(0, 1))  # [KVH, G * L, D]
+    return out.view(num_kv_heads, group, q_len, head_size).permute(2, 0, 1, 3).reshape(q_len, num_heads, head_size)
+
+
+def exact_in(dtype: torch.dtype, x: torch.Tensor) -> torch.Tensor:
+    """x rounded to values `dtype` holds; for 16-bit dtypes, values both bfloat16 and float16
+    hold (bfloat16's 8-bit significand, no magnitude below float16's subnormal reach)."""
+    if dtype == torch.float32:
+        return x
+    x = x.to(torch.bfloat16).float()
+    return x.masked_fill(x.abs() < 2.0**-14, 0.0)
+
+
+def precision_class(dtype: torch.dtype) -> torch.dtype:
+    """Dtypes whose cases share inputs and a reference: float32 alone, the 16-bit ones together."""
+    return torch.float32 if dtype == torch.float32 else torch.bfloat16
 
 
 def make_case(
@@ -71,10 +101,47 @@ def make_case(
     seed: int = 0,
     device="cpu",
     spare_blocks: int = 3,
+    scale: float | None = None,
+    dominant_logits: list[float] | None = None,
 ) -> PagedCase:
     """Requests r with context_lens[r] tokens of which the last query_lens[r] are queries.
     With share_prefix_blocks, every request's first blocks are the same physical blocks, and
-    their K/V is the same tokens' (as after a prefix-cache hit or a fork)."""
+    their K/V is the same tokens' (as after a prefix-cache hit or a fork). With
+    dominant_logits, request r's queries share a direction and one key that all of them see
+    scores dominant_logits[r] against them (a softmax that skips subtracting the max
+    overflows). The returned case is in `dtype` on `device`."""
+    return _base_case(
+        tuple(query_lens),
+        tuple(context_lens),
+        block_size,
+        head_size,
+        num_kv_heads,
+        group,
+        precision_class(dtype),
+        share_prefix_blocks,
+        seed,
+        spare_blocks,
+        scale,
+        tuple(dominant_logits) if dominant_logits else None,
+    ).cast(dtype, device)
+
+
+@functools.lru_cache(maxsize=2)  # the checks ask for a case in each dtype, one after the other
+def _base_case(
+    query_lens,
+    context_lens,
+    block_size,
+    head_size,
+    num_kv_heads,
+    group,
+    dtype,
+    share_prefix_blocks,
+    seed,
+    spare_blocks,
+    scale,
+    dominant_logits,
+) -> PagedCase:
+    """The case in float32 holding values exact in `dtype`'s precision class, with its reference."""
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     num_heads = num_kv_heads * group
@@ -88,37 +155,47 @@ def make_case(
     for b in blocks_per:
         tables.append(shared_ids + ids[: b - shared])
         ids = ids[b - shared :]
-    kv = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_size, dtype=dtype)
+    kv = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_size)
     kv.normal_(generator=gen)  # garbage in unused slots: an op that reads them fails
-    scale = head_size**-0.5
+    kv = exact_in(dtype, kv)
+    scale = head_size**-0.5 if scale is None else scale
     shared_k = torch.randn(shared * block_size, num_kv_heads, head_size, generator=gen)
     shared_v = torch.randn(shared * block_size, num_kv_heads, head_size, generator=gen)
     queries, expected = [], []
-    for table, q_len, ctx in zip(tables, query_lens, context_lens):
+    for r, (table, q_len, ctx) in enumerate(zip(tables, query_lens, context_lens)):
         k = torch.randn(ctx, num_kv_heads, head_size, generator=gen)
         v = torch.randn(ctx, num_kv_heads, head_size, generator=gen)
         n = min(ctx, shared * block_size)
         k[:n], v[:n] = shared_k[:n], shared_v[:n]
-        k, v = k.to(dtype), v.to(dtype)  # the reference sees what the cache holds
+        q = torch.randn(q_len, num_heads, head_size, generator=gen)
+        if dominant_logits:
+            _plant_dominant_key(q, k, ctx - q_len, dominant_logits[r], scale, gen)
+        k, v, q = exact_in(dtype, k), exact_in(dtype, v), exact_in(dtype, q)  # what the cache holds
         slots = slots_of(table, range(ctx), block_size)
         kv[0].view(-1, num_kv_heads, head_size)[slots] = k
         kv[1].view(-1, num_kv_heads, head_size)[slots] = v
-        q = torch.randn(q_len, num_heads, head_size, generator=gen).to(dtype)
         queries.append(q)
         expected.append(dense_attention(q, k, v, scale))
     width = max(blocks_per)
     table_t = torch.zeros(len(tables), width, dtype=torch.int32)
     for r, t in enumerate(tables):
         table_t[r, : len(t)] = torch.tensor(t, dtype=torch.int32)
-    return PagedCase(
-        kv.to(device),
-        torch.cat(queries).to(device),
-        list(query_lens),
-        list(context_lens),
-        table_t.to(device),
-        torch.cat(expected),
-        scale,
-    )
+    return PagedCase(kv, torch.cat(queries), list(query_lens), list(context_lens), table_t, torch.cat(expected), scale)
+
+
+def _plant_dominant_key(q: torch.Tensor, k: torch.Tensor, last_visible: int, logit: float, scale: float, gen) -> None:
+    """Queries q [L, H, D] get a shared unit direction u (at twice their noise norm), and the
+    key at a random position <= last_visible (seen by every query) becomes b*u so that each
+    query scores about `logit` against it: other scores stay O(1), so the softmax is all but
+    one-hot and its max must be subtracted before exponentiating."""
+    head_size = q.shape[-1]
+    u = torch.randn(head_size, generator=gen)
+    u /= u.norm()
+    a = 2.0 * head_size**0.5
+    q -= (q @ u)[..., None] * u  # so that the dominant score is `logit`, not about it
+    q += a * u
+    pos = int(torch.randint(0, last_visible + 1, (1,), generator=gen))
+    k[pos] = (logit / (scale * a)) * u
 
 
 def slots_of(block_ids: list[int], positions, block_size: int) -> torch.Tensor:

@@ -1,9 +1,18 @@
-"""Op-level checks: a backend's kernels against dense attention and exact cache writes."""
+"""Op-level checks: a backend's kernels against dense attention and exact cache writes.
+
+Each attention check walks its cases once and records every dtype the backend supports into
+that dtype's row, so a 16-bit case's float64 reference is computed once for both 16-bit
+dtypes. Beyond the grid of block sizes, head sizes and GQA ratios, the cases a port gets
+wrong: contexts of 2k-8k tokens (partitioned decode), decode batches of 64-256 requests,
+scores of 20-100 (a softmax that does not subtract its max overflows) with scales other
+than head_size**-0.5, and writes across a large pool.
+"""
 
 from __future__ import annotations
 
 import itertools
 import random
+from dataclasses import dataclass
 
 import torch
 
@@ -11,29 +20,154 @@ from .op_cases import context_lengths, make_case
 from .results import DTYPE_NAMES, CheckResult, compare, tolerance_text
 
 FULL_GRID = dict(block_sizes=(8, 16, 32), head_sizes=(64, 80, 96, 128, 256), groups=(1, 4, 8), long=1000)
-QUICK_GRID = dict(block_sizes=(16,), head_sizes=(64, 128), groups=(1, 4), long=300)
+LARGE_BLOCKS = dict(block_sizes=(64, 128), head_sizes=(64, 128), groups=(1, 4))  # full suite only
+QUICK_LONG = 300
 NUM_KV_HEADS = 2
+
+
+@dataclass(frozen=True)
+class Case:
+    """One batch for one op: which requests, on which cache shape, and what it is for."""
+
+    what: str
+    query_lens: tuple
+    context_lens: tuple
+    block_size: int
+    head_size: int
+    group: int
+    seed: int
+    scale: float | None = None
+    dominant_logits: tuple | None = None
+    share_prefix_blocks: int = 0
+
+    def label(self, dtype) -> str:
+        scale = "" if self.scale is None else f" scale={self.scale:.4g}"
+        return (
+            f"{self.what}: block_size={self.block_size} head_size={self.head_size} gqa={self.group}:1{scale} "
+            + (DTYPE_NAMES[dtype])
+        )
+
+    def build(self, dtype, device):
+        return make_case(
+            list(self.query_lens),
+            list(self.context_lens),
+            self.block_size,
+            self.head_size,
+            NUM_KV_HEADS,
+            self.group,
+            dtype,
+            share_prefix_blocks=self.share_prefix_blocks,
+            seed=self.seed,
+            device=device,
+            scale=self.scale,
+            dominant_logits=list(self.dominant_logits) if self.dominant_logits else None,
+        )
 
 
 def supported_dtypes(ops) -> tuple:
     return tuple(ops.supported_dtypes)
 
 
-def checked_dtypes(ops, quick: bool) -> tuple:
+def checked_dtypes(ops, only=None) -> tuple:
+    """Every supported dtype (--quick too: a dtype's first check must not be a GPU run's),
+    or those of `only` (--dtype)."""
     dtypes = supported_dtypes(ops)
-    if quick:
-        dtypes = tuple(d for d in dtypes if d in (torch.float32, torch.bfloat16)) or dtypes[:1]
+    if only:
+        missing = [DTYPE_NAMES[d] for d in only if d not in dtypes]
+        if missing:
+            raise ValueError(f"--dtype {', '.join(missing)}: not among the backend's supported dtypes")
+        dtypes = tuple(d for d in dtypes if d in only)
     return dtypes
 
 
-def _grid(quick: bool, dtype):
-    g = QUICK_GRID if quick else FULL_GRID
-    for bs, hs, grp in itertools.product(g["block_sizes"], g["head_sizes"], g["groups"]):
-        yield bs, hs, grp, dtype, g["long"]
+def _supported(values, declared) -> tuple:
+    return tuple(v for v in values if declared is None or v in declared)
 
 
-def _label(bs, hs, grp, dt) -> str:
-    return f"block_size={bs} head_size={hs} gqa={grp}:1 {DTYPE_NAMES[dt]}"
+def grid_points(ops, quick: bool) -> list[tuple[int, int, int]]:
+    """(block_size, head_size, gqa) points the backend declares support for. --quick: block
+    size 16, the smallest and the largest head size, GQA 1, 4 and 8, one point each."""
+    block_sizes = _supported(FULL_GRID["block_sizes"], ops.supported_block_sizes)
+    head_sizes = _supported(FULL_GRID["head_sizes"], ops.supported_head_sizes)
+    if quick:
+        bs = 16 if 16 in block_sizes else block_sizes[0]
+        middle = 128 if 128 in head_sizes else head_sizes[0]
+        return [(bs, head_sizes[0], 1), (bs, middle, 4), (bs, head_sizes[-1], 8)]
+    points = list(itertools.product(block_sizes, head_sizes, FULL_GRID["groups"]))
+    large = _supported(LARGE_BLOCKS["block_sizes"], ops.supported_block_sizes)
+    large_heads = _supported(LARGE_BLOCKS["head_sizes"], ops.supported_head_sizes)
+    return points + list(itertools.product(large, large_heads, LARGE_BLOCKS["groups"]))
+
+
+def _long_point(ops) -> tuple[int, int, int]:
+    block_sizes = _supported((16, *FULL_GRID["block_sizes"]), ops.supported_block_sizes)
+    head_sizes = _supported((128, *FULL_GRID["head_sizes"]), ops.supported_head_sizes)
+    return block_sizes[0], head_sizes[0], 4
+
+
+def decode_cases(ops, quick: bool) -> list[Case]:
+    long = QUICK_LONG if quick else FULL_GRID["long"]
+    cases = []
+    for i, (bs, hs, grp) in enumerate(grid_points(ops, quick)):
+        ctx = context_lengths(bs, long)
+        # and a wide batch of mixed lengths (backends may split or reorder large batches)
+        rng = random.Random(i)
+        wide = ctx + [rng.randint(1, 3 * bs + 5) for _ in range(14)]
+        for lens in (ctx, wide):
+            cases.append(Case(f"contexts {lens[:6]}...", (1,) * len(lens), tuple(lens), bs, hs, grp, seed=i))
+    bs, hs, grp = _long_point(ops)
+    # past one 512/1024-token partition, with short rows in the same batch
+    for lens in [(1, bs + 1, 1500, 4097)] if quick else [(1, bs + 1, 2048, 4097), (3, 8192, 700)]:
+        cases.append(Case(f"long contexts {list(lens)}", (1,) * len(lens), lens, bs, hs, grp, seed=7))
+    for n in (128,) if quick else (64, 256):  # the default max_num_seqs is 256
+        rng = random.Random(n)
+        lens = tuple(rng.randint(1, 600) if r % 16 == 0 else rng.randint(1, 3 * bs + 5) for r in range(n))
+        cases.append(Case(f"a batch of {n} requests", (1,) * n, lens, bs, hs, grp, seed=n))
+    return cases
+
+
+def prefill_cases(ops, quick: bool, chunked: bool) -> list[Case]:
+    long = QUICK_LONG if quick else FULL_GRID["long"]
+    cases = []
+    for i, (bs, hs, grp) in enumerate(grid_points(ops, quick)):
+        ctx = context_lengths(bs, long)
+        if chunked:  # new tokens after a cached prefix, within and across block edges
+            q_lens = [1, max(1, bs - 2), 3, bs + 1, 50]
+            ctx = [bs + 1, 2 * bs, bs + 3, 3 * bs, long]
+        else:
+            q_lens = list(ctx)
+        what = f"(query, context) {list(zip(q_lens, ctx))}"
+        cases.append(Case(what, tuple(q_lens), tuple(ctx), bs, hs, grp, seed=100 + i))
+    bs, hs, grp = _long_point(ops)
+    if chunked:  # the last chunks of long prompts
+        pairs = [(16, 4112), (64, 2048)] if quick else [(16, 4112), (64, 8192), (1, 2049)]
+    else:
+        pairs = [] if quick else [(2048, 2048), (5, 5)]
+    if pairs:
+        q_lens, ctx = zip(*pairs)
+        cases.append(Case(f"long (query, context) {pairs}", q_lens, ctx, bs, hs, grp, seed=11))
+    return cases
+
+
+def large_score_cases(ops, quick: bool) -> list[tuple[str, Case]]:
+    """(phase, case): one key per request dominates with scores 20, 50 and 100; the scale
+    is not always head_size**-0.5."""
+    points = grid_points(ops, True)
+    points = points[:1] + points[-1:] if quick else points
+    cases = []
+    for i, (bs, hs, grp) in enumerate(points):
+        scale = None if i % 2 == 0 else 1.0 / hs
+        cases.append(
+            ("decode", Case("decode", (1, 1, 1), (1, bs + 1, 700), bs, hs, grp, 200 + i, scale, (20.0, 50.0, 100.0)))
+        )
+        cases.append(
+            ("prefill", Case("prefill", (1, 5, 40), (40, 100, 40), bs, hs, grp, 300 + i, scale, (100.0, 20.0, 50.0)))
+        )
+    return cases
+
+
+def _rows(name: str, dtypes) -> dict:
+    return {dt: CheckResult(f"{name} {DTYPE_NAMES[dt]}", tolerance_text((dt,))) for dt in dtypes}
 
 
 def _per_request_errors(out, case, dtype) -> str:
@@ -47,85 +181,103 @@ def _per_request_errors(out, case, dtype) -> str:
     return "; ".join(bad[:4]) + (" ..." if len(bad) > 4 else "")
 
 
-def _check_attention(result: CheckResult, ops, case, dtype, label: str, phase: str) -> None:
+def _run_op(ops, case, phase: str):
     if phase == "decode":
-        out = ops.decode_attention(case.query, case.kv_cache, case.decode_metadata(), case.scale)
-    else:
-        out = ops.prefill_attention(case.query, case.kv_cache, case.prefill_metadata(), case.scale)
+        return ops.decode_attention(case.query, case.kv_cache, case.decode_metadata(), case.scale)
+    return ops.prefill_attention(case.query, case.kv_cache, case.prefill_metadata(), case.scale)
+
+
+def _check(row: CheckResult, ops, spec: Case, phase: str, dtype, device) -> None:
+    """One case in one dtype; an op that raises fails this case, not the whole row."""
+    label = spec.label(dtype)
+    try:
+        case = spec.build(dtype, device)
+        out = _run_op(ops, case, phase)
+    except Exception as e:  # noqa: BLE001 - report, do not crash
+        row.record(False, float("inf"), f"{label}: raised {type(e).__name__}: {e}")
+        return
     ok, err = compare(out, case.expected, dtype)
-    result.record(ok, err, None if ok else f"{label}: {_per_request_errors(out, case, dtype)}")
+    row.record(ok, err, None if ok else f"{label}: {_per_request_errors(out, case, dtype)}")
 
 
-def check_decode(ops, quick: bool, device, dtype) -> CheckResult:
-    res = CheckResult(f"decode_attention {DTYPE_NAMES[dtype]}", tolerance_text((dtype,)))
-    for i, (bs, hs, grp, dt, long) in enumerate(_grid(quick, dtype)):
-        ctx = context_lengths(bs, long)
-        # and a wide batch of mixed lengths (backends may split or reorder large batches)
-        rng = random.Random(i)
-        wide = ctx + [rng.randint(1, 3 * bs + 5) for _ in range(14)]
-        for lens in (ctx, wide):
-            case = make_case([1] * len(lens), lens, bs, hs, NUM_KV_HEADS, grp, dt, seed=i, device=device)
-            _check_attention(res, ops, case, dt, f"{_label(bs, hs, grp, dt)} contexts {lens[:6]}...", "decode")
-    return res
+def check_attention(ops, quick: bool, phase: str, dtypes) -> list[CheckResult]:
+    """One row per dtype for decode, prefill or chunked_prefill, each case in every dtype."""
+    name = {"decode": "decode_attention", "prefill": "prefill_attention", "chunked": "chunked_prefill_attention"}
+    rows = _rows(name[phase], dtypes)
+    cases = decode_cases(ops, quick) if phase == "decode" else prefill_cases(ops, quick, phase == "chunked")
+    for spec in cases:
+        for dt in dtypes:
+            _check(rows[dt], ops, spec, "decode" if phase == "decode" else "prefill", dt, ops.device)
+    return list(rows.values())
 
 
-def check_prefill(ops, quick: bool, device, dtype, chunked: bool) -> CheckResult:
-    name = "chunked_prefill_attention" if chunked else "prefill_attention"
-    res = CheckResult(f"{name} {DTYPE_NAMES[dtype]}", tolerance_text((dtype,)))
-    for i, (bs, hs, grp, dt, long) in enumerate(_grid(quick, dtype)):
-        ctx = context_lengths(bs, long)
-        if chunked:  # new tokens after a cached prefix, within and across block edges
-            q_lens = [1, max(1, bs - 2), 3, bs + 1, 50]
-            ctx = [bs + 1, 2 * bs, bs + 3, 3 * bs, long]
-        else:
-            q_lens = list(ctx)
-        case = make_case(q_lens, ctx, bs, hs, NUM_KV_HEADS, grp, dt, seed=100 + i, device=device)
-        _check_attention(
-            res, ops, case, dt, f"{_label(bs, hs, grp, dt)} (query, context) {list(zip(q_lens, ctx))}", "prefill"
-        )
-    return res
+def check_large_scores(ops, quick: bool, dtypes) -> list[CheckResult]:
+    rows = _rows("large_scores", dtypes)
+    for phase, spec in large_score_cases(ops, quick):
+        for dt in dtypes:
+            _check(rows[dt], ops, spec, phase, dt, ops.device)
+    return list(rows.values())
 
 
 def check_shared_blocks(ops, device) -> CheckResult:
     """Two or three requests whose tables share their first blocks (prefix hit or fork)."""
     res = CheckResult("shared_blocks", tolerance_text((torch.float32,)))
     for bs in (8, 16):
-        for phase, q_lens in (("decode", [1, 1, 1]), ("prefill", [5, 2 * bs + 1, 1])):
-            case = make_case(
-                q_lens,
-                [3 * bs + 1, 4 * bs - 1, 2 * bs + 1],
-                bs,
-                64,
-                NUM_KV_HEADS,
-                4,
-                share_prefix_blocks=2,
-                seed=bs,
-                device=device,
-            )
-            _check_attention(res, ops, case, torch.float32, f"block_size={bs} {phase}", phase)
+        for phase, q_lens in (("decode", (1, 1, 1)), ("prefill", (5, 2 * bs + 1, 1))):
+            ctx = (3 * bs + 1, 4 * bs - 1, 2 * bs + 1)
+            spec = Case(phase, q_lens, ctx, bs, 64, 4, seed=bs, share_prefix_blocks=2)
+            _check(res, ops, spec, phase, torch.float32, device)
     return res
 
 
-def check_write_kv(ops, quick: bool, device) -> CheckResult:
-    """Each token's K/V lands in exactly its slot; nothing else in the cache changes."""
+def check_output_buffers(ops, device) -> CheckResult:
+    """The model calls decode, then prefill, and only then concatenates both outputs: the
+    decode output must still hold its values after the prefill call."""
+    res = CheckResult("output_buffers", tolerance_text((torch.float32,)))
+    decode = Case("decode", (1, 1), (17, 40), 16, 64, 4, seed=5).build(torch.float32, device)
+    prefill = Case("prefill", (7, 30), (7, 60), 16, 64, 4, seed=6).build(torch.float32, device)
+    out_decode = _run_op(ops, decode, "decode")
+    kept = out_decode.clone()
+    out_prefill = _run_op(ops, prefill, "prefill")
+    for what, out, case in (("prefill", out_prefill, prefill), ("decode after the prefill call", out_decode, decode)):
+        ok, err = compare(out, case.expected, torch.float32)
+        changed = what != "prefill" and not torch.equal(out_decode, kept)
+        note = " (the prefill call overwrote the buffer decode returned)" if changed else ""
+        res.record(ok, err, None if ok else f"{what}: off by {err:.3g}{note}")
+    return res
+
+
+def _where_is(flat: torch.Tensor, row: torch.Tensor) -> list[int]:
+    """Slots of flat [slots, KVH, D] that hold exactly `row`."""
+    return (flat == row).flatten(1).all(1).nonzero().flatten().tolist()
+
+
+def check_write_kv(ops, quick: bool, device, dtypes) -> CheckResult:
+    """Each token's K/V lands in exactly its slot; nothing else in the cache changes — in a small
+    pool, and across a pool of 4096 blocks (the highest slot included)."""
     res = CheckResult("write_kv")
     gen = torch.Generator().manual_seed(0)
-    for bs, dt in itertools.product((8, 16) if quick else (8, 16, 32), supported_dtypes(ops)):
-        num_blocks, kvh, hs, tokens = 12, 2, 64, 23
+    block_sizes = _supported((8, 16) if quick else (8, 16, 32), ops.supported_block_sizes) or (
+        ops.supported_block_sizes[0],
+    )
+    shapes = [(bs, 12, 23) for bs in block_sizes] + [(block_sizes[-1], 4096, 64)]
+    for (bs, num_blocks, tokens), dt in itertools.product(shapes, dtypes):
+        kvh, hs = 2, 64
         cache = torch.randn(2, num_blocks, bs, kvh, hs, generator=gen).to(dt)
-        slots = torch.randperm((num_blocks - 1) * bs, generator=gen)[:tokens] + bs  # never block 0
+        # never block 0; the pool's very last slot among them
+        slots = torch.randperm((num_blocks - 1) * bs - 1, generator=gen)[: tokens - 1] + bs
+        slots = torch.cat([slots, torch.tensor([num_blocks * bs - 1])])
         key = torch.randn(tokens, kvh, hs, generator=gen).to(dt)
         value = torch.randn(tokens, kvh, hs, generator=gen).to(dt)
         before = cache.clone()
         dev_cache = cache.to(device)
         ops.write_kv(key.to(device), value.to(device), dev_cache, slots.to(device))
-        after = dev_cache.cpu()
-        flat_after = after.view(2, -1, kvh, hs)
+        flat_after = dev_cache.cpu().view(2, -1, kvh, hs)
         flat_before = before.view(2, -1, kvh, hs)
         problems = []
         for t, slot in enumerate(slots.tolist()):
             if not torch.equal(flat_after[0, slot], key[t]) or not torch.equal(flat_after[1, slot], value[t]):
-                found = [s for s in range(flat_after.shape[1]) if torch.equal(flat_after[0, s], key[t])]
+                found = _where_is(flat_after[0], key[t])
                 where = f"it is at slot {found[0]} instead" if found else "it is nowhere in the cache"
                 problems.append(
                     f"token {t}'s K/V should be at slot {slot} (block {slot // bs}, offset {slot % bs}); {where}"
@@ -139,7 +291,7 @@ def check_write_kv(ops, quick: bool, device) -> CheckResult:
         res.record(
             not problems,
             0.0 if not problems else 1.0,
-            f"block_size={bs} {DTYPE_NAMES[dt]}: " + "; ".join(problems[:3]) if problems else None,
+            f"block_size={bs} {num_blocks} blocks {DTYPE_NAMES[dt]}: " + "; ".join(problems[:3]) if problems else None,
         )
     return res
 
@@ -173,19 +325,18 @@ def check_copy_and_swap(ops, device) -> CheckResult:
     return res
 
 
-def op_checks(ops, quick: bool = False) -> list[tuple[str, object]]:
-    """(row name, a call that makes the row) for every op check, so that one that raises
-    costs only its own row."""
+def op_checks(ops, quick: bool = False, only_dtypes=None) -> list[tuple[str, object]]:
+    """(name, a call that makes its rows) for every op check, so that one that raises costs
+    only its own rows. only_dtypes: check just these (the backend must support them)."""
     device = ops.device
-    checks = [("write_kv", lambda: check_write_kv(ops, quick, device))]
-    for dtype in checked_dtypes(ops, quick):
-        name = DTYPE_NAMES[dtype]
-        checks += [
-            (f"decode_attention {name}", lambda dt=dtype: check_decode(ops, quick, device, dt)),
-            (f"prefill_attention {name}", lambda dt=dtype: check_prefill(ops, quick, device, dt, False)),
-            (f"chunked_prefill_attention {name}", lambda dt=dtype: check_prefill(ops, quick, device, dt, True)),
-        ]
-    return checks + [
+    dtypes = checked_dtypes(ops, only_dtypes)
+    return [
+        ("write_kv", lambda: check_write_kv(ops, quick, device, dtypes)),
+        ("decode_attention", lambda: check_attention(ops, quick, "decode", dtypes)),
+        ("prefill_attention", lambda: check_attention(ops, quick, "prefill", dtypes)),
+        ("chunked_prefill_attention", lambda: check_attention(ops, quick, "chunked", dtypes)),
+        ("large_scores", lambda: check_large_scores(ops, quick, dtypes)),
         ("shared_blocks", lambda: check_shared_blocks(ops, device)),
+        ("output_buffers", lambda: check_output_buffers(ops, device)),
         ("copy_blocks / swap_blocks", lambda: check_copy_and_swap(ops, device)),
     ]

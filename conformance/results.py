@@ -51,8 +51,22 @@ class CheckResult:
         return {**asdict(self), "ok": self.ok}
 
 
-def format_table(backend: str, results: list[CheckResult]) -> str:
-    lines = [f"pagedllm conformance — backend {backend}", ""]
+def declared_support(ops) -> str:
+    """What the backend says it supports, as the table's header prints it."""
+
+    def listed(values, unit=""):
+        return "any" if values is None else ", ".join(f"{v}{unit}" for v in values)
+
+    dtypes = ", ".join(DTYPE_NAMES.get(d, str(d)) for d in ops.supported_dtypes)
+    context = "any" if ops.max_context_len is None else f"up to {ops.max_context_len}"
+    return (
+        f"declared support: dtypes {dtypes}; block sizes {listed(ops.supported_block_sizes)}; "
+        f"head sizes {listed(ops.supported_head_sizes)}; context lengths {context}"
+    )
+
+
+def format_table(backend: str, results: list[CheckResult], support: str | None = None) -> str:
+    lines = [f"pagedllm conformance — backend {backend}"] + ([support] if support else []) + [""]
     header = f"{'check':36} {'cases':>6} {'passed':>7} {'worst error':>12}  {'status':6}  tolerance"
     lines += [header, "-" * len(header)]
     for r in results:

@@ -21,7 +21,9 @@ import traceback
 
 from pagedllm.entrypoints.tiny_models import ARCHITECTURES, make_model_dir
 
-from .results import CheckResult, format_table
+from .results import DTYPE_NAMES, CheckResult, declared_support, format_table
+
+DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
 
 @functools.lru_cache(maxsize=1)
@@ -49,9 +51,11 @@ def run_suite(
     tensor_parallel_size: int = 1,
     block_placement: str = "lru",
     progress=None,
+    dtypes: tuple | None = None,
 ) -> list[CheckResult]:
     """Every row; `progress(rows)` is called as each check finishes (a run cut short by a
-    timeout has still shown what it did)."""
+    timeout has still shown what it did). dtypes: the op rows' dtypes (default: all the
+    backend supports)."""
     from pagedllm.backends.registry import load_backend
 
     def run(name, make) -> list[CheckResult]:
@@ -64,7 +68,7 @@ def run_suite(
     from .op_checks import op_checks
 
     ops = load_backend(backend)
-    results = [row for name, make in op_checks(ops, quick) for row in run(name, make)]
+    results = [row for name, make in op_checks(ops, quick, dtypes) for row in run(name, make)]
     if ops_only:
         return results
     models = tiny_model_dirs()
@@ -99,9 +103,13 @@ def main(args) -> int:
         args.tensor_parallel_size,
         args.block_placement,
         progress=progress,
+        dtypes=tuple(DTYPES[d] for d in args.dtype) if args.dtype else None,
     )
     elapsed = time.perf_counter() - t0
-    print(format_table(args.backend, results))
+    from pagedllm.backends.registry import backend_class
+
+    support = declared_support(backend_class(args.backend))
+    print(format_table(args.backend, results, support))
     print(f"\n({'quick' if args.quick else 'full'}{', ops only' if args.ops_only else ''} suite, {elapsed:.0f} s)")
     if args.json:
         with open(args.json, "w") as f:
@@ -112,6 +120,7 @@ def main(args) -> int:
                     "ops_only": args.ops_only,
                     "seconds": elapsed,
                     "ok": all(r.ok for r in results),
+                    "declared_support": support,
                     "checks": [r.to_dict() for r in results],
                 },
                 f,

@@ -304,6 +304,12 @@ def build_parser() -> argparse.ArgumentParser:
     conf.add_argument("--ops-only", action="store_true", help="op numerics and cache writes only")
     conf.add_argument("--json", help="also write the results as JSON here")
     conf.add_argument(
+        "--dtype",
+        action="append",
+        choices=["float32", "bfloat16", "float16"],
+        help="check the ops in this dtype only (repeatable; default: every dtype the backend supports)",
+    )
+    conf.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="run the engine rows with this many ranks, against one"
     )
     conf.add_argument(

@@ -1,8 +1,10 @@
-"""Backends with one classic bug each (the conformance suite must catch every one), and two
-that crash (the engine must give up on them cleanly)."""
+"""Backends with one classic bug each (the conformance suite must catch every one), one that
+declares narrow support, and two that crash (the engine must give up on them cleanly)."""
 
 import os
 from dataclasses import replace
+
+import torch
 
 from pagedllm.backends.cpu import CpuAttentionOps
 
@@ -77,3 +79,94 @@ class CrashMidRun(CpuAttentionOps):
 
     def decode_attention(self, query, kv_cache, meta, scale):
         os._exit(3)
+
+
+def _gathered(query, kv_cache, table, context_len):
+    """One request's K/V [S, H, D] in float32, its KV heads repeated for the query heads."""
+    _, _, block_size, kv_heads, size = kv_cache.shape
+    blocks = table[: -(-context_len // block_size)].long()
+    k = kv_cache[0][blocks].reshape(-1, kv_heads, size)[:context_len].float()
+    v = kv_cache[1][blocks].reshape(-1, kv_heads, size)[:context_len].float()
+    group = query.shape[1] // kv_heads
+    return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+
+
+class SplitKWithoutRescale(CpuAttentionOps):
+    """Decode in 1024-token partitions, each with its own max, combined by their sums alone:
+    the exp(max_i - max) factor is forgotten. Right while a context fits one partition."""
+
+    name = "broken-split-k-combine"
+    partition = 1024
+
+    def decode_attention(self, query, kv_cache, meta, scale):
+        out = torch.empty_like(query)
+        for i, ctx in enumerate(meta.context_lens.tolist()):
+            k, v = _gathered(query, kv_cache, meta.block_tables[i], ctx)
+            q = query[i].float()  # [H, D]
+            weighted, sums = 0.0, 0.0
+            for start in range(0, ctx, self.partition):
+                scores = torch.einsum("hd,shd->hs", q, k[start : start + self.partition]) * scale
+                p = (scores - scores.max(-1, keepdim=True).values).exp()
+                weighted = weighted + torch.einsum("hs,shd->hd", p, v[start : start + self.partition])
+                sums = sums + p.sum(-1, keepdim=True)
+            out[i] = (weighted / sums).to(query.dtype)
+        return out
+
+
+class ReusedChunkBuffer(CpuAttentionOps):
+    """Decodes a batch in chunks of 64 requests into one preallocated buffer and concatenates
+    views of it at the end, so every chunk comes out as the last one. Right up to 64 requests."""
+
+    name = "broken-reused-chunk-buffer"
+    chunk = 64
+
+    def decode_attention(self, query, kv_cache, meta, scale):
+        buffer = torch.empty((self.chunk, *query.shape[1:]), dtype=query.dtype)
+        views = []
+        for start in range(0, query.shape[0], self.chunk):
+            rows = slice(start, start + self.chunk)
+            sub = replace(meta, block_tables=meta.block_tables[rows], context_lens=meta.context_lens[rows])
+            result = super().decode_attention(query[rows], kv_cache, sub, scale)
+            buffer[: result.shape[0]] = result
+            views.append(buffer[: result.shape[0]])
+        return torch.cat(views)
+
+
+class SoftmaxWithoutMax(CpuAttentionOps):
+    """exp(score) / sum(exp(score)) in float32 without subtracting the max first: fine for
+    scores of a few units, inf/inf = NaN once a score passes ~88."""
+
+    name = "broken-softmax-without-max"
+
+    def _attend(self, query, kv_cache, table, context_len, scale):
+        k, v = _gathered(query, kv_cache, table, context_len)
+        q_len = query.shape[0]
+        scores = torch.einsum("lhd,shd->hls", query.float(), k) * scale
+        allowed = torch.arange(context_len)[None, :] <= torch.arange(context_len - q_len, context_len)[:, None]
+        e = scores.exp() * allowed
+        return torch.einsum("hls,shd->lhd", e / e.sum(-1, keepdim=True), v).to(query.dtype)
+
+    def decode_attention(self, query, kv_cache, meta, scale):
+        return torch.cat(
+            [
+                self._attend(query[i : i + 1], kv_cache, meta.block_tables[i], ctx, scale)
+                for i, ctx in enumerate(meta.context_lens.tolist())
+            ]
+        )
+
+    def prefill_attention(self, query, kv_cache, meta, scale):
+        outs, start = [], 0
+        for i, (q_len, ctx) in enumerate(zip(meta.query_lens, meta.context_lens_list)):
+            outs.append(self._attend(query[start : start + q_len], kv_cache, meta.block_tables[i], ctx, scale))
+            start += q_len
+        return torch.cat(outs)
+
+
+class NarrowSupport(CpuAttentionOps):
+    """A port that declares what it supports: the suite tests only that, the engine refuses the rest."""
+
+    name = "narrow-support"
+    supported_dtypes = (torch.float32,)
+    supported_block_sizes = (16,)
+    supported_head_sizes = (16, 64)
+    max_context_len = 512
