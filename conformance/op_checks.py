@@ -119,9 +119,10 @@ def decode_cases(ops, quick: bool) -> list[Case]:
     # past one 512/1024-token partition, with short rows in the same batch
     for lens in [(1, bs + 1, 1500, 4097)] if quick else [(1, bs + 1, 2048, 4097), (3, 8192, 700)]:
         cases.append(Case(f"long contexts {list(lens)}", (1,) * len(lens), lens, bs, hs, grp, seed=7))
-    for n in (128,) if quick else (64, 256):  # the default max_num_seqs is 256
+    for n in (96,) if quick else (64, 256):  # the default max_num_seqs is 256
         rng = random.Random(n)
-        lens = tuple(rng.randint(1, 600) if r % 16 == 0 else rng.randint(1, 3 * bs + 5) for r in range(n))
+        longest = 3 * bs + 5 if quick else 600  # --quick: the long contexts are the case above
+        lens = tuple(rng.randint(1, longest) if r % 16 == 0 else rng.randint(1, 3 * bs + 5) for r in range(n))
         cases.append(Case(f"a batch of {n} requests", (1,) * n, lens, bs, hs, grp, seed=n))
     return cases
 

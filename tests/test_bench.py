@@ -28,20 +28,6 @@ def run_bench(*args, timeout=600):
     )
 
 
-def test_throughput_writes_table_json_and_png(tiny_model, tmp_path):
-    proc = run_bench(
-        "throughput", "--model", tiny_model("llama"), "--num-prompts", "4", "--vs", "hf-static", "--out", str(tmp_path)
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert "transformers static batch 16" in proc.stdout and "pagedllm is" in proc.stdout
-    data = json.loads((tmp_path / "throughput.json").read_text())
-    assert [r["name"] for r in data["results"]] == ["pagedllm (cpu)", "transformers static batch 16"]
-    assert all(r["short_requests"] == 0 for r in data["results"])
-    # padded batches round differently, so long greedy paths may part at near-ties
-    assert 0.0 <= data["results"][1]["agreement"] <= 1.0
-    assert (tmp_path / "throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
 def test_memory_writes_json_and_plot(tmp_path):
     proc = run_bench("memory", "--num-prompts", "100", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
@@ -122,7 +108,9 @@ class LLM:
 """
 
 
-def test_vllm_peer_runs_through_its_own_interpreter_and_short_outputs_are_flagged(tiny_model, tmp_path):
+def test_throughput_against_transformers_and_a_vllm_peer_through_its_own_interpreter(tiny_model, tmp_path):
+    """One run against both peers: transformers' static batches, and vLLM through the
+    interpreter of its own environment (a fake vLLM here, which returns a token short)."""
     pkg = tmp_path / "fake" / "vllm"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text(FAKE_VLLM)
@@ -130,23 +118,32 @@ def test_vllm_peer_runs_through_its_own_interpreter_and_short_outputs_are_flagge
     python = tmp_path / "vllm-python"
     python.write_text(f'#!/bin/sh\nPYTHONPATH={tmp_path / "fake"} exec {sys.executable} "$@"\n')
     python.chmod(0o755)
+    out = tmp_path / "out"
     proc = run_bench(
         "throughput",
         "--model",
         tiny_model("llama"),
         "--num-prompts",
-        "3",
+        "4",
         "--vs",
-        "none",
+        "hf-static",
         "--vllm-python",
         str(python),
         "--out",
-        str(tmp_path / "out"),
+        str(out),
     )
     assert proc.returncode == 0, proc.stderr
-    assert "vLLM 0.0-fake (CPU)" in proc.stdout and "FLAGGED: 3 requests returned fewer tokens" in proc.stdout
+    assert "transformers static batch 16" in proc.stdout and "pagedllm is" in proc.stdout
+    assert "vLLM 0.0-fake (CPU)" in proc.stdout and "FLAGGED: 4 requests returned fewer tokens" in proc.stdout
     assert "start-up: pagedllm" in proc.stdout
-    data = json.loads((tmp_path / "out" / "throughput.json").read_text())
-    assert data["peer_versions"] == {"vllm": "0.0-fake"} and data["results"][1]["short_requests"] == 3
+    data = json.loads((out / "throughput.json").read_text())
+    results = {r["name"]: r for r in data["results"]}
+    assert data["results"][0]["name"] == "pagedllm (cpu)" and "transformers static batch 16" in results
+    assert data["peer_versions"] == {"vllm": "0.0-fake"}
+    assert [r["short_requests"] for r in data["results"] if r["name"].startswith("vLLM")] == [4]
+    assert results["pagedllm (cpu)"]["short_requests"] == 0 == results["transformers static batch 16"]["short_requests"]
+    # padded batches round differently, so long greedy paths may part at near-ties
+    assert 0.0 <= results["transformers static batch 16"]["agreement"] <= 1.0
+    assert (out / "throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     missing = run_bench("throughput", "--vs", "vllm", "--num-prompts", "2")
     assert missing.returncode == 2 and "--vllm-python" in missing.stderr

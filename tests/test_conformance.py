@@ -55,7 +55,7 @@ ALL_DTYPES = ("float32", "bfloat16", "float16")
         ("broken-no-softmax-scale", ATTENTION_FLOAT32 | {"shared_blocks"}, "off by"),
         ("broken-first-block-only", ATTENTION_FLOAT32 | {"shared_blocks"}, "context"),
         ("broken-split-k-combine", {f"decode_attention {d}" for d in ALL_DTYPES}, "long contexts"),
-        ("broken-reused-chunk-buffer", {f"decode_attention {d}" for d in ALL_DTYPES}, "a batch of 128 requests"),
+        ("broken-reused-chunk-buffer", {f"decode_attention {d}" for d in ALL_DTYPES}, "a batch of 96 requests"),
         ("broken-softmax-without-max", {f"large_scores {d}" for d in ALL_DTYPES}, "off by inf"),
     ],
 )

@@ -36,8 +36,8 @@ def conformance(backend: str, *flags: str, env: dict | None = None, json_path=No
 
 @pytest.mark.skipif(not _has_triton(), reason="triton is not installed")
 def test_triton_kernels_pass_the_op_checks_under_the_interpreter(tmp_path):
-    """The quick grid in float32 (every case, long contexts and a batch of 128 included); the
-    interpreter takes ~45 s a dtype here, so the 16-bit rows are run by hand (README) and their
+    """The quick grid in float32 (every case, long contexts and a batch of 96 included); the
+    interpreter takes ~30 s a dtype here, so the 16-bit rows are run by hand (README) and their
     sm_90 compilation is checked below."""
     proc = conformance(
         "cuda-triton",
