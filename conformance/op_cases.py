@@ -77,7 +77,7 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
 def exact_in(dtype: torch.dtype, x: torch.Tensor) -> torch.Tensor:
     """x rounded to values `dtype` holds; for 16-bit dtypes, values both bfloat16 and float16
-    hold (bfloat16's 8-bit significand, no magnitude below float16's subnormal reach)."""
+    hold (bfloat16's 8-bit significand; magnitudes below float16's smallest normal flushed)."""
     if dtype == torch.float32:
         return x
     x = x.to(torch.bfloat16).float()
