@@ -263,14 +263,28 @@ padded = runner.execute(decode)  # 3 decodes padded to the captured size 4
 err = (eager - padded).abs().max().item()
 assert err < 1e-4, err
 assert not kv[:, :, 0].any(), "a padding row wrote into the null block"
+# graphs cover contexts up to GRAPH_MAX_CONTEXT whatever max_model_len is; longer steps go eager
+big = DecodeGraphs(model, ops, kv, 16, max_batch=8, max_model_len=131072)
+assert big.max_context == 8192 and tuple(big.tables.shape) == (8, 512), big.tables.shape
+assert big.fits([SeqInput([7], 8191, list(range(1, 513)))])
+assert not big.fits([SeqInput([7], 8192, list(range(1, 514)))])
+# a second step with shorter rows copies fewer table columns; stale ones past a row's
+# context are never read
+runner.decode_graphs = DecodeGraphs(model, ops, kv, 16, max_batch=8, max_model_len=600)
+runner.execute(decode)
+short = [SeqInput([9], 1, tables[0][:1])]
+padded_short = runner.execute(short)
+runner.decode_graphs = None
+err = (runner.execute(short) - padded_short).abs().max().item()
+assert err < 1e-4, err
 """
 
 
 @pytest.mark.skipif(not _has_triton(), reason="triton is not installed")
 def test_decode_graph_padding_gives_the_eager_logits(tiny_model):
     """What a CUDA graph replays — static buffers, a batch padded to a captured size (padding
-    rows write nowhere), partitions sized for max_model_len — run eagerly on the interpreted
-    kernels, against the plain eager step."""
+    rows write nowhere), partitions sized for the captured context bound, only the used table
+    columns copied — run eagerly on the interpreted kernels, against the plain eager step."""
     proc = subprocess.run(
         [sys.executable, "-c", PADDED_DECODE, tiny_model("llama")], capture_output=True, text=True, timeout=300
     )
