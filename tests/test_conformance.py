@@ -81,8 +81,10 @@ def test_broken_backends_fail_on_the_right_rows(plugins_installed, backend, rows
 
 
 def test_a_backend_is_checked_on_what_it_declares_and_refused_the_rest(plugins_installed, tiny_model):
-    from pagedllm import LLM
-    from pagedllm.entrypoints.engine_client import EngineDeadError
+    """The suite tests only the declared dtypes and sizes and prints them; a worker refuses a
+    configuration outside them while starting (here in-process: what the worker process runs)."""
+    from pagedllm.backends.worker import Worker
+    from pagedllm.core.config import EngineConfig
 
     proc = subprocess.run(
         [sys.executable, "-m", "pagedllm.entrypoints.cli", "conformance", "--backend", "narrow-support", "--quick"]
@@ -95,10 +97,15 @@ def test_a_backend_is_checked_on_what_it_declares_and_refused_the_rest(plugins_i
         proc.stdout
     )
     assert "bfloat16" not in proc.stdout.split("declared support")[1].split("\n", 1)[1]
-    with pytest.raises(
-        EngineDeadError, match=r"backend narrow-support does not support block_size 32 \(supported: 16\)"
+    model = tiny_model("llama")
+    for config, refusal in (
+        (dict(block_size=32), r"block_size 32 \(supported: 16\)"),
+        (dict(dtype="bfloat16"), r"dtype bfloat16 \(supported: float32\)"),
+        (dict(max_model_len=1024), r"max_model_len 1024 \(contexts up to 512\)"),
     ):
-        LLM(tiny_model("llama"), backend="narrow-support", block_size=32, num_kv_blocks=64, skip_tokenizer_init=True)
+        with pytest.raises(ValueError, match="backend narrow-support does not support " + refusal):
+            Worker(EngineConfig(model=model, backend="narrow-support", **config))
+    Worker(EngineConfig(model=model, backend="narrow-support", max_model_len=512))  # within: starts
 
 
 def test_cli_exits_nonzero_on_failure_and_writes_json(plugins_installed, tmp_path):

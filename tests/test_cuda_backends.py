@@ -268,15 +268,13 @@ big = DecodeGraphs(model, ops, kv, 16, max_batch=8, max_model_len=131072)
 assert big.max_context == 8192 and tuple(big.tables.shape) == (8, 512), big.tables.shape
 assert big.fits([SeqInput([7], 8191, list(range(1, 513)))])
 assert not big.fits([SeqInput([7], 8192, list(range(1, 514)))])
-# a second step with shorter rows copies fewer table columns; stale ones past a row's
-# context are never read
-runner.decode_graphs = DecodeGraphs(model, ops, kv, 16, max_batch=8, max_model_len=600)
-runner.execute(decode)
-short = [SeqInput([9], 1, tables[0][:1])]
-padded_short = runner.execute(short)
-runner.decode_graphs = None
-err = (runner.execute(short) - padded_short).abs().max().item()
-assert err < 1e-4, err
+# a later step with shorter rows copies only the table columns it uses; the stale ones past
+# each row's context are never read (the padded step above had them from capture-time zeros)
+graphs = runner.decode_graphs
+before = graphs.tables.clone()
+assert graphs.stage([SeqInput([9], 1, tables[0][:1])]) == 1
+assert graphs.tables[0, 0] == tables[0][0] and graphs.context_lens[0] == 2
+assert graphs.tables[0, 1:].equal(before[0, 1:]) and graphs.tables[1:].equal(before[1:])
 """
 
 

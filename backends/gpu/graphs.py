@@ -79,6 +79,15 @@ class DecodeGraphs:
     @torch.inference_mode()
     def run(self, seqs: list[SeqInput]) -> torch.Tensor:
         """Hidden states [len(seqs), hidden] of a decode-only step."""
+        n, size = len(seqs), self.stage(seqs)
+        graph = self.graphs.get(size)
+        if graph is None:  # not captured (the CPU test of this padding): the same forward, eagerly
+            return self._forward(size)[:n]
+        graph.replay()
+        return self.outputs[size][:n]
+
+    def stage(self, seqs: list[SeqInput]) -> int:
+        """Fill the static input buffers for this step; returns the captured size it runs at."""
         n = len(seqs)
         size = next(s for s in self.sizes if s >= n)
         bs = self.block_size
@@ -99,8 +108,4 @@ class DecodeGraphs:
         self.slots[:size].copy_(torch.from_numpy(slots), non_blocking=True)
         self.tables[:size, :cols].copy_(self.host_tables[:size, :cols], non_blocking=True)
         self.context_lens[:size].copy_(torch.from_numpy(ctx), non_blocking=True)
-        graph = self.graphs.get(size)
-        if graph is None:  # not captured (the CPU test of this padding): the same forward, eagerly
-            return self._forward(size)[:n]
-        graph.replay()
-        return self.outputs[size][:n]
+        return size
