@@ -136,9 +136,35 @@ class AttentionOps:
         """Move blocks between the device pool and the host swap space (either direction)."""
         if not pairs:
             return
+        if src_caches.device != dst_caches.device:
+            copy_block_runs(src_caches, dst_caches, pairs)
+            return
         src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=src_caches.device)
         dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=dst_caches.device)
-        dst_caches[:, :, dst] = src_caches[:, :, src].to(dst_caches.device)
+        dst_caches[:, :, dst] = src_caches[:, :, src]
+
+
+def block_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(src, dst, count) runs of blocks consecutive on both sides, in the pairs' order."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in pairs:
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
+
+
+def copy_block_runs(src_caches: torch.Tensor, dst_caches: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+    """Blocks between a device pool and host memory, [L, 2, N, ...] on both sides: each run of
+    consecutive blocks of one layer's K or V is one contiguous copy straight into its slots —
+    asynchronous when the host side is pinned — where gathering the blocks first would land in
+    a fresh pageable tensor and copy synchronously. Stream order keeps later kernels and copies
+    behind these; the step's sampled tokens, read back at its end, wait for them."""
+    for s, d, n in block_runs(pairs):
+        for layer in range(src_caches.shape[0]):
+            for kv in (0, 1):
+                dst_caches[layer, kv, d : d + n].copy_(src_caches[layer, kv, s : s + n], non_blocking=True)
 
 
 def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:

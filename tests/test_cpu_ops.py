@@ -143,3 +143,21 @@ def test_fused_kernels_replace_the_torch_ops_in_float32_only(tiny_model, dtype):
     fused = dtype == "float32"
     assert isinstance(model.norm, FusedRMSNorm) == fused
     assert all((layer.act is native.silu_and_mul) == fused for layer in model.layers)
+
+
+def test_device_host_swaps_copy_runs_of_blocks_straight_into_their_slots():
+    """The path a device backend's swaps take (pool and swap space on different devices),
+    run here on host tensors: runs of consecutive blocks, one copy per layer, K/V and run."""
+    from pagedllm.backends.attention import block_runs, copy_block_runs
+
+    assert block_runs([(3, 0), (4, 1), (5, 2), (9, 3), (10, 7), (11, 8)]) == [(3, 0, 3), (9, 3, 1), (10, 7, 2)]
+    pool = torch.randn(3, 2, 12, 4, 2, 8)
+    swap = torch.zeros(3, 2, 9, 4, 2, 8)
+    pairs = [(3, 0), (4, 1), (5, 2), (9, 3), (10, 7), (11, 8)]
+    copy_block_runs(pool, swap, pairs)
+    for s, d in pairs:
+        assert torch.equal(swap[:, :, d], pool[:, :, s])
+    assert not swap[:, :, 4:7].any()
+    back = torch.zeros_like(pool)
+    copy_block_runs(swap, back, [(d, s) for s, d in pairs])
+    assert torch.equal(back[:, :, [3, 4, 5, 9, 10, 11]], pool[:, :, [3, 4, 5, 9, 10, 11]])
