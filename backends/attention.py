@@ -82,10 +82,12 @@ class AttentionOps:
 
     def unsupported(self, dtype: torch.dtype, head_size: int, block_size: int, max_model_len: int | None) -> str | None:
         """What of a configuration these ops do not declare support for, or None."""
-        names = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+        def name(d: torch.dtype) -> str:
+            return str(d).removeprefix("torch.")
+
         if dtype not in self.supported_dtypes:
-            listed = ", ".join(names.get(d, str(d)) for d in self.supported_dtypes)
-            return f"dtype {names.get(dtype, dtype)} (supported: {listed})"
+            return f"dtype {name(dtype)} (supported: {', '.join(map(name, self.supported_dtypes))})"
         if self.supported_head_sizes is not None and head_size not in self.supported_head_sizes:
             return f"head size {head_size} (supported: {', '.join(map(str, self.supported_head_sizes))})"
         if self.supported_block_sizes is not None and block_size not in self.supported_block_sizes:

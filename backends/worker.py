@@ -49,7 +49,7 @@ from pagedllm.core.worker_group import rank_identity
 from pagedllm.core.worker_state import WorkerState
 
 from .gpu.dtype import default_dtype
-from .models.config import DTYPES
+from .models.config import DTYPES, ModelConfig
 from .models.loader import load_model
 from .models.parallel import SINGLE, TensorParallel
 from .registry import load_backend
@@ -81,17 +81,16 @@ class Worker:
             config.tensor_parallel_size // config.nnodes,
         )
         dtype = default_dtype(config.model, config.dtype) if self.on_gpu else config.dtype
+        wanted = ModelConfig.from_pretrained(config.model, dtype)  # refused before any weight loads
+        problem = self.ops.unsupported(wanted.dtype, wanted.head_dim, config.block_size, config.max_model_len)
+        if problem:
+            raise ValueError(f"backend {config.backend} does not support {problem}")
         # rotary tables as long as the context (a config past the model's positions was refused
         # or explicitly allowed by the frontend)
         self.model = load_model(
             config.model, dtype=dtype, max_positions=config.max_model_len, device=self.device, tp=self.tp
         )
         self.model_config = self.model.config
-        problem = self.ops.unsupported(
-            self.model_config.dtype, self.model_config.head_dim, config.block_size, config.max_model_len
-        )
-        if problem:
-            raise ValueError(f"backend {config.backend} does not support {problem}")
         self.state = WorkerState()
         self.runner: ModelRunner | None = None
         self.sampler = Sampler(config.seed)

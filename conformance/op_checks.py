@@ -42,10 +42,8 @@ class Case:
 
     def label(self, dtype) -> str:
         scale = "" if self.scale is None else f" scale={self.scale:.4g}"
-        return (
-            f"{self.what}: block_size={self.block_size} head_size={self.head_size} gqa={self.group}:1{scale} "
-            + (DTYPE_NAMES[dtype])
-        )
+        shape = f"block_size={self.block_size} head_size={self.head_size} gqa={self.group}:1"
+        return f"{self.what}: {shape}{scale} {DTYPE_NAMES[dtype]}"
 
     def build(self, dtype, device):
         return make_case(
@@ -64,14 +62,10 @@ class Case:
         )
 
 
-def supported_dtypes(ops) -> tuple:
-    return tuple(ops.supported_dtypes)
-
-
 def checked_dtypes(ops, only=None) -> tuple:
     """Every supported dtype (--quick too: a dtype's first check must not be a GPU run's),
     or those of `only` (--dtype)."""
-    dtypes = supported_dtypes(ops)
+    dtypes = tuple(ops.supported_dtypes)
     if only:
         missing = [DTYPE_NAMES[d] for d in only if d not in dtypes]
         if missing:
@@ -150,20 +144,16 @@ def prefill_cases(ops, quick: bool, chunked: bool) -> list[Case]:
     return cases
 
 
-def large_score_cases(ops, quick: bool) -> list[tuple[str, Case]]:
-    """(phase, case): one key per request dominates with scores 20, 50 and 100; the scale
-    is not always head_size**-0.5."""
+def large_score_cases(ops, quick: bool) -> list[Case]:
+    """Decode and prefill cases (named so) where one key per request dominates with scores 20,
+    50 and 100; the scale is not always head_size**-0.5."""
     points = grid_points(ops, True)
     points = points[:1] + points[-1:] if quick else points
     cases = []
     for i, (bs, hs, grp) in enumerate(points):
         scale = None if i % 2 == 0 else 1.0 / hs
-        cases.append(
-            ("decode", Case("decode", (1, 1, 1), (1, bs + 1, 700), bs, hs, grp, 200 + i, scale, (20.0, 50.0, 100.0)))
-        )
-        cases.append(
-            ("prefill", Case("prefill", (1, 5, 40), (40, 100, 40), bs, hs, grp, 300 + i, scale, (100.0, 20.0, 50.0)))
-        )
+        cases.append(Case("decode", (1, 1, 1), (1, bs + 1, 700), bs, hs, grp, 200 + i, scale, (20.0, 50.0, 100.0)))
+        cases.append(Case("prefill", (1, 5, 40), (40, 100, 40), bs, hs, grp, 300 + i, scale, (100.0, 20.0, 50.0)))
     return cases
 
 
@@ -214,9 +204,9 @@ def check_attention(ops, quick: bool, phase: str, dtypes) -> list[CheckResult]:
 
 def check_large_scores(ops, quick: bool, dtypes) -> list[CheckResult]:
     rows = _rows("large_scores", dtypes)
-    for phase, spec in large_score_cases(ops, quick):
+    for spec in large_score_cases(ops, quick):
         for dt in dtypes:
-            _check(rows[dt], ops, spec, phase, dt, ops.device)
+            _check(rows[dt], ops, spec, spec.what, dt, ops.device)
     return list(rows.values())
 
 

@@ -54,8 +54,8 @@ class CheckResult:
 def declared_support(ops) -> str:
     """What the backend says it supports, as the table's header prints it."""
 
-    def listed(values, unit=""):
-        return "any" if values is None else ", ".join(f"{v}{unit}" for v in values)
+    def listed(values):
+        return "any" if values is None else ", ".join(map(str, values))
 
     dtypes = ", ".join(DTYPE_NAMES.get(d, str(d)) for d in ops.supported_dtypes)
     context = "any" if ops.max_context_len is None else f"up to {ops.max_context_len}"

@@ -21,9 +21,7 @@ import traceback
 
 from pagedllm.entrypoints.tiny_models import ARCHITECTURES, make_model_dir
 
-from .results import DTYPE_NAMES, CheckResult, declared_support, format_table
-
-DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+from .results import CheckResult, declared_support, format_table
 
 
 @functools.lru_cache(maxsize=1)
@@ -83,6 +81,7 @@ def run_suite(
 
 def main(args) -> int:
     """CLI entry: prints the table, writes --json, exits 1 if anything failed."""
+    from pagedllm.backends.models.config import DTYPES
     from pagedllm.backends.registry import check_available, resolve_alias
 
     args.backend, picked = resolve_alias(args.backend)

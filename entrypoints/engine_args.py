@@ -73,8 +73,9 @@ class EngineArgs:
             swap = parse_size(self.swap_space, "swap_space")
         else:
             swap = int(self.swap_space * GiB)  # vLLM's unit: GiB
-        ModelFolder(model).check_max_model_len(self.max_model_len)
-        self._check_tensor_parallel(model, backend)
+        folder = ModelFolder(model)
+        folder.check_max_model_len(self.max_model_len)
+        self._check_tensor_parallel(folder, backend)
         fields = {
             k: v
             for k, v in asdict(self).items()
@@ -90,13 +91,13 @@ class EngineArgs:
             }
         )
 
-    def _check_tensor_parallel(self, model: str, backend: str) -> None:
+    def _check_tensor_parallel(self, folder: ModelFolder, backend: str) -> None:
         """Refused before anything starts: a split the model does not allow, or more ranks on
         this host than it has devices."""
         size = self.tensor_parallel_size
         if size == 1:
             return
-        ModelFolder(model).check_tensor_parallel(size)
+        folder.check_tensor_parallel(size)
         devices = device_count(backend)
         per_node = size // max(self.nnodes, 1)
         if devices is not None and per_node > devices:
