@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 
 @dataclass
@@ -106,6 +107,13 @@ class AttentionOps:
 
     def prepare_model(self, model) -> None:
         """A chance to adapt the loaded model to this backend (e.g. pack weights)."""
+
+    def quantized_linear(self, layer: nn.Module) -> nn.Module:
+        """This backend's layer for a quantized projection (a models.quantized.QuantizedLinear,
+        whose weight format is documented there), or the layer itself, whose forward
+        dequantizes the whole weight on every call: correct anywhere, and slow. Called for
+        each quantized projection before prepare_model."""
+        return layer
 
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor

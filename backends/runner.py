@@ -11,6 +11,7 @@ from pagedllm.core.utils import cdiv
 from pagedllm.core.worker_state import slot_mapping
 
 from .attention import AttentionMetadata, AttentionOps, DecodeMetadata, PrefillMetadata
+from .models.quantized import use_kernels
 
 
 @dataclass
@@ -91,6 +92,7 @@ class ModelRunner:
     def __init__(self, model, ops: AttentionOps, kv_caches: torch.Tensor, block_size: int, device="cpu"):
         self.model = model
         self.ops = ops
+        use_kernels(model, ops.quantized_linear)
         ops.prepare_model(model)
         self.kv_caches = kv_caches  # [L, 2, num_blocks, block_size, KVH, D]
         self.block_size = block_size

@@ -88,7 +88,12 @@ class Worker:
         # rotary tables as long as the context (a config past the model's positions was refused
         # or explicitly allowed by the frontend)
         self.model = load_model(
-            config.model, dtype=dtype, max_positions=config.max_model_len, device=self.device, tp=self.tp
+            config.model,
+            dtype=dtype,
+            max_positions=config.max_model_len,
+            device=self.device,
+            tp=self.tp,
+            quantization=config.quantization,
         )
         self.model_config = self.model.config
         self.state = WorkerState()

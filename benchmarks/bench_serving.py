@@ -26,7 +26,12 @@ from pagedllm.core.model_folder import ModelFolder
 
 
 def start_server(
-    model_dir: str, backend: str, dtype: str, kv_cache_memory: str, tensor_parallel_size: int = 1
+    model_dir: str,
+    backend: str,
+    dtype: str,
+    kv_cache_memory: str,
+    tensor_parallel_size: int = 1,
+    quantization: str | None = None,
 ) -> tuple[subprocess.Popen, str]:
     port = free_tcp_port()
     proc = subprocess.Popen(
@@ -51,6 +56,7 @@ def start_server(
             "100000",
             "--tensor-parallel-size",
             str(tensor_parallel_size),
+            *(["--quantization", quantization] if quantization else []),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -151,7 +157,14 @@ def run_rate(base_url: str, model: str, prompts, max_tokens, rate: float, seed: 
 
 
 def run_offline(
-    model_dir: str, prompts, max_tokens, backend: str, dtype: str, kv_cache_memory: str, tensor_parallel_size: int = 1
+    model_dir: str,
+    prompts,
+    max_tokens,
+    backend: str,
+    dtype: str,
+    kv_cache_memory: str,
+    tensor_parallel_size: int = 1,
+    quantization: str | None = None,
 ) -> dict:
     from pagedllm import LLM, SamplingParams
 
@@ -162,6 +175,7 @@ def run_offline(
         dtype=dtype,
         kv_cache_memory=kv_cache_memory,
         tensor_parallel_size=tensor_parallel_size,
+        quantization=quantization,
     ) as llm:
         params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
         start = time.monotonic()
@@ -182,16 +196,19 @@ def serving_benchmark(
     seed: int = 0,
     rounds: int = 2,
     tensor_parallel_size: int = 1,
+    quantization: str | None = None,
 ) -> dict:
     """The rate sweep, then `rounds` alternating offline and saturated served runs (the best
     of each): this machine's run-to-run noise is larger than the difference being measured."""
-    proc, base_url = start_server(model_dir, backend, dtype, kv_cache_memory, tensor_parallel_size)
+    proc, base_url = start_server(model_dir, backend, dtype, kv_cache_memory, tensor_parallel_size, quantization)
     try:
         rows = [run_rate(base_url, model_dir, prompts, max_tokens, rate, seed) for rate in rates]
         offline, served = [], [r for r in rows if r["rate"] == float("inf")]
         for _ in range(rounds):
             offline.append(
-                run_offline(model_dir, prompts, max_tokens, backend, dtype, kv_cache_memory, tensor_parallel_size)
+                run_offline(
+                    model_dir, prompts, max_tokens, backend, dtype, kv_cache_memory, tensor_parallel_size, quantization
+                )
             )
             served.append(run_rate(base_url, model_dir, prompts, max_tokens, float("inf"), seed))
     finally:

@@ -31,7 +31,9 @@ def make_workload(kind: str, num: int, seed: int, vocab: int):
     return synthetic_prompts(lengths, vocab, seed), [o for _, o in lengths]
 
 
-def run_pagedllm(model_dir, prompts, max_tokens, dtype, kv_cache_memory, backend="cpu", tensor_parallel_size=1):
+def run_pagedllm(
+    model_dir, prompts, max_tokens, dtype, kv_cache_memory, backend="cpu", tensor_parallel_size=1, quantization=None
+):
     from pagedllm import LLM, SamplingParams
 
     t0 = time.perf_counter()
@@ -42,6 +44,7 @@ def run_pagedllm(model_dir, prompts, max_tokens, dtype, kv_cache_memory, backend
         skip_tokenizer_init=True,
         kv_cache_memory=kv_cache_memory,
         tensor_parallel_size=tensor_parallel_size,
+        quantization=quantization,
     )
     startup = time.perf_counter() - t0
     try:
@@ -69,6 +72,7 @@ def compare(
     vllm_python=None,
     vllm_work=None,
     tensor_parallel_size=1,
+    quantization=None,
 ) -> dict:
     """The workload through pagedllm, then each peer; prints the table and returns the results
     (report.SystemResult, pagedllm first, each with its greedy agreement with pagedllm)."""
@@ -76,9 +80,10 @@ def compare(
     from .peers import hf_continuous, hf_static, vllm_subprocess
 
     secs, ours, startup, stats = run_pagedllm(
-        model_dir, prompts, max_tokens, dtype, kv_cache_memory, backend, tensor_parallel_size
+        model_dir, prompts, max_tokens, dtype, kv_cache_memory, backend, tensor_parallel_size, quantization
     )
-    results = [report.account(f"pagedllm ({backend})", secs, prompts, max_tokens, ours)]
+    label = backend if quantization is None else f"{backend}, {quantization}"
+    results = [report.account(f"pagedllm ({label})", secs, prompts, max_tokens, ours)]
     results[0].extra = {"startup_seconds": startup, "steps": stats.steps}
     overhead = (stats.step_seconds - stats.forward_seconds) / max(stats.steps, 1)
     print(f"pagedllm start-up {startup:.2f} s; {stats.steps} steps, engine overhead {overhead * 1e3:.2f} ms/step")

@@ -108,6 +108,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     master_port: int | None = None  # default: a free port (one host only)
     enforce_eager: bool = False
     max_worker_restarts: int = 3  # within 10 minutes; past it the engine is dead
+    quantization: str | None = None  # core/quantization.py: a load-time mode, or the checkpoint's method
 
     def __post_init__(self):
         _check_block_size(self.block_size)

@@ -7,6 +7,8 @@ import json
 import os
 import time
 
+from pagedllm.core.quantization import QUANTIZATIONS
+
 
 def load_dataset(spec: str, num: int, seed: int, tokenizer, vocab_size: int, max_len: int = 2048):
     """('synthetic' | a JSONL path) -> (prompt token ids, requested output lengths). Synthetic
@@ -134,6 +136,7 @@ def _throughput(args, out_dir: str) -> int:
         vllm_python=args.vllm_python,
         vllm_work=os.path.join(out_dir, "vllm-work"),
         tensor_parallel_size=args.tensor_parallel_size,
+        quantization=args.quantization,
     )
     results = run["results"]
     report.write_json(
@@ -177,6 +180,7 @@ def _latency(args, out_dir: str) -> int:
         dtype=args.dtype,
         kv_cache_memory=args.kv_cache_memory,
         tensor_parallel_size=args.tensor_parallel_size,
+        quantization=args.quantization,
     )
     print_rows(rows)
     report.write_json(
@@ -206,6 +210,7 @@ def _serving(args, out_dir: str) -> int:
         args.seed,
         rounds=args.rounds,
         tensor_parallel_size=args.tensor_parallel_size,
+        quantization=args.quantization,
     )
     print_report(result)
     finite = lambda r: {**r, "rate": "inf" if r["rate"] == float("inf") else r["rate"]}
@@ -244,6 +249,7 @@ def _scaling(args, out_dir: str) -> int:
             kv_cache_memory=args.kv_cache_memory,
             max_num_seqs=concurrency,
             tensor_parallel_size=args.tensor_parallel_size,
+            quantization=args.quantization,
         ) as llm:
             start = time.monotonic()
             outs = llm.generate(prompts, params, use_tqdm=False)
@@ -265,6 +271,12 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--backend", default="cpu")
     bench.add_argument("--dtype", default="float32")
     bench.add_argument("--tensor-parallel-size", type=int, default=1, help="pagedllm's ranks")
+    bench.add_argument(
+        "--quantization",
+        default=None,
+        choices=QUANTIZATIONS,
+        help="pagedllm's weights (the peers run the checkpoint as it is)",
+    )
     bench.add_argument("--num-prompts", type=int, default=200)
     bench.add_argument(
         "--dataset",

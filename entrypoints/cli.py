@@ -8,6 +8,7 @@ import os
 import sys
 
 from pagedllm import __version__
+from pagedllm.core.quantization import QUANTIZATIONS
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -18,6 +19,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         "--backend", default="cpu", help="cpu, cuda (the best CUDA backend here), cuda-triton, cuda-native, or a plugin"
     )
     g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    g.add_argument(
+        "--quantization",
+        default=None,
+        choices=QUANTIZATIONS,
+        help="weight-only quantization at load time (int8, int4, nf4); a GPTQ/AWQ checkpoint is read as saved",
+    )
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -118,6 +125,7 @@ def engine_kwargs(args) -> dict:
         model=args.model,
         backend=args.backend,
         dtype=args.dtype,
+        quantization=args.quantization,
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

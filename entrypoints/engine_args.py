@@ -12,6 +12,7 @@ from pagedllm.backends.registry import check_available, device_count, resolve_al
 from pagedllm.core.config import EngineConfig, parse_size
 from pagedllm.core.errors import InvalidParameter
 from pagedllm.core.model_folder import ModelFolder
+from pagedllm.core.quantization import resolve_quantization
 
 from .engine_client import EngineClient
 from .input_processor import InputProcessor
@@ -50,6 +51,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     max_worker_restarts: int = 3
+    quantization: str | None = None
     tokenizer: str | None = None
     skip_tokenizer_init: bool = False
     transport: str = "ipc"
@@ -75,6 +77,7 @@ class EngineArgs:
             swap = int(self.swap_space * GiB)  # vLLM's unit: GiB
         folder = ModelFolder(model)
         folder.check_max_model_len(self.max_model_len)
+        quantization = resolve_quantization(self.quantization, folder.config)
         self._check_tensor_parallel(folder, backend)
         fields = {
             k: v
@@ -88,6 +91,7 @@ class EngineArgs:
                 "backend": backend,
                 "kv_cache_memory": parse_size(self.kv_cache_memory, "kv_cache_memory"),
                 "swap_space": swap,
+                "quantization": quantization,
             }
         )
 

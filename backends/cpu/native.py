@@ -1,5 +1,5 @@
-"""The cpu backend's compiled kernels (csrc/kernels.cpp): float32 paged attention, RMSNorm and
-the gated MLP's activation.
+"""The cpu backend's compiled kernels (csrc/): float32 paged attention, RMSNorm, the gated MLP's
+activation, and quantized linear layers (int8, int4, nf4 weights; float32 compute).
 
 Plain C++ with OpenMP, no torch headers: it builds with the system compiler in about a second
 on first use, is cached under ~/.cache/pagedllm/cpu_kernels keyed by the source, the compiler
@@ -23,7 +23,8 @@ import torch
 
 from pagedllm.core.cache_dir import cache_root
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "kernels.cpp")
+_CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+SOURCES = tuple(os.path.join(_CSRC, name) for name in ("kernels.cpp", "quantized_linear.cpp"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 DISABLE_ENV = "PAGEDLLM_CPU_KERNELS"
 
@@ -45,8 +46,11 @@ def _cpu_flags() -> bytes:
 
 def _build(cxx: str) -> str:
     version = subprocess.run([cxx, "--version"], capture_output=True).stdout
-    with open(SOURCE, "rb") as f:
-        key = hashlib.sha256(f.read() + version + _cpu_flags() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    sources = b""
+    for path in SOURCES:
+        with open(path, "rb") as f:
+            sources += f.read()
+    key = hashlib.sha256(sources + version + _cpu_flags() + " ".join(FLAGS).encode()).hexdigest()[:16]
     target = os.path.join(cache_root("cpu_kernels"), f"kernels_{key}.so")
     if os.path.exists(target):
         return target
@@ -57,7 +61,7 @@ def _build(cxx: str) -> str:
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(target))
             os.close(fd)
             try:
-                done = subprocess.run([cxx, *FLAGS, SOURCE, "-o", tmp], capture_output=True, text=True)
+                done = subprocess.run([cxx, *FLAGS, *SOURCES, "-o", tmp], capture_output=True, text=True)
                 if done.returncode != 0:
                     raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-500:]}")
                 os.replace(tmp, target)
@@ -77,7 +81,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     try:
         lib = ctypes.CDLL(_build(cxx))
     except (OSError, RuntimeError) as e:
-        return None, f"building {os.path.basename(SOURCE)}: {e}"
+        return None, f"building {', '.join(map(os.path.basename, SOURCES))}: {e}"
     signatures = {
         "pagedllm_paged_attention_f32": [
             _p,
@@ -98,6 +102,23 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         ],
         "pagedllm_rms_norm_f32": [_p, _p, ctypes.c_float, _p, _i64, _i64, ctypes.c_int],
         "pagedllm_silu_and_mul_f32": [_p, _p, _i64, _i64, ctypes.c_int],
+        "pagedllm_quantized_gemv_f32": [
+            ctypes.c_int,
+            _p,
+            _i64,
+            _p,
+            _i64,
+            _p,
+            _p,
+            _p,
+            _p,
+            _i64,
+            _i64,
+            _i64,
+            _p,
+            ctypes.c_int,
+        ],
+        "pagedllm_dequantize_f32": [ctypes.c_int, _p, _i64, _p, _p, _p, _i64, _i64, _i64, _p, ctypes.c_int],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
@@ -187,5 +208,55 @@ def paged_attention(
         scale,
         out.data_ptr(),
         torch.get_num_threads(),
+    )
+    return out
+
+
+QUANTIZED_KINDS = {"int8": 0, "int4": 1, "nf4": 2}
+
+
+def _quantized_args(kind, codes, scales, zeros, lut):
+    return (
+        QUANTIZED_KINDS[kind],
+        codes.data_ptr(),
+        codes.stride(0) * codes.element_size(),
+        scales.data_ptr(),
+        None if zeros is None else zeros.data_ptr(),
+        None if lut is None else lut.data_ptr(),
+    )
+
+
+def quantized_gemv(x, kind, codes, scales, zeros, lut, bias, k: int, group: int) -> torch.Tensor:
+    """x [M, K] float32 contiguous times the quantized W^T (layouts: csrc/quantized_linear.cpp),
+    plus bias: [M, N] float32."""
+    n = codes.shape[0]
+    out = torch.empty(x.shape[0], n, dtype=torch.float32)
+    kind_id, codes_p, row_bytes, scales_p, zeros_p, lut_p = _quantized_args(kind, codes, scales, zeros, lut)
+    _library().pagedllm_quantized_gemv_f32(
+        kind_id,
+        x.data_ptr(),
+        x.shape[0],
+        codes_p,
+        row_bytes,
+        scales_p,
+        zeros_p,
+        lut_p,
+        None if bias is None else bias.data_ptr(),
+        n,
+        k,
+        group,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def dequantize(kind, codes, scales, zeros, lut, k: int, group: int) -> torch.Tensor:
+    """The quantized weight as float32 [N, K]."""
+    n = codes.shape[0]
+    out = torch.empty(n, k, dtype=torch.float32)
+    kind_id, codes_p, row_bytes, scales_p, zeros_p, lut_p = _quantized_args(kind, codes, scales, zeros, lut)
+    _library().pagedllm_dequantize_f32(
+        kind_id, codes_p, row_bytes, scales_p, zeros_p, lut_p, n, k, group, out.data_ptr(), torch.get_num_threads()
     )
     return out

@@ -26,6 +26,7 @@ from ..attention import AttentionOps, DecodeMetadata, PrefillMetadata, prefill_t
 from ..models.decoder import DecoderLayer, RMSNorm
 from . import native
 from .packed_linear import pack_linear_layers
+from .quantized_linear import cpu_quantized_linear
 
 DECODE_GROUPS = 4  # at most this many context-length groups per decode batch
 DECODE_GROUP_MIN = 8  # requests per group, at least
@@ -110,6 +111,9 @@ class CpuAttentionOps(AttentionOps):
 
     def prepare_process(self) -> None:
         keep_freed_memory()
+
+    def quantized_linear(self, layer):
+        return cpu_quantized_linear(layer)
 
     def prepare_model(self, model) -> None:
         pack_linear_layers(model)

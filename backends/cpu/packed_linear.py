@@ -24,6 +24,11 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+# the same op takes a plain [N, K] weight too, as fast for a weight it sees once (quantized
+# layers decode theirs on every call) as for a packed one
+plain_linear_pointwise = _packed_linear
+
+
 @functools.cache
 def packing_available(dtype: torch.dtype = torch.float32) -> bool:
     """Whether oneDNN packs `dtype` weights on this CPU (bfloat16 needs AVX-512 or AVX-NE-CONVERT)."""

@@ -9,9 +9,14 @@ import re
 import torch
 from safetensors import safe_open
 
+from pagedllm.core.model_folder import ModelFolder
+from pagedllm.core.quantization import checkpoint_quantization, resolve_quantization
+
 from .config import ModelConfig
 from .decoder import CausalLM
 from .parallel import SINGLE, Shards, TensorParallel
+from .quantized import QUANTIZED_PROJECTIONS, QuantizedLinear, QuantizedWeight, quantize_model
+from .quantized_checkpoint import QUANTIZED_SUFFIXES, read_quantized
 from .rope import RotaryEmbedding
 
 # Hugging Face name pattern -> (our parameter, shard index within a fused matrix or None)
@@ -63,15 +68,25 @@ def load_model(
     max_positions: int | None = None,
     device: str | torch.device = "cpu",
     tp: TensorParallel = SINGLE,
+    quantization: str | None = None,
 ) -> CausalLM:
     """The model, or under tensor parallelism this rank's part of it: only its slices are read
-    from the safetensors files, so no rank holds the whole model."""
-    cfg = ModelConfig.from_pretrained(model_dir, dtype)
+    from the safetensors files, so no rank holds the whole model. `quantization`: a mode of
+    core/quantization.py to apply as it loads; a checkpoint saved quantized (GPTQ, AWQ) loads
+    as such whatever it says."""
+    folder = ModelFolder(model_dir)
+    cfg = ModelConfig.from_dict(folder.config, dtype)
+    method = resolve_quantization(quantization, folder.config)
+    saved = checkpoint_quantization(folder.config)
     # the rotary tables are computed, not loaded: outside the meta device (where computing them
     # would pull in torch's meta kernels, a second and a half of every worker's start)
     rope = RotaryEmbedding(cfg.head_dim, cfg.rope, max(max_positions or 0, cfg.max_position_embeddings))
     with torch.device("meta"):
         model = CausalLM(cfg, tp=tp, rope=rope)
+        if saved is not None:  # no full-precision weights for the projections saved quantized
+            for layer in model.layers:
+                for name in QUANTIZED_PROJECTIONS:
+                    setattr(layer, name, _BiasOnly(getattr(layer, name)))
     model = model.to_empty(device=device).to(cfg.dtype)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -79,10 +94,23 @@ def load_model(
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     unexpected: list[str] = []
+    quantized: dict[str, dict[str, torch.Tensor]] = {}  # checkpoint stem -> its saved tensors
     for path in checkpoint_files(model_dir):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - a safetensors file is not iterable
+                stem, _, suffix = name.rpartition(".")
+                if saved is not None and suffix in QUANTIZED_SUFFIXES:
+                    quantized.setdefault(stem, {})[suffix] = f.get_tensor(name)
+                    continue
                 target = _target(name)
+                if (
+                    saved is not None
+                    and target
+                    and target[0].endswith(".bias")
+                    and target[0] not in params
+                    and not f.get_tensor(name).any()
+                ):
+                    continue  # GPTQ saves a zero bias for every projection, whether the model has one or not
                 if target is None or target[0] not in params:
                     if not _IGNORED.search(name):
                         unexpected.append(name)
@@ -92,13 +120,56 @@ def load_model(
                 _copy_into(params[param_name], param_name, tensor, shard, model.shards, cfg, name)
                 loaded.add(f"{param_name}#{shard}")
     missing = [n for n, shards in _expected_loads(params, cfg) if not shards <= loaded]
+    if saved is not None:
+        missing += _install_quantized(model, quantized, *saved, cfg, tp, device)
+        unexpected += [f"{stem}.{suffix}" for stem, tensors in quantized.items() for suffix in tensors]
     if missing or unexpected:
         raise ValueError(
             f"model: checkpoint in {model_dir!r} does not match {cfg.architecture}: "
             f"missing weights {missing or 'none'}; unexpected weights {unexpected or 'none'}"
         )
+    if method is not None and saved is None:
+        quantize_model(model, method)
     model.eval()
     return model
+
+
+class _BiasOnly(torch.nn.Module):
+    """A projection saved quantized, until its weights are read: only its bias, if any."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.bias = linear.bias
+
+
+def _install_quantized(model, saved: dict, method: str, params: dict, cfg, tp, device) -> list[str]:
+    """Build every layer's quantized projections from their saved tensors (taking them out of
+    `saved`): each part read, cut to this rank's share (by whole groups) and fused. Returns the
+    parts that are missing."""
+    missing = []
+    for i, layer in enumerate(model.layers):
+        for name in QUANTIZED_PROJECTIONS:
+            hf_names = [hf for hf, (ours, _) in _LAYER_NAMES.items() if ours == name]
+            parts = []
+            for hf in hf_names:  # in shard order (q, k, v; gate, up)
+                stem = f"model.layers.{i}.{hf}"
+                if stem not in saved:
+                    missing.append(f"{stem}.qweight")
+                    continue
+                weight = read_quantized(method, params, saved.pop(stem), stem)
+                parts.append(_rank_share(weight, hf, model.shards, cfg, tp))
+            if len(parts) == len(hf_names):
+                weight = QuantizedWeight.stack(parts).to(device)
+                setattr(layer, name, QuantizedLinear(weight, getattr(layer, name).bias))
+    return missing
+
+
+def _rank_share(weight: QuantizedWeight, hf: str, shards: Shards, cfg: ModelConfig, tp: TensorParallel):
+    if tp.size == 1:
+        return weight
+    dim, what = _SPLITS[hf]
+    start, size = _range(what, shards, cfg)
+    return weight.rows(start, size) if dim == 0 else weight.columns(start, size)
 
 
 # HF weight (stem suffix) -> how it splits across ranks: (dimension, which Shards range)
