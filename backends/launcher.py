@@ -3,16 +3,16 @@ then forks a worker process per rank whenever the engine core asks — at start,
 worker dies, so that a replacement only has to load the model (importing torch takes most of
 the 2–3 s a fresh process would need here).
 
-Commands come on stdin, one per line: `start RANK`, `kill RANK`; reports go to stdout:
+Commands come on stdin, one per line: `head ENDPOINT` (where workers reach the core; the core
+may start the launcher before it knows), `start RANK`, `kill RANK`; reports go to stdout:
 `started RANK PID`, `exited RANK PID CODE` (CODE < 0: killed by that signal). The launcher
 ends, taking its workers with it, when its stdin closes (the core is gone).
 
-`python -m pagedllm.backends.launcher --head ENDPOINT` (started by the engine core).
+`python -m pagedllm.backends.launcher` (started by the engine core).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import select
 import signal
@@ -44,7 +44,8 @@ def _returncode(status: int) -> int:
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
-def serve(head: str) -> None:
+def serve() -> None:
+    head = None
     ranks: dict[int, int] = {}  # pid -> rank
     out = sys.stdout
 
@@ -72,6 +73,9 @@ def serve(head: str) -> None:
         while b"\n" in buffer:
             line, buffer = buffer.split(b"\n", 1)
             command, _, arg = line.decode().partition(" ")
+            if command == "head":
+                head = arg
+                continue
             rank = int(arg)
             if command == "start":
                 pid = _fork_worker(head, rank)
@@ -85,12 +89,9 @@ def serve(head: str) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--head", required=True, help="the engine core's worker endpoint")
-    args = ap.parse_args(argv)
+def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend orchestrates shutdown
-    serve(args.head)
+    serve()
     return 0
 
 

@@ -18,6 +18,7 @@ from . import shm
 from .config import CacheConfig, EngineConfig, SchedulerConfig, default_batched_tokens
 from .errors import EngineFailure, InvalidParameter
 from .ipc import Channel, PeerGone, remove_ipc_dir
+from .local_workers import LocalWorkers
 from .outputs import SchedulerOutput
 from .protocol import (
     AbortRequests,
@@ -50,8 +51,16 @@ FRONTEND_GONE_MS = 5000  # a send to the frontend that finds no peer this long: 
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, input_endpoint: str, output_endpoint: str, worker_endpoint: str):
+    def __init__(
+        self,
+        config: EngineConfig,
+        input_endpoint: str,
+        output_endpoint: str,
+        worker_endpoint: str,
+        launcher: LocalWorkers | None = None,
+    ):
         self.config = config
+        self.launcher = launcher  # started early by engine_main, so its torch import overlaps ours
         self.input_endpoint = input_endpoint
         self.parent_pid = os.getppid()
         self.ctx = zmq.Context()
@@ -77,7 +86,7 @@ class EngineCore:
     # --- start-up -------------------------------------------------------------------------
     def start(self) -> None:
         shm.remove_stale_segments()
-        self.workers = WorkerGroup(self.ctx, self.worker_endpoint, self.config)
+        self.workers = WorkerGroup(self.ctx, self.worker_endpoint, self.config, self.launcher)
         self.workers.start()
         hellos = self.workers.gather(WorkerHello, WORKER_START_TIMEOUT_S, self._check_frontend)
         cache_config, sched_config = self._size_cache(hellos)

@@ -7,15 +7,19 @@ import signal
 import sys
 import traceback
 
-import msgspec
-
-from .config import EngineConfig
-from .engine import EngineCore
-from .errors import EngineFailure
-from .logs import setup_logging
+from .local_workers import LocalWorkers
 
 
 def main(argv=None) -> int:
+    # the worker launcher imports torch, seconds: start it before this process's own imports
+    launcher = LocalWorkers()
+    import msgspec
+
+    from .config import EngineConfig
+    from .engine import EngineCore
+    from .errors import EngineFailure
+    from .logs import setup_logging
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", required=True)
     ap.add_argument("--input", required=True)
@@ -27,7 +31,7 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # unwinds through close()
     config = msgspec.json.decode(args.config, type=EngineConfig)
-    core = EngineCore(config, args.input, args.output, args.workers)
+    core = EngineCore(config, args.input, args.output, args.workers, launcher)
     code = 0
     try:
         core.start()

@@ -49,7 +49,7 @@ def rank_identity(rank: int) -> bytes:
 
 
 class WorkerGroup:
-    def __init__(self, ctx: zmq.Context, endpoint: str, config: EngineConfig):
+    def __init__(self, ctx: zmq.Context, endpoint: str, config: EngineConfig, launcher: LocalWorkers | None = None):
         self.config = config
         self.size = config.tensor_parallel_size
         self.local_ranks = config.ranks_of_node(0)
@@ -63,7 +63,7 @@ class WorkerGroup:
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.encoder = Encoder()
         self.decoder = Decoder(FromWorker)
-        self.local: LocalWorkers | None = None  # this host's ranks, forked by the launcher
+        self.local = launcher  # this host's ranks, forked by the launcher
         self.joined: dict[int, WorkerJoin] = {}
         self.master_port = config.master_port or free_tcp_port(config.master_addr)
         self._last_send = time.monotonic()
@@ -73,6 +73,8 @@ class WorkerGroup:
         """Start this host's ranks; they join (and are configured) in `gather`."""
         if self.local is None:
             self.local = LocalWorkers(self.endpoint)
+        elif not self.local.connected:
+            self.local.connect(self.endpoint)
         for rank in self.local_ranks:
             self.local.start(rank)
 
