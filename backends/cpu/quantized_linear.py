@@ -17,7 +17,7 @@ from ..models.quantized import NF4_CODEBOOK, QuantizedLinear
 from . import native
 from .packed_linear import packing_available, plain_linear_pointwise
 
-GEMV_MAX_ROWS = 16  # measured: benchmarks/bench_quantization.py --kernels
+GEMV_MAX_ROWS = 16  # where decoding once and oneDNN's GEMM overtake, measured here (docs/bench/README.md)
 
 
 def pack_nibbles(codes: torch.Tensor, group: int) -> torch.Tensor:

@@ -49,12 +49,13 @@ class QuantizedWeight:
             return self.g_idx.long()
         return torch.arange(self.codes.shape[1], device=self.codes.device) // self.group_size
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight [N, K] it stands for, computed in float32 and rounded once to `dtype`."""
+    def dequantize(self, dtype: torch.dtype = torch.float32, codebook: torch.Tensor | None = None) -> torch.Tensor:
+        """The weight [N, K] it stands for, computed in float32 and rounded once to `dtype`
+        (nf4: `codebook` is NF4_CODEBOOK already on the codes' device, if the caller has it)."""
         groups = self.groups()
         scales = self.scales.float().index_select(1, groups)
         if self.kind == "nf4":
-            book = torch.tensor(NF4_CODEBOOK, device=self.codes.device)
+            book = codebook if codebook is not None else torch.tensor(NF4_CODEBOOK, device=self.codes.device)
             return (book[self.codes.long()] * scales).to(dtype)
         values = self.codes.float()
         if self.zeros is not None:
@@ -162,6 +163,9 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("scales", weight.scales)
         self.register_buffer("zeros", weight.zeros)
         self.register_buffer("g_idx", weight.g_idx)
+        # a buffer, so that no forward copies it to the device (not allowed in a CUDA graph capture)
+        codebook = torch.tensor(NF4_CODEBOOK, device=weight.codes.device) if weight.kind == "nf4" else None
+        self.register_buffer("codebook", codebook)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     @property
@@ -169,7 +173,7 @@ class QuantizedLinear(nn.Module):
         return QuantizedWeight(self.kind, self.codes, self.scales, self.zeros, self.group_size, self.g_idx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight.dequantize(x.dtype), self.bias)
+        return F.linear(x, self.weight.dequantize(x.dtype, self.codebook), self.bias)
 
     def extra_repr(self) -> str:
         return f"{self.kind}, in_features={self.in_features}, out_features={self.out_features}, group={self.group_size}"
