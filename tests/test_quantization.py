@@ -15,7 +15,8 @@ from pagedllm.backends.cpu.quantized_linear import CpuQuantizedLinear
 from pagedllm.backends.models.loader import load_model
 from pagedllm.backends.models.parallel import TensorParallel
 from pagedllm.backends.models.quantized import NF4_CODEBOOK, QuantizedLinear, QuantizedWeight, quantize
-from pagedllm.benchmarks.bench_quantization import demo_held_out, held_out_loss
+from pagedllm.benchmarks.bench_quantization import demo_held_out, held_out_loss, make_runner
+from pagedllm.benchmarks.bench_quantization import greedy as in_process_greedy
 from pagedllm.core.errors import InvalidParameter
 from pagedllm.entrypoints.cli import build_parser, engine_kwargs
 from pagedllm.entrypoints.default_model import shipped_model_dir
@@ -240,6 +241,14 @@ def test_awq_checkpoint_equals_transformers_and_splits_by_group_over_two_ranks(a
     expected = [hf_greedy(hf, p, 24) for p in PROMPTS]
     assert greedy(quantized) == expected
     assert greedy(quantized, tensor_parallel_size=2) == expected
+
+
+def test_load_time_int8_over_two_ranks_equals_one_rank(tiny_model):
+    """Each rank quantizes its own slice; a row-parallel slice's int8 scales come from its whole
+    row (without that all-reduce the ranks' scales differ and so do the tokens)."""
+    path = tiny_model("llama", hidden_size=128, intermediate_size=256, head_dim=32)
+    one_rank = in_process_greedy(make_runner(path, "float32", "int8", 64), PROMPTS, 24)
+    assert greedy(path, quantization="int8", tensor_parallel_size=2) == one_rank
 
 
 def test_quantized_checkpoints_load_as_codes_without_a_full_precision_copy(awq):

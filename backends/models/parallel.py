@@ -34,9 +34,10 @@ class TensorParallel:
     def is_first(self) -> bool:
         return self.rank == 0
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+    def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
         if self.size > 1:
-            torch.distributed.all_reduce(x)
+            ops = torch.distributed.ReduceOp
+            torch.distributed.all_reduce(x, op=ops.MAX if op == "max" else ops.SUM)
         return x
 
     def gather_to_first(self, x: torch.Tensor) -> torch.Tensor | None:

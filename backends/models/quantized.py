@@ -123,12 +123,14 @@ def group_size_for(in_features: int, wanted: int) -> int:
     return next((g for g in (wanted, 64, 32) if g <= wanted and in_features % g == 0), in_features)
 
 
-def quantize(weight: torch.Tensor, kind: str) -> QuantizedWeight:
-    """Round-to-nearest quantization of a [N, K] weight."""
+def quantize(weight: torch.Tensor, kind: str, row_absmax: torch.Tensor | None = None) -> QuantizedWeight:
+    """Round-to-nearest quantization of a [N, K] weight. int8: `row_absmax` [N], when given,
+    sets the scales (a row-parallel slice takes its whole row's, so that ranks quantize as one)."""
     w = weight.detach().float()
     n, k = w.shape
     if kind == "int8":
-        scale = w.abs().amax(1, keepdim=True).clamp_min(1e-12) / 127
+        absmax = w.abs().amax(1) if row_absmax is None else row_absmax
+        scale = absmax[:, None].clamp_min(1e-12) / 127
         codes = (w / scale).round().clamp(-127, 127).to(torch.int8)
         return QuantizedWeight("int8", codes, scale, None, k)
     if kind == "int4":
@@ -184,15 +186,24 @@ class QuantizedLinear(nn.Module):
 QUANTIZED_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
+ROW_PARALLEL = ("o_proj", "down_proj")  # split by input channel across ranks
+
+
 def quantize_model(model: nn.Module, kind: str) -> int:
     """Replace the decoder layers' projections by QuantizedLinear layers in place, one at a time
-    (the full-precision weight of each is freed as it goes). Returns how many."""
+    (the full-precision weight of each is freed as it goes). Returns how many. Under tensor
+    parallelism every rank quantizes its own slice; int8's per-row scales of a row-parallel
+    slice come from the whole row (an all-reduce of the ranks' maxima), and int4/nf4 groups are
+    the same as one rank's wherever a rank's input slice is a multiple of the group."""
     count = 0
     for layer in model.layers:
         for name in QUANTIZED_PROJECTIONS:
             linear = getattr(layer, name)
+            absmax = None
+            if kind == "int8" and name in ROW_PARALLEL and model.tp.size > 1:
+                absmax = model.tp.all_reduce(linear.weight.detach().float().abs().amax(1), op="max")
             bias = None if linear.bias is None else linear.bias.detach()
-            setattr(layer, name, QuantizedLinear(quantize(linear.weight, kind), bias))
+            setattr(layer, name, QuantizedLinear(quantize(linear.weight, kind, absmax), bias))
             count += 1
     return count
 
