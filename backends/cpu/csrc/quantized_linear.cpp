@@ -1,10 +1,11 @@
 // Weight-only quantized linear layers in float32: y = x W^T + b with W stored as int8, int4
 // or nf4 codes and a float32 scale (and, for int4, a zero point) per group of input channels.
 //
-// Rows of W are decoded to float32 one at a time into a per-thread buffer and reused by every
-// row of x (decoding is a few vector ops per weight; reading a 16-bit weight costs more memory
-// traffic than reading its 4- or 8-bit code). For many rows of x, the caller decodes the whole
-// matrix once instead and hands it to a float32 GEMM.
+// With AVX2 and FMA, each vector of codes is decoded in registers and multiplied by four rows of
+// x at a time; elsewhere (or for groups not a multiple of 16), rows of W are decoded to float32
+// one at a time into a per-thread buffer reused by every row of x. Either way a weight costs a
+// few vector ops to decode and 4 or 8 bits of memory traffic instead of 16 or 32. For many rows
+// of x the caller decodes the whole matrix once instead and hands it to a float32 GEMM.
 //
 // Code layouts (backends/cpu/quantized_linear.py writes them):
 //   int8: one signed byte per weight, row-major [N, K];
