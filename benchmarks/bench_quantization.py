@@ -215,6 +215,7 @@ def speed(quick: bool) -> list[dict]:
     batches = (1, 16) if quick else (1, 16, 64)
     steps = {b: decode_steps(configs, model_dir, b, 64 if quick else 256, 3 if quick else 12) for b in batches}
     rows = []
+    parameters = sum(p.numel() for p in load_model(model_dir).parameters())
     for dtype, mode in configs:
         model = load_model(model_dir, dtype=dtype, quantization=mode)
         ModelRunner(model, CpuAttentionOps(), allocate_kv_caches(model, 1, BLOCK), BLOCK)  # the backend's layers
@@ -222,7 +223,7 @@ def speed(quick: bool) -> list[dict]:
         rows.append(
             {
                 "mode": mode_name(mode, dtype),
-                "parameters": sum(p.numel() for p in load_model(model_dir).parameters()),
+                "parameters": parameters,
                 "weight_bytes": weight_bytes(model),
                 "decode_step_ms": {b: steps[b][(dtype, mode)] * 1e3 for b in batches},
                 "output_tok_s": tok_s,
