@@ -74,7 +74,8 @@ def sequence_scores(runner: ModelRunner, ids: list[int]) -> tuple[float, torch.T
 
 
 def demo_held_out(tokenizer) -> list[list[int]]:
-    """The demo model's held-out texts as chunks of 257 tokens (tests/test_demo_model.py's)."""
+    """The demo model's held-out texts (every 10th pydoc topic, never trained on) as chunks of
+    257 tokens: the set tests/test_demo_model.py and tests/test_quantization.py score."""
     path = os.path.join(os.path.dirname(__file__), "..", "tools", "train_demo_model.py")
     spec = importlib.util.spec_from_file_location("train_demo_model", path)
     script = importlib.util.module_from_spec(spec)

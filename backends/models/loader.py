@@ -34,6 +34,8 @@ _LAYER_NAMES = {
     "input_layernorm": ("input_layernorm", None),
     "post_attention_layernorm": ("post_attention_layernorm", None),
 }
+# our fused projection -> its Hugging Face parts, in shard order (q, k, v; gate, up)
+_PARTS = {ours: [hf for hf, (p, _) in _LAYER_NAMES.items() if p == ours] for ours, _ in _LAYER_NAMES.values()}
 _TOP_NAMES = {"model.embed_tokens": "embed_tokens", "model.norm": "norm", "lm_head": "lm_head"}
 # buffers some checkpoints carry that are recomputed here
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
@@ -149,9 +151,9 @@ def _install_quantized(model, saved: dict, method: str, params: dict, cfg, tp, d
     missing = []
     for i, layer in enumerate(model.layers):
         for name in QUANTIZED_PROJECTIONS:
-            hf_names = [hf for hf, (ours, _) in _LAYER_NAMES.items() if ours == name]
+            hf_names = _PARTS[name]
             parts = []
-            for hf in hf_names:  # in shard order (q, k, v; gate, up)
+            for hf in hf_names:
                 stem = f"model.layers.{i}.{hf}"
                 if stem not in saved:
                     missing.append(f"{stem}.qweight")
