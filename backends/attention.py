@@ -12,6 +12,7 @@ Slot s is block s // block_size, offset s % block_size.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +57,14 @@ class AttentionMetadata:
     prefill: PrefillMetadata | None
 
 
+def list_sizes(sizes: tuple[int, ...]) -> str:
+    """'64, 128' — or '8, 16, ..., 256' for a long evenly spaced run."""
+    steps = {b - a for a, b in itertools.pairwise(sizes)}
+    if len(sizes) > 4 and len(steps) == 1:
+        return f"{sizes[0]}, {sizes[1]}, ..., {sizes[-1]}"
+    return ", ".join(map(str, sizes))
+
+
 class AttentionOps:
     """One backend's kernels and the facts the worker needs about it; every member has a
     working default, so a port overrides only what differs. Every op works on one layer's
@@ -90,9 +99,9 @@ class AttentionOps:
         if dtype not in self.supported_dtypes:
             return f"dtype {name(dtype)} (supported: {', '.join(map(name, self.supported_dtypes))})"
         if self.supported_head_sizes is not None and head_size not in self.supported_head_sizes:
-            return f"head size {head_size} (supported: {', '.join(map(str, self.supported_head_sizes))})"
+            return f"head size {head_size} (supported: {list_sizes(self.supported_head_sizes)})"
         if self.supported_block_sizes is not None and block_size not in self.supported_block_sizes:
-            return f"block_size {block_size} (supported: {', '.join(map(str, self.supported_block_sizes))})"
+            return f"block_size {block_size} (supported: {list_sizes(self.supported_block_sizes)})"
         if self.max_context_len is not None and max_model_len is not None and max_model_len > self.max_context_len:
             return f"max_model_len {max_model_len} (contexts up to {self.max_context_len})"
         return None

@@ -9,6 +9,8 @@
 #   ops-cuda-native   the same
 #   engine-*          the whole quick suite per backend, CUDA graphs strict (a failed capture fails)
 #   bandwidth         decode attention against the copy bandwidth, error-checked per backend
+#                     (cuda-triton at each decode tile x warps of benchmarks/kernel_registers.py)
+#                     (cuda-triton at each decode tile x warps of benchmarks/kernel_registers.py)
 #   end-to-end        output tokens/s on a random-weight Llama vs transformers generate
 #   tp2               with two or more GPUs: the engine rows at tensor-parallel size 2 (NCCL)
 #
@@ -85,7 +87,7 @@ else
     step "engine-$backend" 45 env PAGEDLLM_STRICT_GRAPHS=1 PAGEDLLM_LOG_LEVEL=INFO $PY -m pagedllm.entrypoints.cli \
       conformance --backend "$backend" --quick --json "$OUT/engine-$backend.json"
   done
-  step bandwidth 30 $PY -m pagedllm.benchmarks.gpu_decode_bandwidth
+  step bandwidth 60 $PY -m pagedllm.benchmarks.gpu_decode_bandwidth  # cuda-triton: six decode configs
   step end-to-end 50 $PY -m pagedllm.benchmarks.gpu_end_to_end
   if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
     step tp2 50 $PY -m pagedllm.entrypoints.cli conformance --backend cuda --quick --tensor-parallel-size 2

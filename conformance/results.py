@@ -6,6 +6,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from pagedllm.backends.attention import list_sizes
+
 # |got - want| <= atol + rtol * |want|, per dtype (in the spirit of torch.testing's defaults)
 TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 1.6e-2), torch.float16: (5e-3, 5e-3)}
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -55,7 +57,7 @@ def declared_support(ops) -> str:
     """What the backend says it supports, as the table's header prints it."""
 
     def listed(values):
-        return "any" if values is None else ", ".join(map(str, values))
+        return "any" if values is None else list_sizes(values)
 
     dtypes = ", ".join(DTYPE_NAMES.get(d, str(d)) for d in ops.supported_dtypes)
     context = "any" if ops.max_context_len is None else f"up to {ops.max_context_len}"

@@ -14,7 +14,7 @@ from pagedllm.core.cache_dir import cache_root
 
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 SOURCES = ("binding.cpp", "kernels.cu")
-HEADERS = ("kernels.h",)
+HEADERS = ("kernels.h", "kernels.cuh")
 
 
 def find_nvcc() -> str | None:

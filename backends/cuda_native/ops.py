@@ -26,6 +26,7 @@ class NativeCudaAttentionOps(AttentionOps):
     name = "cuda-native"
     device = "cuda"
     kv_in_shared_memory = False
+    supported_head_sizes = tuple(range(8, 257, 8))  # kernels.h: up to 256, whole 16-byte loads
 
     def __init__(self):
         reason = self.unavailable_reason()

@@ -21,6 +21,24 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+# Decode's tile of context positions and warps per program on a GPU. Chosen from ptxas' register
+# counts for sm_90 (benchmarks/kernel_registers.py: 64 x 8 warps, 64 registers, no spills; 32 x
+# 4, the earlier choice, 72), not yet from a GPU timing: gpu_decode_bandwidth.py times each.
+DECODE_TILE, DECODE_WARPS = 64, 8
+
+
+def decode_config(interpret: bool) -> tuple[int, int]:
+    """(tile, num_warps), PAGEDLLM_TRITON_DECODE_TILE / _WARPS overriding the defaults."""
+    tile = int(os.environ.get("PAGEDLLM_TRITON_DECODE_TILE", 128 if interpret else DECODE_TILE))
+    warps = int(os.environ.get("PAGEDLLM_TRITON_DECODE_WARPS", DECODE_WARPS))
+    if tile < 16 or tile & (tile - 1) or warps not in (1, 2, 4, 8, 16):
+        raise ValueError(
+            f"PAGEDLLM_TRITON_DECODE_TILE must be a power of two >= 16 (got {tile}) and "
+            f"PAGEDLLM_TRITON_DECODE_WARPS one of 1, 2, 4, 8, 16 (got {warps})"
+        )
+    return tile, warps
+
+
 class TritonAttentionOps(AttentionOps):
     name = "cuda-triton"
 
@@ -40,6 +58,7 @@ class TritonAttentionOps(AttentionOps):
         # split-and-reduce path is exercised by small tests) keep it quick
         self.tile = 128 if self.interpret else 32
         self.block_m = 128 if self.interpret else 32
+        self.decode_tile, self.decode_warps = decode_config(self.interpret)
         self.partition = 256 if self.interpret else 512
 
     @staticmethod
@@ -129,10 +148,11 @@ class TritonAttentionOps(AttentionOps):
             HEAD_DIM=head_size,
             BLOCK_D=block_d,
             BLOCK_SIZE=block_size,
-            TILE=self.tile,
+            TILE=self.decode_tile,
             PARTITION=self.partition,
             SPLIT=split,
             FP32=self._fp32_dots(kv_cache),
+            num_warps=self.decode_warps,
         )
         if split:
             self.k.decode_reduce_kernel[(num_seqs, num_heads)](

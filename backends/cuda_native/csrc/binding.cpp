@@ -3,6 +3,8 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include <cstdint>
+
 #include "kernels.h"
 
 namespace {
@@ -55,6 +57,13 @@ void paged_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::T
   const int num_heads = query.size(1), head_size = query.size(2), kv_heads = k_cache.size(2);
   TORCH_CHECK(head_size <= pagedllm::kMaxHeadSize, "cuda-native: head size ", head_size, " > ",
               pagedllm::kMaxHeadSize);
+  TORCH_CHECK(head_size % pagedllm::kHeadSizeMultiple == 0, "cuda-native: head size ", head_size,
+              " is not a multiple of ", pagedllm::kHeadSizeMultiple, " (K/V are read in 16-byte loads)");
+  for (const at::Tensor* cache : {&k_cache, &v_cache}) {
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(cache->data_ptr()) % 16 == 0 && cache->stride(0) % 8 == 0 &&
+                    cache->stride(1) % 8 == 0 && cache->stride(2) % 8 == 0,
+                "cuda-native: the K/V caches must start on 16 bytes and have strides of whole 8 elements");
+  }
   TORCH_CHECK(num_heads % kv_heads == 0 && num_heads / kv_heads <= pagedllm::kMaxGroup,
               "cuda-native: query heads per KV head must divide and be <= ", pagedllm::kMaxGroup);
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && row_request.scalar_type() == at::kInt &&

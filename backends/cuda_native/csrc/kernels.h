@@ -39,8 +39,10 @@ const char* launch_reduce(DType dtype, void* out, const float* part_out, const f
 const char* launch_copy_blocks(DType dtype, void* caches, const int64_t* pairs, int num_pairs, int layers,
                         int64_t layer_stride, int64_t block_elems, void* stream);
 
-// Largest head size and GQA group the attention kernel supports.
+// Head sizes and GQA groups the attention kernel supports: head sizes up to 256 and a multiple of
+// 8 (whole 16-byte loads of 16-bit K/V), groups up to 16.
 constexpr int kMaxHeadSize = 256;
+constexpr int kHeadSizeMultiple = 8;
 constexpr int kMaxGroup = 16;
 
 }  // namespace pagedllm

@@ -1,0 +1,331 @@
+// The cuda-native device code: K/V writes, paged attention with context partitions and a
+// reduction ("v2"), and block copies. Launched by kernels.cu; tests/cuda_emulation runs the same
+// code on the CPU (a thread per CUDA thread) to check its numerics without a GPU.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cfloat>
+#include <cstdint>
+
+#include "kernels.h"
+
+namespace pagedllm {
+namespace kernels {
+
+constexpr int kThreads = 128;
+constexpr int kWarps = kThreads / 32;
+constexpr int kChunk = 128;  // context positions whose scores sit in shared memory at once
+static_assert(kMaxHeadSize <= 2 * kThreads, "the weighted sum gives each thread two output dimensions");
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16(x);
+}
+
+// N consecutive elements read or written as one access (16 bytes: one ld.global.v4).
+template <typename T, int N> struct alignas(sizeof(T) * N) Packed {
+  T v[N];
+};
+
+// Elements of T in one 16-byte load; head sizes must be a multiple of it (kHeadSizeMultiple).
+template <typename T> constexpr int kVec = 16 / sizeof(T);
+static_assert(kHeadSizeMultiple % kVec<__half> == 0 && kHeadSizeMultiple % kVec<float> == 0, "");
+
+__host__ __device__ constexpr int pow2_at_least(int n) {
+  int p = 1;
+  while (p < n) p *= 2;
+  return p;
+}
+
+// Sum / max over aligned groups of `width` lanes (a power of two <= 32); every lane of the
+// warp must call it.
+__device__ __forceinline__ float lanes_sum(float x, int width) {
+  for (int offset = width / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  return x;
+}
+__device__ __forceinline__ float warp_max(float x) {
+  for (int offset = 16; offset > 0; offset /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
+  return x;
+}
+
+// The weighted sum over values: `dims_threads` threads own two output dimensions each, and the
+// block's kThreads / dims_threads slices of them take alternate positions.
+__host__ __device__ constexpr int value_dims_threads(int head_size) { return pow2_at_least(head_size / 2); }
+
+// Floats of dynamic shared memory for `group` query heads: running max, sum and rescale factor
+// per head, then q [group][head_size] and scores [group][kChunk], which after the context loop
+// hold each slice's accumulators [slices][group][head_size].
+__host__ __device__ constexpr int attention_smem_floats(int group, int head_size) {
+  const int slices = kThreads / value_dims_threads(head_size);
+  const int loop = group * (head_size + kChunk), partials = slices * group * head_size;
+  return 3 * group + (loop > partials ? loop : partials);
+}
+
+// Where position pos of a request (block table `table`) keeps KV head kvh's K or V row.
+__device__ __forceinline__ int64_t slot_offset(const int* table, int pos, int block_size, int kvh,
+                                               int64_t stride_block, int64_t stride_slot, int64_t stride_head) {
+  return static_cast<int64_t>(table[pos / block_size]) * stride_block + (pos % block_size) * stride_slot +
+         kvh * stride_head;
+}
+
+template <typename T>
+__global__ void write_kv_kernel(const T* __restrict__ key, const T* __restrict__ value, T* __restrict__ k_cache,
+                                T* __restrict__ v_cache, const int64_t* __restrict__ slot_mapping, int kv_heads,
+                                int head_size, int block_size, int64_t key_stride_t, int64_t key_stride_h,
+                                int64_t value_stride_t, int64_t value_stride_h, int64_t cache_stride_block,
+                                int64_t cache_stride_slot, int64_t cache_stride_head) {
+  const int t = blockIdx.x;
+  const int64_t slot = slot_mapping[t];
+  if (slot < 0) return;
+  const int64_t base = (slot / block_size) * cache_stride_block + (slot % block_size) * cache_stride_slot;
+  for (int i = threadIdx.x; i < kv_heads * head_size; i += blockDim.x) {
+    const int h = i / head_size, d = i % head_size;
+    const int64_t dst = base + h * cache_stride_head + d;
+    k_cache[dst] = key[t * key_stride_t + h * key_stride_h + d];
+    v_cache[dst] = value[t * value_stride_t + h * value_stride_h + d];
+  }
+}
+
+// One block per (row, KV head, context partition), for the group's query heads. GROUP is the
+// compile-time bound on the group (the accumulators are indexed by constants, so they stay in
+// registers); the actual group, num_heads / kv_heads, may be smaller. Launch bounds of 4 blocks
+// per SM (at most 128 registers): without a minimum, ptxas spills the 16-head kernel at 72.
+template <typename T, int GROUP>
+__global__ void __launch_bounds__(kThreads, 4) paged_attention_kernel(
+    T* __restrict__ out, const T* __restrict__ query, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+    const int* __restrict__ block_tables, const int* __restrict__ row_request, const int* __restrict__ row_position,
+    int num_heads, int kv_heads, int head_size, int block_size, int max_blocks_per_request, float scale,
+    int64_t q_stride_row, int64_t q_stride_head, int64_t out_stride_row, int64_t out_stride_head,
+    int64_t cache_stride_block, int64_t cache_stride_slot, int64_t cache_stride_head, int partition_size,
+    int partitions, float* __restrict__ part_out, float* __restrict__ part_max, float* __restrict__ part_sum) {
+  constexpr int VEC = kVec<T>;
+  constexpr int K_ITERS = kMaxHeadSize / (32 * VEC) > 0 ? kMaxHeadSize / (32 * VEC) : 1;
+  const int row = blockIdx.x, kvh = blockIdx.y, part = blockIdx.z;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int group = num_heads / kv_heads;
+  const int request = row_request[row];
+  const int context = row_position[row] + 1;
+  const int start = part * partition_size;
+  const int end = min(start + partition_size, context);
+  const int* table = block_tables + static_cast<int64_t>(request) * max_blocks_per_request;
+
+  extern __shared__ float smem[];
+  float* run_max = smem;
+  float* run_sum = run_max + group;
+  float* rescale = run_sum + group;
+  float* q_s = rescale + group;
+  float* scores = q_s + group * head_size;
+  float* partials = q_s;
+
+  if (start >= end) {  // a partition past this row's context contributes nothing
+    if (partitions > 1 && tid < group) {
+      const int64_t idx = (static_cast<int64_t>(row) * num_heads + kvh * group + tid) * partitions + part;
+      part_max[idx] = -FLT_MAX;
+      part_sum[idx] = 0.f;
+    }
+    return;
+  }
+  for (int i = tid; i < group * head_size; i += kThreads) {
+    const int g = i / head_size, d = i % head_size;
+    q_s[i] = to_float(query[row * q_stride_row + (kvh * group + g) * q_stride_head + d]);
+  }
+  if (tid < group) {
+    run_max[tid] = -FLT_MAX;
+    run_sum[tid] = 0.f;
+  }
+
+  // scores: lanes_per_pos lanes read one position's K row in VEC-element loads, so a warp
+  // takes 32 / lanes_per_pos positions at once
+  const int vecs = head_size / VEC;
+  const int lanes_per_pos = min(32, pow2_at_least(vecs));
+  const int pos_per_warp = 32 / lanes_per_pos;
+  const int sub = lane / lanes_per_pos, sub_lane = lane % lanes_per_pos;
+  // weighted values: see value_dims_threads
+  const int dims_threads = value_dims_threads(head_size);
+  const int slices = kThreads / dims_threads;
+  const int slice = tid / dims_threads, pair = tid % dims_threads;
+  const bool owns = pair < head_size / 2;
+
+  float acc[GROUP][2];
+#pragma unroll
+  for (int g = 0; g < GROUP; ++g) acc[g][0] = acc[g][1] = 0.f;
+  __syncthreads();
+
+  for (int chunk = start; chunk < end; chunk += kChunk) {
+    const int n = min(kChunk, end - chunk);
+    // 1. scores; one read of K serves every query head of the group
+    for (int base = warp * pos_per_warp; base < n; base += kWarps * pos_per_warp) {
+      const int t = base + sub;
+      const bool valid = t < n;  // lanes past the chunk still join the shuffles
+      const int64_t off =
+          valid ? slot_offset(table, chunk + t, block_size, kvh, cache_stride_block, cache_stride_slot, cache_stride_head)
+                : 0;
+      float k[K_ITERS][VEC];
+#pragma unroll
+      for (int it = 0; it < K_ITERS; ++it) {
+        const int v = sub_lane + it * lanes_per_pos;
+        if (valid && v < vecs) {
+          const Packed<T, VEC> x = *reinterpret_cast<const Packed<T, VEC>*>(k_cache + off + v * VEC);
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) k[it][i] = to_float(x.v[i]);
+        } else {
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) k[it][i] = 0.f;
+        }
+      }
+#pragma unroll
+      for (int g = 0; g < GROUP; ++g) {
+        if (g >= group) break;
+        float dot = 0.f;
+#pragma unroll
+        for (int it = 0; it < K_ITERS; ++it) {
+          const int v = sub_lane + it * lanes_per_pos;
+          if (v >= vecs) continue;
+          const float* q = q_s + g * head_size + v * VEC;
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) dot += q[i] * k[it][i];
+        }
+        dot = lanes_sum(dot, lanes_per_pos);
+        if (valid && sub_lane == 0) scores[g * kChunk + t] = dot * scale;
+      }
+    }
+    __syncthreads();
+    // 2. online softmax bookkeeping, a warp per query head
+    for (int g = warp; g < group; g += kWarps) {
+      float m = -FLT_MAX;
+      for (int t = lane; t < n; t += 32) m = fmaxf(m, scores[g * kChunk + t]);
+      m = warp_max(m);
+      if (lane == 0) {
+        const float new_max = fmaxf(run_max[g], m);
+        rescale[g] = __expf(run_max[g] - new_max);
+        run_max[g] = new_max;
+      }
+    }
+    __syncthreads();
+    for (int i = tid; i < group * kChunk; i += kThreads) {
+      const int g = i / kChunk, t = i % kChunk;
+      if (t < n) scores[i] = __expf(scores[i] - run_max[g]);
+    }
+    __syncthreads();
+    for (int g = warp; g < group; g += kWarps) {
+      float s = 0.f;
+      for (int t = lane; t < n; t += 32) s += scores[g * kChunk + t];
+      s = lanes_sum(s, 32);
+      if (lane == 0) run_sum[g] = run_sum[g] * rescale[g] + s;
+    }
+    // 3. weighted values: one read of V serves the whole group; a warp reads a contiguous row
+    if (owns) {
+#pragma unroll
+      for (int g = 0; g < GROUP; ++g) {
+        if (g >= group) break;
+        acc[g][0] *= rescale[g];
+        acc[g][1] *= rescale[g];
+      }
+#pragma unroll 4
+      for (int t = slice; t < n; t += slices) {
+        const int64_t off =
+            slot_offset(table, chunk + t, block_size, kvh, cache_stride_block, cache_stride_slot, cache_stride_head);
+        const Packed<T, 2> x = *reinterpret_cast<const Packed<T, 2>*>(v_cache + off + 2 * pair);
+        const float v0 = to_float(x.v[0]), v1 = to_float(x.v[1]);
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) {
+          if (g >= group) break;
+          const float p = scores[g * kChunk + t];
+          acc[g][0] += p * v0;
+          acc[g][1] += p * v1;
+        }
+      }
+    }
+    __syncthreads();
+  }
+
+  if (slices > 1) {  // add the other slices' sums into slice 0's
+    if (owns && slice > 0) {
+#pragma unroll
+      for (int g = 0; g < GROUP; ++g) {
+        if (g >= group) break;
+        float* dst = partials + (static_cast<int64_t>(slice) * group + g) * head_size + 2 * pair;
+        dst[0] = acc[g][0];
+        dst[1] = acc[g][1];
+      }
+    }
+    __syncthreads();
+    if (owns && slice == 0) {
+      for (int s = 1; s < slices; ++s) {
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) {
+          if (g >= group) break;
+          const float* src = partials + (static_cast<int64_t>(s) * group + g) * head_size + 2 * pair;
+          acc[g][0] += src[0];
+          acc[g][1] += src[1];
+        }
+      }
+    }
+  }
+  if (owns && slice == 0) {
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+      if (g >= group) break;
+      const int h = kvh * group + g;
+      const float inv = 1.f / run_sum[g];
+      const int d = 2 * pair;
+      if (partitions == 1) {
+        T* dst = out + row * out_stride_row + h * out_stride_head + d;
+        dst[0] = from_float<T>(acc[g][0] * inv);
+        dst[1] = from_float<T>(acc[g][1] * inv);
+      } else {
+        float* dst = part_out + ((static_cast<int64_t>(row) * num_heads + h) * partitions + part) * head_size + d;
+        dst[0] = acc[g][0] * inv;
+        dst[1] = acc[g][1] * inv;
+      }
+    }
+  }
+  if (partitions > 1 && tid < group) {
+    const int64_t idx = (static_cast<int64_t>(row) * num_heads + kvh * group + tid) * partitions + part;
+    part_max[idx] = run_max[tid];
+    part_sum[idx] = run_sum[tid];
+  }
+}
+
+template <typename T>
+__global__ void reduce_kernel(T* __restrict__ out, const float* __restrict__ part_out,
+                              const float* __restrict__ part_max, const float* __restrict__ part_sum, int num_heads,
+                              int head_size, int partitions, int64_t out_stride_row, int64_t out_stride_head) {
+  const int row = blockIdx.x, h = blockIdx.y;
+  const int64_t base = (static_cast<int64_t>(row) * num_heads + h) * partitions;
+  float global_max = -FLT_MAX;
+  for (int p = 0; p < partitions; ++p) global_max = fmaxf(global_max, part_max[base + p]);
+  float total = 0.f;
+  for (int p = 0; p < partitions; ++p) total += part_sum[base + p] * __expf(part_max[base + p] - global_max);
+  for (int d = threadIdx.x; d < head_size; d += blockDim.x) {
+    float x = 0.f;
+    for (int p = 0; p < partitions; ++p) {
+      // a partition past the row's context wrote its max and sum but not its output, which is
+      // whatever the buffer held (inf or NaN after the sampler's -inf): skip it, 0 x NaN is NaN
+      if (part_sum[base + p] == 0.f) continue;
+      const float w = part_sum[base + p] * __expf(part_max[base + p] - global_max);
+      x += w * part_out[(base + p) * head_size + d];
+    }
+    out[row * out_stride_row + h * out_stride_head + d] = from_float<T>(x / total);
+  }
+}
+
+template <typename T>
+__global__ void copy_blocks_kernel(T* __restrict__ caches, const int64_t* __restrict__ pairs, int64_t layer_stride,
+                                   int64_t block_elems) {
+  const int64_t src = pairs[2 * blockIdx.x], dst = pairs[2 * blockIdx.x + 1];
+  T* layer = caches + blockIdx.y * layer_stride;
+  for (int64_t i = threadIdx.x; i < block_elems; i += blockDim.x)
+    layer[dst * block_elems + i] = layer[src * block_elems + i];
+}
+
+}  // namespace kernels
+}  // namespace pagedllm

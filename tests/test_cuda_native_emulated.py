@@ -1,0 +1,153 @@
+"""The cuda-native kernels run on the CPU: kernels.cu and kernels.cuh compiled by g++ against
+tests/cuda_emulation (a std::thread per CUDA thread, barriers for __syncthreads and warp
+shuffles; `kernel<<<...>>>(...)` rewritten into an emulated launch), called through the real
+launchers, and compared with the conformance suite's float64 reference. No GPU needed: this is
+where the kernels' indexing, vector loads, GQA bounds, partitions and reduction are checked
+before a GPU ever runs them."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from pagedllm.conformance.op_cases import make_case
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CSRC = os.path.join(HERE, "..", "backends", "cuda_native", "csrc")
+EMULATION = os.path.join(HERE, "cuda_emulation")
+PARTITION = 512  # the backend's context partition (backends/cuda_native/ops.py)
+DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # kernels.h DType
+
+SHIM = """
+extern "C" const char* emulated_attention(int dtype, void* out, const void* query, const void* k_cache,
+    const void* v_cache, const int* tables, const int* row_request, const int* row_position, int rows,
+    int num_heads, int kv_heads, int head_size, int block_size, int max_blocks, float scale, int64_t qsr,
+    int64_t qsh, int64_t osr, int64_t osh, int64_t csb, int64_t css, int64_t csh, int partition_size,
+    int partitions, float* part_out, float* part_max, float* part_sum) {
+  using namespace pagedllm;
+  const char* e = launch_paged_attention(static_cast<DType>(dtype), out, query, k_cache, v_cache, tables,
+      row_request, row_position, rows, num_heads, kv_heads, head_size, block_size, max_blocks, scale, qsr, qsh,
+      osr, osh, csb, css, csh, partition_size, partitions, part_out, part_max, part_sum, nullptr);
+  if (e || partitions == 1) return e;
+  return launch_reduce(static_cast<DType>(dtype), out, part_out, part_max, part_sum, rows, num_heads, head_size,
+                       partitions, osr, osh, nullptr);
+}
+"""
+
+
+def emulated_source() -> str:
+    """kernels.cu with each `kernel<<<grid, block, smem, stream>>>(args)` turned into
+    `::emu::launch(grid, block, smem, stream, kernel, args)`."""
+    with open(os.path.join(CSRC, "kernels.cu")) as f:
+        source = f.read()
+    source, launches = re.subn(r"([\w:]+(?:<[^<>;]*>)?)<<<([^;]*?)>>>\(", r"::emu::launch(\2, \1, ", source)
+    assert launches == 4, f"expected the four kernel launches of kernels.cu, rewrote {launches}"
+    return source + SHIM
+
+
+@pytest.fixture(scope="module")
+def library(tmp_path_factory):
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None:
+        pytest.skip(f"no C++ compiler ({cxx})")
+    build = tmp_path_factory.mktemp("cuda_emulation")
+    (build / "emulated.cpp").write_text(emulated_source())
+    lib = build / "emulated.so"
+    cmd = [cxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", f"-I{EMULATION}", f"-I{CSRC}"]
+    proc = subprocess.run([*cmd, str(build / "emulated.cpp"), "-o", str(lib)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    fn = ctypes.CDLL(str(lib)).emulated_attention
+    fn.restype = ctypes.c_char_p
+    i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [i32, *[ptr] * 7, *[i32] * 6, ctypes.c_float, *[i64] * 7, i32, i32, *[ptr] * 3]
+    return fn
+
+
+def run_attention(fn, case, rows_request, rows_position, partitions):
+    """The binding's call (binding.cpp paged_attention), on CPU tensors; part_out starts as NaN,
+    as reused device memory can be."""
+    q, kv = case.query, case.kv_cache
+    rows, heads, head_size = q.shape
+    k_cache, v_cache = kv[0], kv[1]
+    out = torch.full_like(q, float("nan"))
+    part_out = torch.full((rows, heads, partitions, head_size), float("nan"))
+    part_max = torch.full((rows, heads, partitions), float("nan"))
+    part_sum = torch.full_like(part_max, float("nan"))
+    tables = case.block_tables.contiguous()
+    request = torch.tensor(rows_request, dtype=torch.int32)
+    position = torch.tensor(rows_position, dtype=torch.int32)
+    error = fn(
+        DTYPES[q.dtype],
+        out.data_ptr(),
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        tables.data_ptr(),
+        request.data_ptr(),
+        position.data_ptr(),
+        rows,
+        heads,
+        k_cache.shape[2],
+        head_size,
+        k_cache.shape[1],
+        tables.shape[1],
+        case.scale,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        PARTITION,
+        partitions,
+        part_out.data_ptr(),
+        part_max.data_ptr(),
+        part_sum.data_ptr(),
+    )
+    assert error is None, error
+    return out
+
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+DECODE_CASES = [
+    # dtype, head size, query heads per KV head, contexts (one row each)
+    pytest.param(torch.bfloat16, 128, 8, [1, 17, 700, 1300], id="bf16-head128-gqa8-partitions"),
+    pytest.param(torch.float32, 80, 3, [5, 530], id="fp32-head80-gqa3-below-its-bound"),
+    pytest.param(torch.float16, 256, 16, [300, 530], id="fp16-head256-gqa16"),
+    pytest.param(torch.bfloat16, 64, 1, [2, 513], id="bf16-head64-mha"),
+    pytest.param(torch.float32, 256, 5, [129, 640], id="fp32-head256-gqa5"),
+]
+
+
+@pytest.mark.parametrize("dtype,head_size,group,contexts", DECODE_CASES)
+def test_decode_matches_the_reference(library, dtype, head_size, group, contexts):
+    """One query per request at its last position; contexts past one partition split and reduce,
+    and a shorter row in the same batch leaves empty partitions whose output is NaN garbage."""
+    case = make_case([1] * len(contexts), contexts, 16, head_size, 2, group, dtype=dtype, seed=head_size + group)
+    partitions = -(-max(contexts) // PARTITION)
+    out = run_attention(library, case, list(range(len(contexts))), [c - 1 for c in contexts], partitions)
+    assert torch.isfinite(out.float()).all(), "non-finite output"
+    err = (out.double() - case.expected).abs().max().item()
+    assert err <= TOLERANCE[dtype], f"max error {err:.2e}"
+
+
+@pytest.mark.parametrize("dtype,head_size,group", [(torch.bfloat16, 96, 4), (torch.float32, 128, 2)])
+def test_prefill_rows_attend_causally_over_the_cached_prefix(library, dtype, head_size, group):
+    """A chunked prefill: 12 new tokens after 130 cached (two chunks of 128 positions), and a fresh
+    8-token prompt; each row is one query token attending to positions 0..its own (partitions
+    == 1, as in prefill)."""
+    query_lens, contexts = [12, 8], [142, 8]
+    case = make_case(query_lens, contexts, 16, head_size, 2, group, dtype=dtype, seed=7)
+    request = [r for r, n in enumerate(query_lens) for _ in range(n)]
+    position = [p for n, c in zip(query_lens, contexts) for p in range(c - n, c)]
+    out = run_attention(library, case, request, position, 1)
+    err = (out.double() - case.expected).abs().max().item()
+    assert err <= TOLERANCE[dtype], f"max error {err:.2e}"
