@@ -40,26 +40,18 @@ def timed(fn, device: str, repeats: int) -> float:
     return (time.perf_counter() - t0) / repeats
 
 
-def variants(name: str, ops, smoke: bool):
-    """(row label, function that configures `ops`) for each configuration to time: cuda-triton's
-    decode tile and warps across kernel_registers' grid on a GPU (the default marked), so that
-    the first GPU run shows which is fastest; one row otherwise."""
+def variants(name: str, smoke: bool) -> list[tuple[str, tuple[int, int] | None]]:
+    """(row label, cuda-triton's decode (tile, warps) or None for the backend as it is) for each
+    configuration to time: on a GPU, cuda-triton across kernel_registers' grid (the default
+    marked), so that the first GPU run shows which is fastest."""
     if name != "cuda-triton" or smoke:
-        return [(f"{name} paged decode", lambda: None)]
+        return [(f"{name} paged decode", None)]
     from pagedllm.backends.triton.ops import DECODE_TILE, DECODE_WARPS
     from pagedllm.benchmarks.kernel_registers import TRITON_CONFIGS
 
-    def configure(tile, warps):
-        def apply():
-            ops.decode_tile, ops.decode_warps = tile, warps
-
-        return apply
-
+    default = (DECODE_TILE, DECODE_WARPS)
     return [
-        (
-            f"{name} decode {tile}x{warps}w{' (default)' if (tile, warps) == (DECODE_TILE, DECODE_WARPS) else ''}",
-            configure(tile, warps),
-        )
+        (f"{name} decode {tile}x{warps}w{' (default)' if (tile, warps) == default else ''}", (tile, warps))
         for tile, warps in TRITON_CONFIGS
     ]
 
@@ -121,9 +113,10 @@ def main(argv=None) -> None:
             print(f"{name}: FAILED ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
             failed.append(name)
             continue
-        for label, configure in variants(name, ops, args.smoke):
+        for label, config in variants(name, args.smoke):
             try:  # one backend or configuration failing (a build, a launch) must not hide the others
-                configure()
+                if config is not None:
+                    ops.decode_tile, ops.decode_warps = config
                 out = ops.decode_attention(query, kv, meta, scale)
                 err = (out.float() - reference).abs().max().item()
                 seconds = timed(lambda ops=ops: ops.decode_attention(query, kv, meta, scale), device, repeats)

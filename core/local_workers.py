@@ -17,24 +17,21 @@ class LauncherGone(EngineFailure):
 
 
 class LocalWorkers:
-    """endpoint None: the launcher starts now (importing torch, seconds) and learns where the
-    workers reach the core from `connect`, once the core has bound it."""
+    """The launcher starts at once (importing torch, seconds) and learns where the workers reach
+    the core from `connect`, once the core has bound it."""
 
-    def __init__(self, endpoint: str | None = None):
+    def __init__(self):
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pagedllm.backends.launcher"], stdin=subprocess.PIPE, stdout=subprocess.PIPE
         )
-        self.connected = False
-        if endpoint is not None:
-            self.connect(endpoint)
         os.set_blocking(self.proc.stdout.fileno(), False)
         self.pids: dict[int, int] = {}  # rank -> pid of its current process
         self.exits: dict[int, int] = {}  # rank -> how its current process ended (Popen's returncode)
         self._buffer = b""
 
     def connect(self, endpoint: str) -> None:
+        """Where the workers it starts from now on reach the core (said again: no harm)."""
         self._command(f"head {endpoint}")
-        self.connected = True
 
     def start(self, rank: int) -> None:
         self.exits.pop(rank, None)

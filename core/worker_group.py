@@ -72,9 +72,8 @@ class WorkerGroup:
     def start(self) -> None:
         """Start this host's ranks; they join (and are configured) in `gather`."""
         if self.local is None:
-            self.local = LocalWorkers(self.endpoint)
-        elif not self.local.connected:
-            self.local.connect(self.endpoint)
+            self.local = LocalWorkers()
+        self.local.connect(self.endpoint)
         for rank in self.local_ranks:
             self.local.start(rank)
 

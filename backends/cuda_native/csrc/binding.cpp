@@ -60,9 +60,10 @@ void paged_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::T
   TORCH_CHECK(head_size % pagedllm::kHeadSizeMultiple == 0, "cuda-native: head size ", head_size,
               " is not a multiple of ", pagedllm::kHeadSizeMultiple, " (K/V are read in 16-byte loads)");
   for (const at::Tensor* cache : {&k_cache, &v_cache}) {
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(cache->data_ptr()) % 16 == 0 && cache->stride(0) % 8 == 0 &&
-                    cache->stride(1) % 8 == 0 && cache->stride(2) % 8 == 0,
-                "cuda-native: the K/V caches must start on 16 bytes and have strides of whole 8 elements");
+    const int64_t whole = pagedllm::kHeadSizeMultiple;
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(cache->data_ptr()) % 16 == 0 && cache->stride(0) % whole == 0 &&
+                    cache->stride(1) % whole == 0 && cache->stride(2) % whole == 0,
+                "cuda-native: the K/V caches must start on 16 bytes and have strides of whole ", whole, " elements");
   }
   TORCH_CHECK(num_heads % kv_heads == 0 && num_heads / kv_heads <= pagedllm::kMaxGroup,
               "cuda-native: query heads per KV head must divide and be <= ", pagedllm::kMaxGroup);
