@@ -131,7 +131,7 @@ def load_model(
             f"missing weights {missing or 'none'}; unexpected weights {unexpected or 'none'}"
         )
     if method is not None and saved is None:
-        quantize_model(model, method)
+        quantize_model(model, method, _ROW_PARALLEL)
     model.eval()
     return model
 
@@ -186,6 +186,8 @@ _SPLITS = {
     "model.embed_tokens": (0, "vocab"),
     "lm_head": (0, "vocab"),
 }
+# our projections split by input channel (dimension 1) across ranks: o_proj, down_proj
+_ROW_PARALLEL = frozenset(_LAYER_NAMES[hf][0] for hf, (dim, _) in _SPLITS.items() if dim == 1)
 
 
 def _range(kind: str, shards: Shards, cfg: ModelConfig) -> tuple[int, int]:

@@ -186,21 +186,19 @@ class QuantizedLinear(nn.Module):
 QUANTIZED_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
-ROW_PARALLEL = ("o_proj", "down_proj")  # split by input channel across ranks
-
-
-def quantize_model(model: nn.Module, kind: str) -> int:
+def quantize_model(model: nn.Module, kind: str, row_parallel: frozenset[str] = frozenset()) -> int:
     """Replace the decoder layers' projections by QuantizedLinear layers in place, one at a time
     (the full-precision weight of each is freed as it goes). Returns how many. Under tensor
-    parallelism every rank quantizes its own slice; int8's per-row scales of a row-parallel
-    slice come from the whole row (an all-reduce of the ranks' maxima), and int4/nf4 groups are
-    the same as one rank's wherever a rank's input slice is a multiple of the group."""
+    parallelism every rank quantizes its own slice; int8's per-row scales of a `row_parallel`
+    projection's slice (split by input channel) come from the whole row (an all-reduce of the
+    ranks' maxima), and int4/nf4 groups are the same as one rank's wherever a rank's input slice
+    is a multiple of the group."""
     count = 0
     for layer in model.layers:
         for name in QUANTIZED_PROJECTIONS:
             linear = getattr(layer, name)
             absmax = None
-            if kind == "int8" and name in ROW_PARALLEL and model.tp.size > 1:
+            if kind == "int8" and name in row_parallel and model.tp.size > 1:
                 absmax = model.tp.all_reduce(linear.weight.detach().float().abs().amax(1), op="max")
             bias = None if linear.bias is None else linear.bias.detach()
             setattr(layer, name, QuantizedLinear(quantize(linear.weight, kind, absmax), bias))
