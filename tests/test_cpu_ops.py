@@ -60,13 +60,68 @@ def test_requests_sharing_blocks(phase, attention_path):
     assert (out.double() - case.expected).abs().max() <= ATOL[torch.float32]
 
 
-def test_bfloat16_ops_within_tolerance():
-    case = make_case([1, 1, 7], [17, 300, 40], 16, 64, 2, 4, dtype=torch.bfloat16)
-    dec = make_case([1, 1], [17, 300], 16, 64, 2, 4, dtype=torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_ops_within_tolerance(dtype, attention_path):
+    case = make_case([1, 1, 7], [17, 300, 40], 16, 64, 2, 4, dtype=dtype)
+    dec = make_case([1, 1], [17, 300], 16, 64, 2, 4, dtype=dtype)
     out = OPS.prefill_attention(case.query, case.kv_cache, case.prefill_metadata(), case.scale)
-    assert (out.double() - case.expected).abs().max() <= ATOL[torch.bfloat16]
+    assert out.dtype == dtype and (out.double() - case.expected).abs().max() <= ATOL[torch.bfloat16]
     out = OPS.decode_attention(dec.query, dec.kv_cache, dec.decode_metadata(), dec.scale)
-    assert (out.double() - dec.expected).abs().max() <= ATOL[torch.bfloat16]
+    assert out.dtype == dtype and (out.double() - dec.expected).abs().max() <= ATOL[torch.bfloat16]
+
+
+@pytest.mark.skipif(native.unavailable_reason() is not None, reason="compiled kernels unavailable")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_size", [64, 80, 128])
+def test_16_bit_blocks_with_a_float32_query_are_float32_exact(dtype, head_size):
+    """How a 16-bit model runs on the kernels: float32 queries over 16-bit blocks. The blocks
+    hold the case's values exactly, so only float32 arithmetic separates the result from the
+    float64 reference: a widening that loses or misplaces any bit fails float32's tolerance."""
+    case = make_case([1, 5, 17], [33, 300, 40], 16, head_size, 2, 4, dtype=dtype)
+    query = case.query.float()
+    out = OPS.prefill_attention(query, case.kv_cache, case.prefill_metadata(), case.scale)
+    assert out.dtype == torch.float32 and (out.double() - case.expected).abs().max() <= ATOL[torch.float32]
+    dec = make_case([1, 1, 1], [17, 300, 1], 16, head_size, 2, 4, dtype=dtype)
+    out = OPS.decode_attention(dec.query.float(), dec.kv_cache, dec.decode_metadata(), dec.scale)
+    assert (out.double() - dec.expected).abs().max() <= ATOL[torch.float32]
+
+
+@pytest.mark.skipif(native.unavailable_reason() is not None, reason="compiled kernels unavailable")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_linear_against_float64(dtype):
+    """Shapes off every tile edge (rows not a multiple of 6, outputs not of the 16 of a panel,
+    inputs over one 256-wide slice), with and without bias, against the float64 product of the
+    same 16-bit weights."""
+    gen = torch.Generator().manual_seed(1)
+    for m, n, k in ((1, 37, 64), (5, 8, 1000), (16, 100, 37), (67, 50, 1536), (3, 1, 7)):
+        x = torch.randn(m, k, generator=gen)
+        w = torch.randn(n, k, generator=gen).to(dtype)
+        for bias in (None, torch.randn(n, generator=gen)):
+            expected = x.double() @ w.double().T + (0 if bias is None else bias.double())
+            got = native.half_linear(x, native.pack_half_weight(w), n, bias)
+            assert got.dtype == torch.float32 and got.shape == (m, n)
+            assert (got.double() - expected).abs().max() <= 1e-6 * k**0.5 * 10, (m, n, k)
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        native.pack_half_weight(w.float())
+    with pytest.raises(ValueError, match="pack_half_weight"):
+        native.half_linear(x, w, n, None)
+    with pytest.raises(ValueError, match="features"):
+        native.half_linear(x[:, :-1], native.pack_half_weight(w), n, None)
+    with pytest.raises(ValueError, match="panels"):
+        native.half_linear(x, native.pack_half_weight(w), n + 16, None)
+
+
+@pytest.mark.skipif(native.unavailable_reason() is not None, reason="compiled kernels unavailable")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_linear_widens_every_value_exactly(dtype):
+    """x = identity: out = W^T exactly, for the extremes of each format (float16's subnormals,
+    its largest value, bfloat16's smallest normals), through a padded panel (6 outputs of 16)."""
+    info = torch.finfo(dtype)
+    specials = torch.tensor([info.max, -info.max, info.tiny, -info.tiny, info.tiny * info.eps, 0.0, -0.0, 1.0])
+    k = 37
+    w = torch.cat((specials, torch.randn(k * 6 - len(specials)))).view(6, k).to(dtype)
+    out = native.half_linear(torch.eye(k), native.pack_half_weight(w), 6, None)
+    assert torch.equal(out, w.float().T)
 
 
 def test_write_kv_touches_exactly_the_chosen_slots():
@@ -113,7 +168,7 @@ def test_compiled_kernels_build_here_and_can_be_turned_off(tmp_path):
     assert list((tmp_path / "cpu_kernels").glob("kernels_*.so"))
     assert reason(PAGEDLLM_CPU_KERNELS="0") == "PAGEDLLM_CPU_KERNELS=0"
     failed = reason(CXX="false", PAGEDLLM_CACHE=str(tmp_path / "other"))
-    assert failed.startswith("building kernels.cpp, quantized_linear.cpp: false failed"), failed
+    assert failed.startswith("building kernels.cpp, half_linear.cpp, quantized_linear.cpp: false failed"), failed
 
 
 @pytest.mark.skipif(native.unavailable_reason() is not None, reason="compiled kernels unavailable")
@@ -134,15 +189,26 @@ def test_fused_rms_norm_and_silu_and_mul_match_torch():
 
 @pytest.mark.skipif(native.unavailable_reason() is not None, reason="compiled kernels unavailable")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fused_kernels_replace_the_torch_ops_in_float32_only(tiny_model, dtype):
-    from pagedllm.backends.cpu.ops import FusedRMSNorm
+def test_prepare_model_puts_each_dtype_on_its_kernels(tiny_model, dtype):
+    from torch import nn
+
+    from pagedllm.backends.cpu.model_kernels import Float32Embedding, FusedRMSNorm, HalfLinear
+    from pagedllm.backends.cpu.packed_linear import PackedLinear, packing_available
     from pagedllm.backends.models.loader import load_model
 
     model = load_model(tiny_model("llama"), dtype)
     CpuAttentionOps().prepare_model(model)
-    fused = dtype == "float32"
-    assert isinstance(model.norm, FusedRMSNorm) == fused
-    assert all((layer.act is native.silu_and_mul) == fused for layer in model.layers)
+    assert isinstance(model.norm, FusedRMSNorm) and model.norm.weight.dtype == torch.float32
+    assert all(layer.act is native.silu_and_mul for layer in model.layers)
+    linears = [m for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear, HalfLinear))]
+    if dtype == "float32":
+        want = PackedLinear if packing_available(torch.float32) else nn.Linear
+        assert all(type(m) is want for m in linears)
+    else:
+        # 16-bit weights read in place, activations in float32
+        assert linears and all(type(m) is HalfLinear and m.packed.dtype == torch.bfloat16 for m in linears)
+        assert isinstance(model.embed_tokens, Float32Embedding)
+        assert model.embed_tokens(torch.tensor([1, 2])).dtype == torch.float32
 
 
 def test_device_host_swaps_copy_runs_of_blocks_straight_into_their_slots():

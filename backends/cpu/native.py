@@ -1,5 +1,6 @@
-"""The cpu backend's compiled kernels (csrc/): float32 paged attention, RMSNorm, the gated MLP's
-activation, and quantized linear layers (int8, int4, nf4 weights; float32 compute).
+"""The cpu backend's compiled kernels (csrc/): paged attention over float32, bfloat16 or float16
+blocks, RMSNorm, the gated MLP's activation, linear layers with 16-bit weights, and quantized
+linear layers (int8, int4, nf4 weights). All compute in float32.
 
 Plain C++ with OpenMP, no torch headers: it builds with the system compiler in about a second
 on first use, is cached under ~/.cache/pagedllm/cpu_kernels keyed by the source, the compiler
@@ -24,9 +25,13 @@ import torch
 from pagedllm.core.cache_dir import cache_root
 
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-SOURCES = tuple(os.path.join(_CSRC, name) for name in ("kernels.cpp", "quantized_linear.cpp"))
+SOURCES = tuple(os.path.join(_CSRC, name) for name in ("kernels.cpp", "half_linear.cpp", "quantized_linear.cpp"))
+HEADERS = (os.path.join(_CSRC, "half.h"),)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 DISABLE_ENV = "PAGEDLLM_CPU_KERNELS"
+
+ATTENTION_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+HALF_KINDS = {torch.bfloat16: 0, torch.float16: 1}
 
 _p = ctypes.c_void_p
 _i64 = ctypes.c_int64
@@ -47,7 +52,7 @@ def _cpu_flags() -> bytes:
 def _build(cxx: str) -> str:
     version = subprocess.run([cxx, "--version"], capture_output=True).stdout
     sources = b""
-    for path in SOURCES:
+    for path in SOURCES + HEADERS:
         with open(path, "rb") as f:
             sources += f.read()
     key = hashlib.sha256(sources + version + _cpu_flags() + " ".join(FLAGS).encode()).hexdigest()[:16]
@@ -82,24 +87,10 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         lib = ctypes.CDLL(_build(cxx))
     except (OSError, RuntimeError) as e:
         return None, f"building {', '.join(map(os.path.basename, SOURCES))}: {e}"
+    attention = [_p, _p, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _p, ctypes.c_int]
     signatures = {
-        "pagedllm_paged_attention_f32": [
-            _p,
-            _p,
-            _p,
-            _p,
-            _i64,
-            _p,
-            _p,
-            _i64,
-            _i64,
-            _i64,
-            _i64,
-            _i64,
-            ctypes.c_float,
-            _p,
-            ctypes.c_int,
-        ],
+        **{f"pagedllm_paged_attention_{suffix}": attention for suffix in ATTENTION_SUFFIX.values()},
+        "pagedllm_half_linear": [ctypes.c_int, _p, _i64, _p, _i64, _i64, _p, _p, ctypes.c_int],
         "pagedllm_rms_norm_f32": [_p, _p, ctypes.c_float, _p, _i64, _i64, ctypes.c_int],
         "pagedllm_silu_and_mul_f32": [_p, _p, _i64, _i64, ctypes.c_int],
         "pagedllm_quantized_gemv_f32": [
@@ -179,21 +170,23 @@ def paged_attention(
     row_context: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """query [R, H, Dh] float32, one row per query token; k_cache/v_cache [N, bs, KVH, Dh]
-    float32, contiguous; block_tables [S, max_blocks] int32; row r uses table row_table[r] and
-    attends to its first row_context[r] tokens (at most max_blocks * bs). Returns [R, H, Dh]."""
+    """query [R, H, Dh], one row per query token; k_cache/v_cache [N, bs, KVH, Dh] float32,
+    bfloat16 or float16, contiguous; block_tables [S, max_blocks] int32; row r uses table
+    row_table[r] and attends to its first row_context[r] tokens (at most max_blocks * bs).
+    Computes in float32; returns [R, H, Dh] in the query's dtype."""
     num_rows, num_heads, head_size = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
+    suffix = ATTENTION_SUFFIX.get(k_cache.dtype)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != torch.float32 or not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous float32")
-    query = _float32("query", query)
+        if suffix is None or t.dtype != k_cache.dtype or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous float32, bfloat16 or float16 like k_cache, got {t.dtype}")
+    q = query.float().contiguous()
     block_tables, row_table, row_context = (
         t.to(torch.int32).contiguous() for t in (block_tables, row_table, row_context)
     )
-    out = torch.empty_like(query)
-    _library().pagedllm_paged_attention_f32(
-        query.data_ptr(),
+    out = torch.empty_like(q)
+    getattr(_library(), f"pagedllm_paged_attention_{suffix}")(
+        q.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         block_tables.data_ptr(),
@@ -206,6 +199,49 @@ def paged_attention(
         head_size,
         block_size,
         scale,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return out.to(query.dtype)
+
+
+HALF_PANEL = 16  # output features per panel of a packed 16-bit weight (csrc/half_linear.cpp)
+
+
+def pack_half_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A [N, K] bfloat16/float16 weight in half_linear's layout: [ceil(N / 16), K, 16], panel p
+    holding rows 16p..16p+15 transposed, the last zero-padded. Same dtype, same bytes (+ padding)."""
+    if weight.dtype not in HALF_KINDS or weight.dim() != 2:
+        raise ValueError(f"weight must be a 2-d bfloat16 or float16 matrix, got {weight.dtype} {tuple(weight.shape)}")
+    n, k = weight.shape
+    panels = -(-n // HALF_PANEL)
+    padded = torch.zeros(panels * HALF_PANEL, k, dtype=weight.dtype)
+    padded[:n] = weight.detach()
+    return padded.view(panels, HALF_PANEL, k).transpose(1, 2).contiguous()
+
+
+def half_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] float32 times W^T, W [out_features, K] 16-bit packed by pack_half_weight and
+    read in place, plus bias (float32): [M, out_features] float32."""
+    if packed.dtype not in HALF_KINDS or packed.dim() != 3 or packed.shape[2] != HALF_PANEL:
+        raise ValueError("the weight must come from pack_half_weight (bfloat16 or float16)")
+    if not -(-out_features // HALF_PANEL) == packed.shape[0]:
+        raise ValueError(f"out_features {out_features} does not fit a packed weight of {packed.shape[0]} panels")
+    x = _float32("x", x)
+    if bias is not None:
+        bias = _float32("bias", bias)
+    k = packed.shape[1]
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, the weight {k}")
+    out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    _library().pagedllm_half_linear(
+        HALF_KINDS[packed.dtype],
+        x.data_ptr(),
+        x.shape[0],
+        packed.contiguous().data_ptr(),
+        out_features,
+        k,
+        None if bias is None else bias.data_ptr(),
         out.data_ptr(),
         torch.get_num_threads(),
     )

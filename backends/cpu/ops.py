@@ -1,11 +1,12 @@
 """The reference attention ops in plain torch: the numerical ground truth for every backend.
-In float32, where they build, compiled kernels (native.py) run instead: attention, reading
-the blocks in place (decode, prefill and chunked prefill), RMSNorm and the MLP's
-silu-and-multiply; PAGEDLLM_CPU_KERNELS=0 turns them off.
+Where they build, compiled kernels (native.py) run instead, in every dtype: attention reading
+the blocks in place (decode, prefill and chunked prefill), and the model changes of
+model_kernels.py (16-bit models compute in float32 on their 16-bit weights and KV blocks).
+PAGEDLLM_CPU_KERNELS=0 turns them off.
 
-Attention follows transformers' eager attention step for step — scores in the model dtype,
-softmax in float32, probabilities cast back — so in bfloat16 and float16 the reference
-rounds where the oracle rounds, not only in float32.
+The torch path follows transformers' eager attention step for step — scores in the model
+dtype, softmax in float32, probabilities cast back — so in bfloat16 and float16 it rounds
+where the oracle rounds: bit-identical logits for those who need them.
 
 A request's blocks are gathered whole with index_select (contiguous 'block' rows copy at
 memory speed; advanced indexing is ~10x slower, and selecting one head's strided slice ~7x
@@ -18,13 +19,12 @@ import ctypes
 import ctypes.util
 
 import torch
-from torch import nn
 
 from pagedllm.core.utils import cdiv
 
 from ..attention import AttentionOps, DecodeMetadata, PrefillMetadata, prefill_token_rows
-from ..models.decoder import DecoderLayer, RMSNorm
 from . import native
+from .model_kernels import compute_in_float32, use_fused_kernels
 from .packed_linear import pack_linear_layers
 from .quantized_linear import cpu_quantized_linear
 
@@ -59,26 +59,6 @@ def gather_heads(kv_cache: torch.Tensor, which: int, blocks: torch.Tensor, num_s
     return out.copy_(gathered.permute(2, 0, 1, 3))
 
 
-class FusedRMSNorm(nn.Module):
-    def __init__(self, norm: RMSNorm):
-        super().__init__()
-        self.weight, self.eps = norm.weight, norm.eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return native.rms_norm(x, self.weight, self.eps)
-
-
-def use_fused_kernels(model) -> None:
-    """float32 RMSNorm and the MLP's silu-and-multiply as one compiled pass each, instead of
-    5-7 and 2 elementwise torch ops (a fifth of a prefill step's time went to those)."""
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, RMSNorm):
-                setattr(parent, name, FusedRMSNorm(child))
-        if isinstance(parent, DecoderLayer):
-            parent.act = native.silu_and_mul
-
-
 def keep_freed_memory() -> bool:
     """Have glibc malloc keep large freed buffers instead of returning them to the OS and
     page-faulting them back on every step, which makes the per-step temporaries ~25% cheaper.
@@ -94,11 +74,9 @@ def keep_freed_memory() -> bool:
 
 
 def _compiled(query, kv_cache, meta) -> bool:
-    """Whether this call goes through the compiled kernel: float32, where it could be built."""
+    """Whether this call goes through the compiled kernel: where it could be built."""
     if not (
-        query.dtype == kv_cache.dtype == torch.float32
-        and kv_cache.is_contiguous()
-        and native.unavailable_reason() is None
+        kv_cache.dtype in native.ATTENTION_SUFFIX and kv_cache.is_contiguous() and native.unavailable_reason() is None
     ):
         return False
     if meta.max_context_len > meta.block_tables.shape[1] * kv_cache.shape[2]:
@@ -116,9 +94,13 @@ class CpuAttentionOps(AttentionOps):
         return cpu_quantized_linear(layer)
 
     def prepare_model(self, model) -> None:
-        pack_linear_layers(model)
-        if model.config.dtype == torch.float32 and native.unavailable_reason() is None:
+        if native.unavailable_reason() is not None:
+            pack_linear_layers(model)
+        elif model.config.dtype == torch.float32:
+            pack_linear_layers(model)
             use_fused_kernels(model)
+        else:
+            compute_in_float32(model)
 
     def write_kv(self, key, value, kv_cache, slot_mapping):
         num_kv_heads, head_size = key.shape[1], key.shape[2]

@@ -1,4 +1,5 @@
-// Attention over paged float32 K/V, read in place from the blocks (no gather).
+// Attention over paged K/V (float32, bfloat16 or float16 blocks, float32 arithmetic), read in
+// place from the blocks (no gather); RMSNorm and the gated MLP's activation in float32.
 //
 // Built with -fopenmp; inside a torch process the dynamic loader resolves libgomp to the copy
 // torch already loaded, so both share one thread pool.
@@ -7,9 +8,15 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
+#include "half.h"
+
 namespace {
+
+using pagedllm::bf16;
+using pagedllm::f16;
 
 // HS > 0: the head size known at compile time (the common ones), so loops over it unroll and
 // per-head accumulators stay in registers; HS = 0: any head size.
@@ -45,8 +52,8 @@ inline float exp_clamped(float x) {
 // A request's blocks lie anywhere in the pool, so the hardware prefetcher loses the trail at
 // every block boundary: the next block is fetched into L2 while this one is computed (into L1
 // it was ~25% slower here: it competes with this block's loads).
-inline void prefetch(const float* p, int64_t n) {
-  for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i, 0, 1);
+inline void prefetch(const void* p, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(static_cast<const char*>(p) + i, 0, 1);
 }
 
 // scores[h][t] = q_h . k_t * scale for the n tokens of one block, head by head so that the
@@ -94,23 +101,21 @@ void block_values(const float* p, const float* v, int64_t n, int64_t num_heads, 
   }
 }
 
-}  // namespace
-
-extern "C" {
-
-// Attention of query rows over paged float32 K/V. Row r belongs to the request whose block
-// table is block_tables[row_table[r]] and attends to its first row_context[r] tokens: a decode
-// is one row per request; a prefill chunk of a request one row per new token, each with its
-// causal limit. q, out: [num_rows, num_heads, head_size]; k_cache, v_cache: [num_blocks,
-// block_size, num_kv_heads, head_size]; block_tables: [*, table_stride].
+// Attention of query rows over paged K/V. Row r belongs to the request whose block table is
+// block_tables[row_table[r]] and attends to its first row_context[r] tokens: a decode is one row
+// per request; a prefill chunk of a request one row per new token, each with its causal limit.
+// q, out: [num_rows, num_heads, head_size] float32; k_cache, v_cache: [num_blocks, block_size,
+// num_kv_heads, head_size] of T; block_tables: [*, table_stride].
 // One work item per row: each block's token rows (all KV heads, contiguous) are read once,
-// front to back, for every query head; a single pass with an online softmax.
-void pagedllm_paged_attention_f32(const float* q, const float* k_cache, const float* v_cache,
-                                  const int32_t* block_tables, int64_t table_stride,
-                                  const int32_t* row_table, const int32_t* row_context,
-                                  int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,
-                                  int64_t head_size, int64_t block_size, float scale, float* out,
-                                  int num_threads) {
+// front to back, for every query head; a single pass with an online softmax. 16-bit blocks are
+// widened to float32 into a per-thread buffer first (they stay in L1/L2 for the block's
+// computation), so the memory read is 2 bytes a value and the arithmetic is float32's.
+template <class T>
+void paged_attention(const float* q, const T* k_cache, const T* v_cache, const int32_t* block_tables,
+                     int64_t table_stride, const int32_t* row_table, const int32_t* row_context, int64_t num_rows,
+                     int64_t num_heads, int64_t num_kv_heads, int64_t head_size, int64_t block_size, float scale,
+                     float* out, int num_threads) {
+  constexpr bool widened = !std::is_same_v<T, float>;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_size;
   const int64_t block_stride = block_size * token_stride;
@@ -118,7 +123,7 @@ void pagedllm_paged_attention_f32(const float* q, const float* k_cache, const fl
   {
     // per query head: the block's scores, running max and sum, unnormalised output
     std::vector<float> scores(num_heads * block_size), max(num_heads), sum(num_heads),
-        acc(num_heads * head_size);
+        acc(num_heads * head_size), k_wide(widened ? block_stride : 0), v_wide(widened ? block_stride : 0);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t row = 0; row < num_rows; ++row) {
       const int64_t ctx = row_context[row];
@@ -129,13 +134,22 @@ void pagedllm_paged_attention_f32(const float* q, const float* k_cache, const fl
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t start = 0; start < ctx; start += block_size) {
         const int64_t n = std::min(block_size, ctx - start);
-        const float* k = k_cache + table[start / block_size] * block_stride;
-        const float* v = v_cache + table[start / block_size] * block_stride;
+        const T* k_block = k_cache + table[start / block_size] * block_stride;
+        const T* v_block = v_cache + table[start / block_size] * block_stride;
         if (start + block_size < ctx) {
           const int64_t next = table[start / block_size + 1] * block_stride;
           const int64_t rows = std::min(block_size, ctx - start - block_size);
-          prefetch(k_cache + next, rows * token_stride);
-          prefetch(v_cache + next, rows * token_stride);
+          prefetch(k_cache + next, rows * token_stride * sizeof(T));
+          prefetch(v_cache + next, rows * token_stride * sizeof(T));
+        }
+        const float* k;
+        const float* v;
+        if constexpr (widened) {
+          pagedllm::widen(k_block, n * token_stride, k_wide.data());
+          pagedllm::widen(v_block, n * token_stride, v_wide.data());
+          k = k_wide.data(), v = v_wide.data();
+        } else {
+          k = k_block, v = v_block;
         }
         switch (head_size) {
           case 64: block_scores<64>(qs, k, n, num_heads, group, head_size, token_stride, block_size, scale, scores.data()); break;
@@ -172,6 +186,25 @@ void pagedllm_paged_attention_f32(const float* q, const float* k_cache, const fl
     }
   }
 }
+
+}  // namespace
+
+extern "C" {
+
+#define PAGEDLLM_ATTENTION(SUFFIX, T)                                                                            \
+  void pagedllm_paged_attention_##SUFFIX(const float* q, const void* k_cache, const void* v_cache,               \
+                                         const int32_t* block_tables, int64_t table_stride,                      \
+                                         const int32_t* row_table, const int32_t* row_context, int64_t num_rows, \
+                                         int64_t num_heads, int64_t num_kv_heads, int64_t head_size,             \
+                                         int64_t block_size, float scale, float* out, int num_threads) {         \
+    paged_attention(q, static_cast<const T*>(k_cache), static_cast<const T*>(v_cache), block_tables,             \
+                    table_stride, row_table, row_context, num_rows, num_heads, num_kv_heads, head_size,          \
+                    block_size, scale, out, num_threads);                                                        \
+  }
+PAGEDLLM_ATTENTION(f32, float)
+PAGEDLLM_ATTENTION(bf16, bf16)
+PAGEDLLM_ATTENTION(f16, f16)
+#undef PAGEDLLM_ATTENTION
 
 // out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight, for rows of `size` floats; the order of
 // operations of transformers' LlamaRMSNorm in float32.

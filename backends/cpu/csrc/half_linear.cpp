@@ -1,0 +1,129 @@
+// Linear layers with 16-bit weights read in place: out = x W^T (+ bias), x and out float32,
+// W bfloat16 or float16. Each weight is widened in registers where it is used, so a 16-bit
+// model moves 2 bytes a weight (decoding is bound by that) and computes in float32 (the CPUs
+// this project runs on have no 16-bit arithmetic short of AVX-512 BF16).
+//
+// W comes packed in panels of PANEL output features (backends/cpu/model_kernels.py packs it
+// once at load): panel p holds W[p*PANEL : (p+1)*PANEL, :] transposed, [k][PANEL], the last one
+// zero-padded. A 6 x 16 register tile of out (12 accumulators) takes, per input channel, one
+// 16-wide row of the panel (2 vector loads) and 6 broadcast values of x: 8 loads for 12 FMAs
+// and no horizontal sums, as BLAS microkernels do. k runs in slices of K_BLOCK so a panel's
+// slice stays in L1 while every row tile of x meets it.
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "half.h"
+
+namespace {
+
+using pagedllm::bf16;
+using pagedllm::f16;
+
+constexpr int64_t PANEL = 16;
+constexpr int64_t K_BLOCK = 256;
+constexpr int MR = 6;  // rows of x per tile
+
+// acc = x[0:M] (rows x_stride apart) . panel slice [len][PANEL], into tile[M][PANEL].
+template <int M, class T>
+inline void tile(const float* x, int64_t x_stride, const T* panel, int64_t len, float* result) {
+  int64_t i = 0;
+#ifdef PAGEDLLM_AVX2
+#ifndef PAGEDLLM_F16C
+  if constexpr (!std::is_same_v<T, f16>)
+#endif
+  {
+    __m256 acc[M][2];
+    for (int a = 0; a < M; ++a) acc[a][0] = acc[a][1] = _mm256_setzero_ps();
+    for (; i < len; ++i) {
+      const __m256 w0 = pagedllm::load8(panel + i * PANEL), w1 = pagedllm::load8(panel + i * PANEL + 8);
+      for (int a = 0; a < M; ++a) {
+        const __m256 xv = _mm256_broadcast_ss(x + a * x_stride + i);
+        acc[a][0] = _mm256_fmadd_ps(xv, w0, acc[a][0]);
+        acc[a][1] = _mm256_fmadd_ps(xv, w1, acc[a][1]);
+      }
+    }
+    for (int a = 0; a < M; ++a) {
+      _mm256_storeu_ps(result + a * PANEL, acc[a][0]);
+      _mm256_storeu_ps(result + a * PANEL + 8, acc[a][1]);
+    }
+    return;
+  }
+#endif
+  float acc[M][PANEL] = {};
+  for (; i < len; ++i)
+    for (int a = 0; a < M; ++a) {
+      const float xv = x[a * x_stride + i];
+#pragma omp simd
+      for (int64_t j = 0; j < PANEL; ++j) acc[a][j] += xv * pagedllm::to_float(panel[i * PANEL + j]);
+    }
+  for (int a = 0; a < M; ++a)
+    for (int64_t j = 0; j < PANEL; ++j) result[a * PANEL + j] = acc[a][j];
+}
+
+template <class T>
+void half_linear(const float* x, int64_t m, const T* packed, int64_t n, int64_t k, const float* bias, float* out,
+                 int num_threads) {
+  const int64_t panels = (n + PANEL - 1) / PANEL;
+#pragma omp parallel num_threads(num_threads)
+  for (int64_t k0 = 0; k0 < k; k0 += K_BLOCK) {
+    const int64_t len = std::min(K_BLOCK, k - k0);
+    // static: a thread keeps the same panels (and the same out columns) for every k slice
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < panels; ++p) {
+      const T* panel = packed + p * k * PANEL + k0 * PANEL;
+      const int64_t n0 = p * PANEL, cols = std::min(PANEL, n - n0);
+      float result[MR * PANEL];
+      for (int64_t i = 0; i < m; i += MR) {
+        const int64_t rows = std::min<int64_t>(MR, m - i);
+        const float* xt = x + i * k + k0;
+        switch (rows) {
+          case 6: tile<6>(xt, k, panel, len, result); break;
+          case 5: tile<5>(xt, k, panel, len, result); break;
+          case 4: tile<4>(xt, k, panel, len, result); break;
+          case 3: tile<3>(xt, k, panel, len, result); break;
+          case 2: tile<2>(xt, k, panel, len, result); break;
+          default: tile<1>(xt, k, panel, len, result);
+        }
+        for (int64_t a = 0; a < rows; ++a) {
+          float* o = out + (i + a) * n + n0;
+          const float* r = result + a * PANEL;
+          if (k0 == 0)
+            for (int64_t j = 0; j < cols; ++j) o[j] = r[j] + (bias ? bias[n0 + j] : 0.f);
+          else
+            for (int64_t j = 0; j < cols; ++j) o[j] += r[j];
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// out [m, n] float32 = x [m, k] float32 . W^T (+ bias [n] float32); W packed as above,
+// [ceil(n / 16), k, 16]; kind 0: bfloat16, 1: float16.
+void pagedllm_half_linear(int kind, const float* x, int64_t m, const void* packed, int64_t n, int64_t k,
+                          const float* bias, float* out, int num_threads) {
+  if (kind == 0)
+    half_linear(x, m, static_cast<const bf16*>(packed), n, k, bias, out, num_threads);
+  else
+    half_linear(x, m, static_cast<const f16*>(packed), n, k, bias, out, num_threads);
+}
+
+// out [count] float32 = src [count] 16-bit (kind as above).
+void pagedllm_widen(int kind, const void* src, int64_t count, float* out, int num_threads) {
+  constexpr int64_t CHUNK = 1 << 16;
+  const int64_t chunks = (count + CHUNK - 1) / CHUNK;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t start = c * CHUNK, len = std::min(CHUNK, count - start);
+    if (kind == 0)
+      pagedllm::widen(static_cast<const bf16*>(src) + start, len, out + start);
+    else
+      pagedllm::widen(static_cast<const f16*>(src) + start, len, out + start);
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,95 @@
+"""Models onto the compiled kernels. float32: RMSNorm and silu-and-multiply fused (the linear
+layers are oneDNN's, packed_linear.py). 16-bit: weights and KV blocks stay in bfloat16 or float16
+(their memory and their memory traffic), the arithmetic and the activations between the ops are
+float32. This machine's CPUs have no 16-bit arithmetic short of AVX-512 BF16, so torch's own
+16-bit path widens and rounds at every op (its bfloat16 GEMM is 5-10x slower than float32 from
+16 rows on); here each weight is widened in registers where it is used and nothing is rounded
+back to 16 bits except what the KV cache stores.
+
+The result differs from transformers' eager 16-bit computation by its missing roundings (it is
+closer to the float64 answer); PAGEDLLM_CPU_KERNELS=0 keeps the transformers-identical path.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..models.decoder import DecoderLayer, RMSNorm
+from ..models.parallel import VocabParallelEmbedding
+from . import native
+
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class HalfLinear(nn.Module):
+    """nn.Linear with its 16-bit weight packed for the kernel (native.pack_half_weight: the same
+    bytes, reordered once); float32 in, float32 out."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("packed", native.pack_half_weight(linear.weight))
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).float()
+        out = native.half_linear(rows, self.packed, self.out_features, self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.packed.dtype}"
+
+
+class FusedRMSNorm(nn.Module):
+    """RMSNorm as one compiled pass; the weight in float32 (a copy when the model's is 16-bit)."""
+
+    def __init__(self, norm: RMSNorm):
+        super().__init__()
+        self.weight, self.eps = norm.weight.detach().float(), norm.eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return native.rms_norm(x, self.weight, self.eps)
+
+
+class Float32Embedding(nn.Module):
+    """The 16-bit embedding, its rows handed on in float32."""
+
+    def __init__(self, embedding: VocabParallelEmbedding):
+        super().__init__()
+        self.inner = embedding
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.inner.weight
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.inner(input_ids).float()
+
+
+def use_fused_kernels(model: nn.Module) -> None:
+    """RMSNorm and the MLP's silu-and-multiply as one compiled pass each, instead of 5-7 and 2
+    elementwise torch ops (a fifth of a float32 prefill step's time went to those)."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, RMSNorm):
+                setattr(parent, name, FusedRMSNorm(child))
+        if isinstance(parent, DecoderLayer):
+            parent.act = native.silu_and_mul
+
+
+def compute_in_float32(model: nn.Module) -> int:
+    """A 16-bit model's linear layers onto the 16-bit-weight kernel and its activations into
+    float32 (embedding output, norms, MLP activation); returns how many layers were replaced.
+    Layers that are not plain nn.Linear (quantized ones) take float32 inputs as they are."""
+    targets = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear and child.weight.dtype in HALF_DTYPES
+    ]
+    for parent, name, child in targets:
+        setattr(parent, name, HalfLinear(child))
+    model.embed_tokens = Float32Embedding(model.embed_tokens)
+    use_fused_kernels(model)
+    return len(targets)
