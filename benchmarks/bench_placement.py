@@ -5,9 +5,10 @@
 1. On the 1,000-request memory trace (benchmarks/kv_memory.py, the real scheduler): how
    contiguous live block tables are (blocks per run of consecutive ids), internal waste and
    external fragmentation, per policy.
-2. The `cpu` backend's decode attention over 64 requests x 1,024 tokens with contiguous block
-   tables (each request's blocks one run) and scattered ones (a random permutation), rounds
-   alternated.
+2. The `cpu` backend's decode attention over 64 requests x 1,024 tokens, float32 and bfloat16
+   K/V, with contiguous block tables (each request's blocks one run) and scattered ones (a
+   random permutation), with and without the kernel's prefetch of the next block, rounds
+   alternated; as bandwidth against a streaming read of the same bytes.
 3. Swap-out and swap-in of 1,024 blocks whose ids are one run, against scattered ids.
 """
 
@@ -20,7 +21,7 @@ import time
 import torch
 
 from pagedllm.backends.attention import DecodeMetadata
-from pagedllm.backends.cpu import CpuAttentionOps
+from pagedllm.backends.cpu import CpuAttentionOps, native
 from pagedllm.core.free_blocks import PLACEMENTS
 
 from .kv_memory import measure_kv_utilisation, print_placements
@@ -35,13 +36,29 @@ def _median_ms(fn, rounds: int) -> float:
     return statistics.median(times) * 1e3
 
 
+ATTENTION_VARIANTS = (
+    ("contiguous", True),
+    ("scattered", True),
+    ("contiguous, no prefetch", False),
+    ("scattered, no prefetch", False),
+)
+
+
 def decode_attention_ms(
-    requests: int = 64, context: int = 1024, block_size: int = 16, heads: int = 8, head_size: int = 64, rounds: int = 7
+    requests: int = 64,
+    context: int = 1024,
+    block_size: int = 16,
+    heads: int = 8,
+    head_size: int = 64,
+    rounds: int = 7,
+    dtype: torch.dtype = torch.float32,
 ) -> dict[str, float]:
+    """Decode attention with contiguous and scattered block tables, each with the kernel's
+    prefetch of the next block and without it, rounds alternated."""
     blocks_each = context // block_size
     num_blocks = 1 + requests * blocks_each
-    kv_cache = torch.randn(2, num_blocks, block_size, heads, head_size)
-    query = torch.randn(requests, heads, head_size)
+    kv_cache = torch.randn(2, num_blocks, block_size, heads, head_size).to(dtype)
+    query = torch.randn(requests, heads, head_size).to(dtype)
     ids = torch.arange(1, num_blocks, dtype=torch.int32)
     tables = {
         "contiguous": ids.view(requests, blocks_each),
@@ -52,12 +69,29 @@ def decode_attention_ms(
     ops = CpuAttentionOps()
     lens = torch.full((requests,), context, dtype=torch.int32)
     scale = head_size**-0.5
-    out: dict[str, list[float]] = {name: [] for name in tables}
-    for _ in range(3):  # alternate, so that drift in the machine's speed hits both
-        for name, table in tables.items():
-            meta = DecodeMetadata(block_tables=table, context_lens=lens, max_context_len=context)
-            out[name].append(_median_ms(lambda m=meta: ops.decode_attention(query, kv_cache, m, scale), rounds))
-    return {name: min(v) for name, v in out.items()}
+    out: dict[str, list[float]] = {name: [] for name, _ in ATTENTION_VARIANTS}
+    kernel = native.unavailable_reason() is None
+    try:
+        for _ in range(3):  # alternate, so that drift in the machine's speed hits all alike
+            for name, prefetch in ATTENTION_VARIANTS:
+                if not kernel and not prefetch:
+                    continue
+                if kernel:
+                    native.set_prefetch(prefetch)
+                meta = DecodeMetadata(
+                    block_tables=tables[name.split(",")[0]], context_lens=lens, max_context_len=context
+                )
+                out[name].append(_median_ms(lambda m=meta: ops.decode_attention(query, kv_cache, m, scale), rounds))
+    finally:
+        if kernel:
+            native.set_prefetch(True)
+    return {name: min(v) for name, v in out.items() if v}
+
+
+def streaming_read_ms(nbytes: int, rounds: int = 7) -> float:
+    """A sum over a float32 tensor of nbytes: reading memory at the speed torch's reduction gets."""
+    x = torch.randn(nbytes // 4)
+    return min(_median_ms(x.sum, rounds) for _ in range(3))
 
 
 def swap_ms(num_blocks: int = 4097, moved: int = 1024, block_size: int = 16, rounds: int = 7) -> dict[str, float]:
@@ -85,11 +119,16 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     print(f"1. memory trace, {args.requests} requests:")
     print_placements([measure_kv_utilisation(num_requests=args.requests, placement=p) for p in PLACEMENTS])
-    attention = decode_attention_ms()
-    print("2. cpu decode attention, 64 requests x 1,024 tokens, float32:")
-    for name, ms in attention.items():
-        print(f"   {name:<11} {ms:8.1f} ms")
-    print(f"   scattered / contiguous: {attention['scattered'] / attention['contiguous']:.2f}")
+    requests, context, heads, head_size = 64, 1024, 8, 64
+    for dtype in (torch.float32, torch.bfloat16):
+        attention = decode_attention_ms(requests, context, heads=heads, head_size=head_size, dtype=dtype)
+        kv_bytes = 2 * requests * context * heads * head_size * dtype.itemsize
+        read_ms = streaming_read_ms(kv_bytes)
+        print(f"2. cpu decode attention, {requests} requests x {context:,} tokens, {str(dtype)[6:]} K/V:")
+        print(f"   {'streaming read of the same bytes':<34} {read_ms:8.2f} ms  {kv_bytes / read_ms / 1e6:6.1f} GB/s")
+        for name, ms in attention.items():
+            print(f"   {name:<34} {ms:8.2f} ms  {kv_bytes / ms / 1e6:6.1f} GB/s  ({read_ms / ms:.0%} of the read)")
+        print(f"   scattered / contiguous: {attention['scattered'] / attention['contiguous']:.2f}")
     print("3. moving 1,024 blocks (4 layers, 8 KV heads of 64, block size 16):")
     for name, ms in swap_ms().items():
         print(f"   {name:<22} {ms:8.1f} ms")

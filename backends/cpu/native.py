@@ -90,6 +90,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     attention = [_p, _p, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _p, ctypes.c_int]
     signatures = {
         **{f"pagedllm_paged_attention_{suffix}": attention for suffix in ATTENTION_SUFFIX.values()},
+        "pagedllm_set_prefetch": [ctypes.c_int],
         "pagedllm_half_linear": [ctypes.c_int, _p, _i64, _p, _i64, _i64, _p, _p, ctypes.c_int],
         "pagedllm_rms_norm_f32": [_p, _p, ctypes.c_float, _p, _i64, _i64, ctypes.c_int],
         "pagedllm_silu_and_mul_f32": [_p, _p, _i64, _i64, ctypes.c_int],
@@ -210,14 +211,23 @@ HALF_PANEL = 16  # output features per panel of a packed 16-bit weight (csrc/hal
 
 def pack_half_weight(weight: torch.Tensor) -> torch.Tensor:
     """A [N, K] bfloat16/float16 weight in half_linear's layout: [ceil(N / 16), K, 16], panel p
-    holding rows 16p..16p+15 transposed, the last zero-padded. Same dtype, same bytes (+ padding)."""
+    holding rows 16p..16p+15 transposed, the last zero-padded; in bfloat16 each 16-wide row
+    interleaved, columns 0 8 1 9 ... 7 15 (csrc/half_linear.cpp's panel_row). Same dtype, same
+    bytes (+ padding)."""
     if weight.dtype not in HALF_KINDS or weight.dim() != 2:
         raise ValueError(f"weight must be a 2-d bfloat16 or float16 matrix, got {weight.dtype} {tuple(weight.shape)}")
     n, k = weight.shape
     panels = -(-n // HALF_PANEL)
     padded = torch.zeros(panels * HALF_PANEL, k, dtype=weight.dtype)
     padded[:n] = weight.detach()
-    return padded.view(panels, HALF_PANEL, k).transpose(1, 2).contiguous()
+    if weight.dtype == torch.bfloat16:
+        padded = padded.view(panels, 2, HALF_PANEL // 2, k).transpose(1, 2)
+    return padded.reshape(panels, HALF_PANEL, k).transpose(1, 2).contiguous()
+
+
+def set_prefetch(on: bool) -> None:
+    """Whether attention prefetches each request's next block (on by default; for measuring)."""
+    _library().pagedllm_set_prefetch(int(on))
 
 
 def half_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:

@@ -3,9 +3,9 @@
 // model moves 2 bytes a weight (decoding is bound by that) and computes in float32 (the CPUs
 // this project runs on have no 16-bit arithmetic short of AVX-512 BF16).
 //
-// W comes packed in panels of PANEL output features (backends/cpu/model_kernels.py packs it
-// once at load): panel p holds W[p*PANEL : (p+1)*PANEL, :] transposed, [k][PANEL], the last one
-// zero-padded. A 6 x 16 register tile of out (12 accumulators) takes, per input channel, one
+// W comes packed in panels of PANEL output features (native.pack_half_weight, once at load):
+// panel p holds W[p*PANEL : (p+1)*PANEL, :] transposed, [k][PANEL], the last one zero-padded,
+// bfloat16 rows interleaved (panel_row). A 6 x 16 register tile of out (12 accumulators) takes, per input channel, one
 // 16-wide row of the panel (2 vector loads) and 6 broadcast values of x: 8 loads for 12 FMAs
 // and no horizontal sums, as BLAS microkernels do. k runs in slices of K_BLOCK so a panel's
 // slice stays in L1 while every row tile of x meets it.
@@ -24,6 +24,26 @@ constexpr int64_t PANEL = 16;
 constexpr int64_t K_BLOCK = 256;
 constexpr int MR = 6;  // rows of x per tile
 
+#ifdef PAGEDLLM_AVX2
+// One 16-wide row of a panel as two float32 vectors: columns 0-7 and 8-15. bfloat16 rows are
+// packed interleaved (c0 c8 c1 c9 ... c7 c15), so one 32-byte load and a shift and a mask
+// widen them: a bfloat16 is the top half of its float32.
+inline void panel_row(const bf16* p, __m256& lo, __m256& hi) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  lo = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+  hi = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+#ifdef PAGEDLLM_F16C
+inline void panel_row(const f16* p, __m256& lo, __m256& hi) { lo = pagedllm::load8(p), hi = pagedllm::load8(p + 8); }
+#endif
+#endif
+
+// The column of element j of a packed panel row (see panel_row).
+template <class T>
+constexpr int64_t panel_column(int64_t j) {
+  return std::is_same_v<T, bf16> ? (j % 2) * 8 + j / 2 : j;
+}
+
 // acc = x[0:M] (rows x_stride apart) . panel slice [len][PANEL], into tile[M][PANEL].
 template <int M, class T>
 inline void tile(const float* x, int64_t x_stride, const T* panel, int64_t len, float* result) {
@@ -36,7 +56,8 @@ inline void tile(const float* x, int64_t x_stride, const T* panel, int64_t len, 
     __m256 acc[M][2];
     for (int a = 0; a < M; ++a) acc[a][0] = acc[a][1] = _mm256_setzero_ps();
     for (; i < len; ++i) {
-      const __m256 w0 = pagedllm::load8(panel + i * PANEL), w1 = pagedllm::load8(panel + i * PANEL + 8);
+      __m256 w0, w1;
+      panel_row(panel + i * PANEL, w0, w1);
       for (int a = 0; a < M; ++a) {
         const __m256 xv = _mm256_broadcast_ss(x + a * x_stride + i);
         acc[a][0] = _mm256_fmadd_ps(xv, w0, acc[a][0]);
@@ -55,7 +76,7 @@ inline void tile(const float* x, int64_t x_stride, const T* panel, int64_t len, 
     for (int a = 0; a < M; ++a) {
       const float xv = x[a * x_stride + i];
 #pragma omp simd
-      for (int64_t j = 0; j < PANEL; ++j) acc[a][j] += xv * pagedllm::to_float(panel[i * PANEL + j]);
+      for (int64_t j = 0; j < PANEL; ++j) acc[a][panel_column<T>(j)] += xv * pagedllm::to_float(panel[i * PANEL + j]);
     }
   for (int a = 0; a < M; ++a)
     for (int64_t j = 0; j < PANEL; ++j) result[a * PANEL + j] = acc[a][j];

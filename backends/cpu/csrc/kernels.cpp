@@ -52,7 +52,10 @@ inline float exp_clamped(float x) {
 // A request's blocks lie anywhere in the pool, so the hardware prefetcher loses the trail at
 // every block boundary: the next block is fetched into L2 while this one is computed (into L1
 // it was ~25% slower here: it competes with this block's loads).
+bool prefetch_on = true;  // pagedllm_set_prefetch: benchmarks/bench_placement.py measures both
+
 inline void prefetch(const void* p, int64_t bytes) {
+  if (!prefetch_on) return;
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(static_cast<const char*>(p) + i, 0, 1);
 }
 
@@ -201,6 +204,8 @@ extern "C" {
                     table_stride, row_table, row_context, num_rows, num_heads, num_kv_heads, head_size,          \
                     block_size, scale, out, num_threads);                                                        \
   }
+void pagedllm_set_prefetch(int on) { prefetch_on = on != 0; }
+
 PAGEDLLM_ATTENTION(f32, float)
 PAGEDLLM_ATTENTION(bf16, bf16)
 PAGEDLLM_ATTENTION(f16, f16)
