@@ -188,6 +188,21 @@ def test_fused_rms_norm_and_silu_and_mul_match_torch():
 
 
 @pytest.mark.skipif(native.unavailable_reason() is not None, reason="compiled kernels unavailable")
+def test_fused_rotary_matches_torch():
+    """On the strided q/k columns of a fused projection, as the decoder hands them over."""
+    from pagedllm.backends.models.rope import RotaryEmbedding, rotate
+
+    rope = RotaryEmbedding(64, {"rope_type": "default", "rope_theta": 10000.0}, 512)
+    positions = torch.tensor([0, 5, 511, 17, 3])
+    cos, sin = rope.cos_sin(positions, torch.float32)
+    qkv = torch.randn(5, (4 + 2 * 2) * 64)
+    qk = qkv[:, : 6 * 64].view(5, 6, 64)
+    torch.testing.assert_close(native.rotate(qk, cos, sin), rotate(qk, cos, sin), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="heads contiguous"):
+        native.rotate(qk.transpose(0, 1), cos, sin)
+
+
+@pytest.mark.skipif(native.unavailable_reason() is not None, reason="compiled kernels unavailable")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_prepare_model_puts_each_dtype_on_its_kernels(tiny_model, dtype):
     from torch import nn
@@ -199,7 +214,7 @@ def test_prepare_model_puts_each_dtype_on_its_kernels(tiny_model, dtype):
     model = load_model(tiny_model("llama"), dtype)
     CpuAttentionOps().prepare_model(model)
     assert isinstance(model.norm, FusedRMSNorm) and model.norm.weight.dtype == torch.float32
-    assert all(layer.act is native.silu_and_mul for layer in model.layers)
+    assert all(layer.act is native.silu_and_mul and layer.rotate is native.rotate for layer in model.layers)
     linears = [m for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear, HalfLinear))]
     if dtype == "float32":
         want = PackedLinear if packing_available(torch.float32) else nn.Linear

@@ -94,6 +94,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         "pagedllm_half_linear": [ctypes.c_int, _p, _i64, _p, _i64, _i64, _p, _p, ctypes.c_int],
         "pagedllm_rms_norm_f32": [_p, _p, ctypes.c_float, _p, _i64, _i64, ctypes.c_int],
         "pagedllm_silu_and_mul_f32": [_p, _p, _i64, _i64, ctypes.c_int],
+        "pagedllm_rotary_f32": [_p, _i64, _p, _p, _p, _i64, _i64, _i64, ctypes.c_int],
         "pagedllm_quantized_gemv_f32": [
             ctypes.c_int,
             _p,
@@ -158,6 +159,29 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(*x.shape[:-1], size, dtype=x.dtype)
     _library().pagedllm_silu_and_mul_f32(
         x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], size, torch.get_num_threads()
+    )
+    return out
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding of float32 x [T, heads, D] (rows may be strided, each row's heads
+    contiguous: the q/k columns of the fused projection), cos/sin [T, 1, D] float32: a
+    contiguous [T, heads, D], as models/rope.py's rotate computes it."""
+    rows, heads, size = x.shape
+    if x.dtype != torch.float32 or x.stride(2) != 1 or x.stride(1) != size or size % 2:
+        raise ValueError("x must be float32 [T, heads, D] with each row's heads contiguous and D even")
+    cos, sin = (_float32(name, t).reshape(rows, size) for name, t in (("cos", cos), ("sin", sin)))
+    out = torch.empty(rows, heads, size, dtype=torch.float32)
+    _library().pagedllm_rotary_f32(
+        x.data_ptr(),
+        x.stride(0),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        out.data_ptr(),
+        rows,
+        heads,
+        size,
+        torch.get_num_threads(),
     )
     return out
 

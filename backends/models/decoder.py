@@ -59,7 +59,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * shards.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(shards.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-        self.act = silu_and_mul  # a backend may swap in a fused kernel (prepare_model)
+        self.act = silu_and_mul  # a backend may swap in fused kernels for these two (prepare_model)
+        self.rotate = rotate
 
     def attention(self, x, cos_sin, kv_cache, meta: AttentionMetadata, ops: AttentionOps):
         num_tokens = x.shape[0]
@@ -69,11 +70,11 @@ class DecoderLayer(nn.Module):
         if self.q_norm is None:
             # q and k sit side by side in the fused projection: one rotation for both
             qk = qkv[:, : q_size + kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-            q, k = rotate(qk, *cos_sin).split((self.num_heads, self.num_kv_heads), dim=1)
+            q, k = self.rotate(qk, *cos_sin).split((self.num_heads, self.num_kv_heads), dim=1)
         else:
             q = self.q_norm(qkv[:, :q_size].view(num_tokens, self.num_heads, self.head_dim))
             k = self.k_norm(qkv[:, q_size : q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_dim))
-            q, k = rotate(q, *cos_sin), rotate(k, *cos_sin)
+            q, k = self.rotate(q, *cos_sin), self.rotate(k, *cos_sin)
         ops.write_kv(k, v, kv_cache, meta.slot_mapping)
         nd = meta.num_decode_tokens
         if meta.prefill is None:

@@ -59,8 +59,18 @@ inline void prefetch(const void* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(static_cast<const char*>(p) + i, 0, 1);
 }
 
+#ifdef PAGEDLLM_AVX2
+// The eight sums of eight vectors, as one vector: lane j = sum of the lanes of v[j].
+inline __m256 sums_of_eight(const __m256* v) {
+  const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+#endif
+
 // scores[h][t] = q_h . k_t * scale for the n tokens of one block, head by head so that the
-// query head stays in registers across the block's tokens.
+// query head stays in registers across the block's tokens; with AVX2, eight tokens at a time,
+// their eight dot products summed across lanes together instead of one by one.
 template <int64_t HS>
 void block_scores(const float* q, const float* k, int64_t n, int64_t num_heads, int64_t group,
                   int64_t head_size, int64_t token_stride, int64_t block_size, float scale,
@@ -69,7 +79,24 @@ void block_scores(const float* q, const float* k, int64_t n, int64_t num_heads, 
   for (int64_t h = 0; h < num_heads; ++h) {
     const float* qh = q + h * hs;
     const float* kh = k + (h / group) * hs;
-    for (int64_t t = 0; t < n; ++t) scores[h * block_size + t] = dot<HS>(qh, kh + t * token_stride, hs) * scale;
+    float* sh = scores + h * block_size;
+    int64_t t = 0;
+#ifdef PAGEDLLM_AVX2
+    if (hs % 8 == 0) {
+      const __m256 scale_v = _mm256_set1_ps(scale);
+      for (; t + 8 <= n; t += 8) {
+        __m256 acc[8];
+        for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < hs; d += 8) {
+          const __m256 qv = _mm256_loadu_ps(qh + d);
+          for (int j = 0; j < 8; ++j)
+            acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kh + (t + j) * token_stride + d), acc[j]);
+        }
+        _mm256_storeu_ps(sh + t, _mm256_mul_ps(sums_of_eight(acc), scale_v));
+      }
+    }
+#endif
+    for (; t < n; ++t) sh[t] = dot<HS>(qh, kh + t * token_stride, hs) * scale;
   }
 }
 
@@ -225,6 +252,27 @@ void pagedllm_rms_norm_f32(const float* x, const float* weight, float eps, float
     const float inv = 1.f / std::sqrt(squares / static_cast<float>(size) + eps);
 #pragma omp simd
     for (int64_t i = 0; i < size; ++i) o[i] = weight[i] * (xr[i] * inv);
+  }
+}
+
+// Rotary embedding (transformers' rotate_half form) of rows of `heads` vectors of `size` floats:
+// x row t at x + t * row_stride, its heads contiguous; cos/sin [rows, size]; out [rows, heads,
+// size] contiguous. out = x * cos + rotate_half(x) * sin, one pass instead of five torch ops.
+void pagedllm_rotary_f32(const float* x, int64_t row_stride, const float* cos, const float* sin, float* out,
+                         int64_t rows, int64_t heads, int64_t size, int num_threads) {
+  const int64_t half = size / 2;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * heads * size >= 16384)
+  for (int64_t t = 0; t < rows; ++t) {
+    const float* c = cos + t * size;
+    const float* s = sin + t * size;
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* xh = x + t * row_stride + h * size;
+      float* o = out + (t * heads + h) * size;
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i) o[i] = xh[i] * c[i] - xh[i + half] * s[i];
+#pragma omp simd
+      for (int64_t i = half; i < size; ++i) o[i] = xh[i] * c[i] + xh[i - half] * s[i];
+    }
   }
 }
 
