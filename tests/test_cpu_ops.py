@@ -203,7 +203,7 @@ def test_fused_rotary_matches_torch():
 
 
 @pytest.mark.skipif(native.unavailable_reason() is not None, reason="compiled kernels unavailable")
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_prepare_model_puts_each_dtype_on_its_kernels(tiny_model, dtype):
     from torch import nn
 
@@ -221,7 +221,7 @@ def test_prepare_model_puts_each_dtype_on_its_kernels(tiny_model, dtype):
         assert all(type(m) is want for m in linears)
     else:
         # 16-bit weights read in place, activations in float32
-        assert linears and all(type(m) is HalfLinear and m.packed.dtype == torch.bfloat16 for m in linears)
+        assert linears and all(type(m) is HalfLinear and m.packed.dtype == getattr(torch, dtype) for m in linears)
         assert isinstance(model.embed_tokens, Float32Embedding)
         assert model.embed_tokens(torch.tensor([1, 2])).dtype == torch.float32
 

@@ -24,7 +24,8 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 class HalfLinear(nn.Module):
     """nn.Linear with its 16-bit weight packed for the kernel (native.pack_half_weight: the same
-    bytes, reordered once); float32 in, float32 out."""
+    bytes, reordered once; a second copy only for an LM head tied to the embedding, which keeps
+    its rows); float32 in, float32 out."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -58,10 +59,6 @@ class Float32Embedding(nn.Module):
     def __init__(self, embedding: VocabParallelEmbedding):
         super().__init__()
         self.inner = embedding
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.inner.weight
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.inner(input_ids).float()

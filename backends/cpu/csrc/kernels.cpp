@@ -20,13 +20,28 @@ using pagedllm::f16;
 
 // HS > 0: the head size known at compile time (the common ones), so loops over it unroll and
 // per-head accumulators stay in registers; HS = 0: any head size.
-template <int64_t HS>
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+template <int64_t HS, class T>
+inline float dot(const float* __restrict a, const T* __restrict b, int64_t n) {
   const int64_t len = HS ? HS : n;
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < len; ++i) s += a[i] * b[i];
+  for (int64_t i = 0; i < len; ++i) s += a[i] * pagedllm::to_float(b[i]);
   return s;
+}
+
+// Whether blocks of T are read in place (widened in registers) at head size HS, or widened into
+// a float32 buffer first: in place needs the vector loads of half.h and a compile-time head size.
+template <int64_t HS, class T>
+constexpr bool in_place() {
+  if constexpr (std::is_same_v<T, float>) return true;
+#ifdef PAGEDLLM_AVX2
+#ifndef PAGEDLLM_F16C
+  if constexpr (std::is_same_v<T, f16>) return false;
+#endif
+  return HS > 0 && HS % 8 == 0;
+#else
+  return false;
+#endif
 }
 
 // exp(x), Cephes' expf: range reduction by ln 2 and a degree-6 polynomial, within 2 ulp of
@@ -50,14 +65,29 @@ inline float exp_clamped(float x) {
 }
 
 // A request's blocks lie anywhere in the pool, so the hardware prefetcher loses the trail at
-// every block boundary: the next block is fetched into L2 while this one is computed (into L1
-// it was ~25% slower here: it competes with this block's loads).
+// every block boundary: the next block's K and V are fetched into L2 while this one is
+// computed, a few cache lines at every step of the computation. (Issued all at once, at the
+// start of a block, most prefetches found the miss queues full and were dropped: no effect.)
 bool prefetch_on = true;  // pagedllm_set_prefetch: benchmarks/bench_placement.py measures both
 
-inline void prefetch(const void* p, int64_t bytes) {
-  if (!prefetch_on) return;
-  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(static_cast<const char*>(p) + i, 0, 1);
-}
+struct Prefetcher {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  int64_t bytes = 0, done = 0, per_step = 0;
+
+  void start(const void* k_next, const void* v_next, int64_t nbytes, int64_t steps) {
+    k = static_cast<const char*>(k_next), v = static_cast<const char*>(v_next);
+    bytes = prefetch_on ? nbytes : 0, done = 0;
+    per_step = (nbytes / 64 + steps - 1) / steps * 64;
+  }
+  void stop() { bytes = done = 0; }
+  inline void step() {
+    for (const int64_t end = std::min(bytes, done + per_step); done < end; done += 64) {
+      __builtin_prefetch(k + done, 0, 1);
+      __builtin_prefetch(v + done, 0, 1);
+    }
+  }
+};
 
 #ifdef PAGEDLLM_AVX2
 // The eight sums of eight vectors, as one vector: lane j = sum of the lanes of v[j].
@@ -71,14 +101,14 @@ inline __m256 sums_of_eight(const __m256* v) {
 // scores[h][t] = q_h . k_t * scale for the n tokens of one block, head by head so that the
 // query head stays in registers across the block's tokens; with AVX2, eight tokens at a time,
 // their eight dot products summed across lanes together instead of one by one.
-template <int64_t HS>
-void block_scores(const float* q, const float* k, int64_t n, int64_t num_heads, int64_t group,
+template <int64_t HS, class T>
+void block_scores(const float* q, const T* k, int64_t n, int64_t num_heads, int64_t group,
                   int64_t head_size, int64_t token_stride, int64_t block_size, float scale,
-                  float* scores) {
+                  float* scores, Prefetcher& pf) {
   const int64_t hs = HS ? HS : head_size;
   for (int64_t h = 0; h < num_heads; ++h) {
     const float* qh = q + h * hs;
-    const float* kh = k + (h / group) * hs;
+    const T* kh = k + (h / group) * hs;
     float* sh = scores + h * block_size;
     int64_t t = 0;
 #ifdef PAGEDLLM_AVX2
@@ -90,27 +120,43 @@ void block_scores(const float* q, const float* k, int64_t n, int64_t num_heads, 
         for (int64_t d = 0; d < hs; d += 8) {
           const __m256 qv = _mm256_loadu_ps(qh + d);
           for (int j = 0; j < 8; ++j)
-            acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kh + (t + j) * token_stride + d), acc[j]);
+            acc[j] = _mm256_fmadd_ps(qv, pagedllm::load8(kh + (t + j) * token_stride + d), acc[j]);
         }
         _mm256_storeu_ps(sh + t, _mm256_mul_ps(sums_of_eight(acc), scale_v));
+        pf.step();
       }
     }
 #endif
-    for (; t < n; ++t) sh[t] = dot<HS>(qh, kh + t * token_stride, hs) * scale;
+    for (; t < n; ++t) {
+      sh[t] = dot<HS, T>(qh, kh + t * token_stride, hs) * scale;
+      pf.step();
+    }
   }
 }
 
 // acc[h] += sum_t p[h][t] * v_t over the block's n tokens, head by head, the head's sum kept in
 // a local array (registers, when HS is known) instead of memory for every token.
-template <int64_t HS>
-void block_values(const float* p, const float* v, int64_t n, int64_t num_heads, int64_t group,
-                  int64_t head_size, int64_t token_stride, int64_t block_size, float* acc) {
+template <int64_t HS, class T>
+void block_values(const float* p, const T* v, int64_t n, int64_t num_heads, int64_t group,
+                  int64_t head_size, int64_t token_stride, int64_t block_size, float* acc, Prefetcher& pf) {
   const int64_t hs = HS ? HS : head_size;
   for (int64_t h = 0; h < num_heads; ++h) {
-    const float* vh = v + (h / group) * hs;
+    const T* vh = v + (h / group) * hs;
     const float* ph = p + h * block_size;
     float* a = acc + h * hs;
-    if constexpr (HS > 0) {
+    if constexpr (HS > 0 && !std::is_same_v<T, float>) {
+#ifdef PAGEDLLM_AVX2
+      __m256 sum[HS / 8];
+      for (int64_t d = 0; d < HS / 8; ++d) sum[d] = _mm256_loadu_ps(a + 8 * d);
+      for (int64_t t = 0; t < n; ++t) {
+        const __m256 w = _mm256_set1_ps(ph[t]);
+        const T* vt = vh + t * token_stride;
+        for (int64_t d = 0; d < HS / 8; ++d) sum[d] = _mm256_fmadd_ps(w, pagedllm::load8(vt + 8 * d), sum[d]);
+        pf.step();
+      }
+      for (int64_t d = 0; d < HS / 8; ++d) _mm256_storeu_ps(a + 8 * d, sum[d]);
+#endif
+    } else if constexpr (HS > 0) {
       float sum[HS];
       for (int64_t d = 0; d < HS; ++d) sum[d] = a[d];
       for (int64_t t = 0; t < n; ++t) {
@@ -118,16 +164,52 @@ void block_values(const float* p, const float* v, int64_t n, int64_t num_heads, 
         const float* vt = vh + t * token_stride;
 #pragma omp simd
         for (int64_t d = 0; d < HS; ++d) sum[d] += w * vt[d];
+        pf.step();
       }
       for (int64_t d = 0; d < HS; ++d) a[d] = sum[d];
     } else {
       for (int64_t t = 0; t < n; ++t) {
         const float w = ph[t];
-        const float* vt = vh + t * token_stride;
+        const T* vt = vh + t * token_stride;
 #pragma omp simd
-        for (int64_t d = 0; d < hs; ++d) a[d] += w * vt[d];
+        for (int64_t d = 0; d < hs; ++d) a[d] += w * pagedllm::to_float(vt[d]);
+        pf.step();
       }
     }
+  }
+}
+
+// One block of one row: scores, online-softmax update, values, on K/V of T read in place, or on
+// float32 copies widened into k_wide/v_wide when in_place<HS, T>() says so.
+template <int64_t HS, class T>
+void attend_block(const float* qs, const T* k_block, const T* v_block, int64_t n, int64_t num_heads,
+                  int64_t group, int64_t head_size, int64_t token_stride, int64_t block_size, float scale,
+                  float* scores, float* max, float* sum, float* acc, float* k_wide, float* v_wide,
+                  Prefetcher& pf) {
+  if constexpr (!in_place<HS, T>()) {
+    pagedllm::widen(k_block, n * token_stride, k_wide);
+    pagedllm::widen(v_block, n * token_stride, v_wide);
+    attend_block<HS, float>(qs, k_wide, v_wide, n, num_heads, group, head_size, token_stride, block_size, scale,
+                            scores, max, sum, acc, nullptr, nullptr, pf);
+  } else {
+    block_scores<HS, T>(qs, k_block, n, num_heads, group, head_size, token_stride, block_size, scale, scores, pf);
+    for (int64_t h = 0; h < num_heads; ++h) {
+      float* s = scores + h * block_size;
+      float m = max[h];
+      for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
+      const float rescale = exp_clamped(max[h] - m);  // ~0 on the first block
+      float block_sum = 0.f;
+#pragma omp simd reduction(+ : block_sum)
+      for (int64_t t = 0; t < n; ++t) {
+        s[t] = exp_clamped(s[t] - m);
+        block_sum += s[t];
+      }
+      sum[h] = sum[h] * rescale + block_sum;
+      max[h] = m;
+      if (rescale != 1.f)
+        for (float *a = acc + h * head_size, *e = a + head_size; a != e; ++a) *a *= rescale;
+    }
+    block_values<HS, T>(scores, v_block, n, num_heads, group, head_size, token_stride, block_size, acc, pf);
   }
 }
 
@@ -145,7 +227,7 @@ void paged_attention(const float* q, const T* k_cache, const T* v_cache, const i
                      int64_t table_stride, const int32_t* row_table, const int32_t* row_context, int64_t num_rows,
                      int64_t num_heads, int64_t num_kv_heads, int64_t head_size, int64_t block_size, float scale,
                      float* out, int num_threads) {
-  constexpr bool widened = !std::is_same_v<T, float>;
+  constexpr bool widened = !std::is_same_v<T, float>;  // head sizes other than 64 and 128 need the buffers
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_size;
   const int64_t block_stride = block_size * token_stride;
@@ -154,6 +236,7 @@ void paged_attention(const float* q, const T* k_cache, const T* v_cache, const i
     // per query head: the block's scores, running max and sum, unnormalised output
     std::vector<float> scores(num_heads * block_size), max(num_heads), sum(num_heads),
         acc(num_heads * head_size), k_wide(widened ? block_stride : 0), v_wide(widened ? block_stride : 0);
+    Prefetcher pf;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t row = 0; row < num_rows; ++row) {
       const int64_t ctx = row_context[row];
@@ -169,43 +252,15 @@ void paged_attention(const float* q, const T* k_cache, const T* v_cache, const i
         if (start + block_size < ctx) {
           const int64_t next = table[start / block_size + 1] * block_stride;
           const int64_t rows = std::min(block_size, ctx - start - block_size);
-          prefetch(k_cache + next, rows * token_stride * sizeof(T));
-          prefetch(v_cache + next, rows * token_stride * sizeof(T));
-        }
-        const float* k;
-        const float* v;
-        if constexpr (widened) {
-          pagedllm::widen(k_block, n * token_stride, k_wide.data());
-          pagedllm::widen(v_block, n * token_stride, v_wide.data());
-          k = k_wide.data(), v = v_wide.data();
+          // steps: one per 8 tokens (or per token) in the scores, one per token in the values
+          pf.start(k_cache + next, v_cache + next, rows * token_stride * sizeof(T), num_heads * (n + (n + 7) / 8));
         } else {
-          k = k_block, v = v_block;
+          pf.stop();
         }
         switch (head_size) {
-          case 64: block_scores<64>(qs, k, n, num_heads, group, head_size, token_stride, block_size, scale, scores.data()); break;
-          case 128: block_scores<128>(qs, k, n, num_heads, group, head_size, token_stride, block_size, scale, scores.data()); break;
-          default: block_scores<0>(qs, k, n, num_heads, group, head_size, token_stride, block_size, scale, scores.data());
-        }
-        for (int64_t h = 0; h < num_heads; ++h) {
-          float* s = scores.data() + h * block_size;
-          float m = max[h];
-          for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
-          const float rescale = exp_clamped(max[h] - m);  // ~0 on the first block
-          float block_sum = 0.f;
-#pragma omp simd reduction(+ : block_sum)
-          for (int64_t t = 0; t < n; ++t) {
-            s[t] = exp_clamped(s[t] - m);
-            block_sum += s[t];
-          }
-          sum[h] = sum[h] * rescale + block_sum;
-          max[h] = m;
-          if (rescale != 1.f)
-            for (float *a = acc.data() + h * head_size, *e = a + head_size; a != e; ++a) *a *= rescale;
-        }
-        switch (head_size) {
-          case 64: block_values<64>(scores.data(), v, n, num_heads, group, head_size, token_stride, block_size, acc.data()); break;
-          case 128: block_values<128>(scores.data(), v, n, num_heads, group, head_size, token_stride, block_size, acc.data()); break;
-          default: block_values<0>(scores.data(), v, n, num_heads, group, head_size, token_stride, block_size, acc.data());
+          case 64: attend_block<64>(qs, k_block, v_block, n, num_heads, group, head_size, token_stride, block_size, scale, scores.data(), max.data(), sum.data(), acc.data(), k_wide.data(), v_wide.data(), pf); break;
+          case 128: attend_block<128>(qs, k_block, v_block, n, num_heads, group, head_size, token_stride, block_size, scale, scores.data(), max.data(), sum.data(), acc.data(), k_wide.data(), v_wide.data(), pf); break;
+          default: attend_block<0>(qs, k_block, v_block, n, num_heads, group, head_size, token_stride, block_size, scale, scores.data(), max.data(), sum.data(), acc.data(), k_wide.data(), v_wide.data(), pf);
         }
       }
       float* os = out + row * num_heads * head_size;
