@@ -7,8 +7,9 @@
 // panel p holds W[p*PANEL : (p+1)*PANEL, :] transposed, [k][PANEL], the last one zero-padded,
 // bfloat16 rows interleaved (panel_row). A 6 x 16 register tile of out (12 accumulators) takes, per input channel, one
 // 16-wide row of the panel (2 vector loads) and 6 broadcast values of x: 8 loads for 12 FMAs
-// and no horizontal sums, as BLAS microkernels do. k runs in slices of K_BLOCK so a panel's
-// slice stays in L1 while every row tile of x meets it.
+// and no horizontal sums, as BLAS microkernels do. k runs in slices of K_BLOCK and the rows of
+// x in blocks of X_BLOCK_BYTES, so a panel's slice stays in L1 while a block's row tiles meet it
+// and the block stays in L2 while every panel meets it.
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -23,6 +24,9 @@ using pagedllm::f16;
 constexpr int64_t PANEL = 16;
 constexpr int64_t K_BLOCK = 256;
 constexpr int MR = 6;  // rows of x per tile
+// rows of x per block: ~64 KB of them (32-64 KB measured best here, for 200-4,096 rows: the
+// whole of x, as before, fell to 67-90 GFLOP/s on the larger shapes, ~125 blocked)
+constexpr int64_t X_BLOCK_BYTES = 64 << 10;
 
 #ifdef PAGEDLLM_AVX2
 // One 16-wide row of a panel as two float32 vectors: columns 0-7 and 8-15. bfloat16 rows are
@@ -89,30 +93,35 @@ void half_linear(const float* x, int64_t m, const T* packed, int64_t n, int64_t 
 #pragma omp parallel num_threads(num_threads)
   for (int64_t k0 = 0; k0 < k; k0 += K_BLOCK) {
     const int64_t len = std::min(K_BLOCK, k - k0);
-    // static: a thread keeps the same panels (and the same out columns) for every k slice
+    // rows of x in blocks that stay in L2 while every panel meets them
+    const int64_t m_block = std::max<int64_t>(MR, X_BLOCK_BYTES / (len * 4) / MR * MR);
+    for (int64_t m0 = 0; m0 < m; m0 += m_block) {
+      const int64_t m1 = std::min(m, m0 + m_block);
+      // static: a thread keeps the same panels (and the same out columns) for every block
 #pragma omp for schedule(static)
-    for (int64_t p = 0; p < panels; ++p) {
-      const T* panel = packed + p * k * PANEL + k0 * PANEL;
-      const int64_t n0 = p * PANEL, cols = std::min(PANEL, n - n0);
-      float result[MR * PANEL];
-      for (int64_t i = 0; i < m; i += MR) {
-        const int64_t rows = std::min<int64_t>(MR, m - i);
-        const float* xt = x + i * k + k0;
-        switch (rows) {
-          case 6: tile<6>(xt, k, panel, len, result); break;
-          case 5: tile<5>(xt, k, panel, len, result); break;
-          case 4: tile<4>(xt, k, panel, len, result); break;
-          case 3: tile<3>(xt, k, panel, len, result); break;
-          case 2: tile<2>(xt, k, panel, len, result); break;
-          default: tile<1>(xt, k, panel, len, result);
-        }
-        for (int64_t a = 0; a < rows; ++a) {
-          float* o = out + (i + a) * n + n0;
-          const float* r = result + a * PANEL;
-          if (k0 == 0)
-            for (int64_t j = 0; j < cols; ++j) o[j] = r[j] + (bias ? bias[n0 + j] : 0.f);
-          else
-            for (int64_t j = 0; j < cols; ++j) o[j] += r[j];
+      for (int64_t p = 0; p < panels; ++p) {
+        const T* panel = packed + p * k * PANEL + k0 * PANEL;
+        const int64_t n0 = p * PANEL, cols = std::min(PANEL, n - n0);
+        float result[MR * PANEL];
+        for (int64_t i = m0; i < m1; i += MR) {
+          const int64_t rows = std::min<int64_t>(MR, m1 - i);
+          const float* xt = x + i * k + k0;
+          switch (rows) {
+            case 6: tile<6>(xt, k, panel, len, result); break;
+            case 5: tile<5>(xt, k, panel, len, result); break;
+            case 4: tile<4>(xt, k, panel, len, result); break;
+            case 3: tile<3>(xt, k, panel, len, result); break;
+            case 2: tile<2>(xt, k, panel, len, result); break;
+            default: tile<1>(xt, k, panel, len, result);
+          }
+          for (int64_t a = 0; a < rows; ++a) {
+            float* o = out + (i + a) * n + n0;
+            const float* r = result + a * PANEL;
+            if (k0 == 0)
+              for (int64_t j = 0; j < cols; ++j) o[j] = r[j] + (bias ? bias[n0 + j] : 0.f);
+            else
+              for (int64_t j = 0; j < cols; ++j) o[j] += r[j];
+          }
         }
       }
     }
