@@ -142,18 +142,4 @@ void pagedllm_half_linear(int kind, const float* x, int64_t m, const void* packe
     half_linear(x, m, static_cast<const f16*>(packed), n, k, bias, out, num_threads);
 }
 
-// out [count] float32 = src [count] 16-bit (kind as above).
-void pagedllm_widen(int kind, const void* src, int64_t count, float* out, int num_threads) {
-  constexpr int64_t CHUNK = 1 << 16;
-  const int64_t chunks = (count + CHUNK - 1) / CHUNK;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t start = c * CHUNK, len = std::min(CHUNK, count - start);
-    if (kind == 0)
-      pagedllm::widen(static_cast<const bf16*>(src) + start, len, out + start);
-    else
-      pagedllm::widen(static_cast<const f16*>(src) + start, len, out + start);
-  }
-}
-
 }  // extern "C"
