@@ -36,12 +36,11 @@ def _median_ms(fn, rounds: int) -> float:
     return statistics.median(times) * 1e3
 
 
-ATTENTION_VARIANTS = (
-    ("contiguous", True),
-    ("scattered", True),
-    ("contiguous, no prefetch", False),
-    ("scattered, no prefetch", False),
-)
+ATTENTION_VARIANTS = (("contiguous", True), ("scattered", True), ("contiguous", False), ("scattered", False))
+
+
+def _variant_label(table: str, prefetch: bool) -> str:
+    return table if prefetch else f"{table}, no prefetch"
 
 
 def decode_attention_ms(
@@ -69,19 +68,19 @@ def decode_attention_ms(
     ops = CpuAttentionOps()
     lens = torch.full((requests,), context, dtype=torch.int32)
     scale = head_size**-0.5
-    out: dict[str, list[float]] = {name: [] for name, _ in ATTENTION_VARIANTS}
+    out: dict[str, list[float]] = {_variant_label(*v): [] for v in ATTENTION_VARIANTS}
     kernel = native.unavailable_reason() is None
     try:
         for _ in range(3):  # alternate, so that drift in the machine's speed hits all alike
-            for name, prefetch in ATTENTION_VARIANTS:
+            for table, prefetch in ATTENTION_VARIANTS:
                 if not kernel and not prefetch:
                     continue
                 if kernel:
                     native.set_prefetch(prefetch)
-                meta = DecodeMetadata(
-                    block_tables=tables[name.split(",")[0]], context_lens=lens, max_context_len=context
+                meta = DecodeMetadata(block_tables=tables[table], context_lens=lens, max_context_len=context)
+                out[_variant_label(table, prefetch)].append(
+                    _median_ms(lambda m=meta: ops.decode_attention(query, kv_cache, m, scale), rounds)
                 )
-                out[name].append(_median_ms(lambda m=meta: ops.decode_attention(query, kv_cache, m, scale), rounds))
     finally:
         if kernel:
             native.set_prefetch(True)

@@ -64,22 +64,33 @@ def test_eight_prompts_in_one_batch_match_hf_generate_alone(arch_models):
         assert got == hf_greedy(hf, prompt, 20), f"{arch}: prompt of {len(prompt)} tokens"
 
 
+def bfloat16_runner_outputs(path: str):
+    """Three prompts, the runner's bfloat16 greedy continuations of them (16 tokens), and its
+    logits at each prompt's last position from a fresh prefill."""
+    runner = make_runner(path, dtype="bfloat16")
+    prompts = [random_prompt(n, seed=30 + n) for n in (4, 17, 40)]
+    tokens = greedy_batched(runner, prompts, max_new=16)
+    logits = []
+    for prompt in prompts:
+        (table,) = shuffled_tables(1, 4, 256, seed=5)
+        logits.append(runner.execute([SeqInput(prompt, 0, table)])[0])
+    return prompts, tokens, logits
+
+
+def last_logits(hf, prompt: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([prompt])).logits[0, -1].float()
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_bfloat16_without_kernels_is_bit_identical_to_transformers_eager(tiny_model, arch, monkeypatch):
     """PAGEDLLM_CPU_KERNELS=0's path: rounds where transformers' eager bfloat16 rounds."""
     monkeypatch.setattr(native, "unavailable_reason", lambda: "off for this test")
     path = tiny_model(arch)
     hf = load_hf(path, dtype=torch.bfloat16)
-    runner = make_runner(path, dtype="bfloat16")
-    prompts = [random_prompt(n, seed=30 + n) for n in (4, 17, 40)]
-    ours = greedy_batched(runner, prompts, max_new=16)
-    for prompt, got in zip(prompts, ours):
+    for prompt, got, logits in zip(*bfloat16_runner_outputs(path)):
         assert got == hf_greedy(hf, prompt, 16)
-        (table,) = shuffled_tables(1, 4, 256, seed=5)
-        logits = runner.execute([SeqInput(prompt, 0, table)])[0]
-        with torch.no_grad():
-            expected = hf(torch.tensor([prompt])).logits[0, -1].float()
-        assert torch.equal(logits, expected)
+        assert torch.equal(logits, last_logits(hf, prompt))
 
 
 @pytest.mark.skipif(native.unavailable_reason() is not None, reason="compiled kernels unavailable")
@@ -92,15 +103,8 @@ def test_bfloat16_on_the_kernels_is_closer_to_float32_than_transformers_bfloat16
     path = tiny_model(arch)
     hf16 = load_hf(path, dtype=torch.bfloat16)
     hf32 = load_hf(path, dtype=torch.bfloat16).float()  # the bfloat16 weights, float32 arithmetic
-    runner = make_runner(path, dtype="bfloat16")
-    prompts = [random_prompt(n, seed=30 + n) for n in (4, 17, 40)]
-    ours = greedy_batched(runner, prompts, max_new=16)
-    for prompt, got in zip(prompts, ours):
+    for prompt, got, logits in zip(*bfloat16_runner_outputs(path)):
         assert got == hf_greedy(hf32, prompt, 16)
-        (table,) = shuffled_tables(1, 4, 256, seed=5)
-        logits = runner.execute([SeqInput(prompt, 0, table)])[0]
-        with torch.no_grad():
-            exact = hf32(torch.tensor([prompt])).logits[0, -1]
-            rounded = hf16(torch.tensor([prompt])).logits[0, -1].float()
+        exact, rounded = last_logits(hf32, prompt), last_logits(hf16, prompt)
         ours_err, hf16_err = (logits - exact).abs().max(), (rounded - exact).abs().max()
         assert ours_err <= 0.1 and ours_err <= 0.6 * hf16_err, (ours_err, hf16_err)

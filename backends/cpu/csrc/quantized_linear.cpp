@@ -15,10 +15,7 @@
 #include <cstdint>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define PAGEDLLM_AVX2 1
-#endif
+#include "half.h"  // PAGEDLLM_AVX2
 
 namespace {
 
