@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import logging
 import os
 import signal
@@ -290,7 +291,9 @@ def serve(worker: Worker, link: CoreLink, parent: int) -> None:
             if result is not None:
                 link.send(result)
         elif isinstance(msg, InitCache):
-            link.send(worker.init_cache(msg))
+            ready = worker.init_cache(msg)
+            gc.freeze()  # the model and torch's modules: collections need not walk them each step
+            link.send(ready)
         elif isinstance(msg, Shutdown):
             return
         link.last_heard = time.monotonic()  # silence counts from here: the work took its time

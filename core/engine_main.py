@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import signal
 import sys
 import traceback
@@ -35,6 +36,7 @@ def main(argv=None) -> int:
     code = 0
     try:
         core.start()
+        gc.freeze()  # what start-up made stays: collections in the loop walk only the new objects
         core.run()
     except EngineFailure as e:
         core.report_death(str(e))
