@@ -45,7 +45,8 @@ def main(argv=None):
     print(f"start-up (LLM() to ready): {startup:.2f} s")
     print(
         f"{args.requests} running requests, {steps} steps: {wall * 1e3:.2f} ms per step, of which "
-        f"forward+sampling {forward * 1e3:.2f} ms; engine overhead {(wall - forward) * 1e3:.2f} ms per step"
+        f"forward+sampling {forward * 1e3:.2f} ms; engine overhead {(wall - forward) * 1e3:.2f} ms per step "
+        f"({after.planned_ahead - before.planned_ahead} steps planned ahead)"
     )
 
 

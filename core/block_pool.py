@@ -197,13 +197,17 @@ class BlockPool:
         self.prefix_hits += hit_tokens
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached-but-free block (e.g. after the KV storage was lost)."""
+        """Forget every cached block (e.g. after the KV storage was lost)."""
+        self.drop_free_cached()
+        for block in list(self._cached.values()):
+            self._evict(block)
+
+    def drop_free_cached(self) -> None:
+        """Forget the cached blocks nobody holds."""
         while self._lru.size:
             block = self._lru.pop_oldest()
             self._evict(block)
             self._free.put(block.block_id)
-        for block in list(self._cached.values()):
-            self._evict(block)
 
     def uncache(self, block: KVBlock) -> None:
         """Take a held block out of the prefix cache (its content is not what its key says)."""

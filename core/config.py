@@ -94,6 +94,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     priority_preemption: bool = True
     block_placement: str = "lru"
     preemption_mode: str = "recompute"
+    # plan step k+1 while step k computes, whenever it needs none of step k's tokens
+    async_scheduling: bool = True
     seed: int = 0
     kv_cache_memory: int = 1 << 30  # bytes of KV pool (cpu backend)
     num_kv_blocks: int | None = None  # exact pool size, overriding kv_cache_memory

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 
 import zmq
 
@@ -72,13 +73,15 @@ class EngineCore:
         self.scheduler: Scheduler | None = None
         self.pending: list[RequestOutputDelta] = []
         self.steps = 0
+        self.planned_ahead = 0
         self.step_seconds = 0.0
         self.forward_seconds = 0.0
-        self._step_start = 0.0
+        self._step_mark = 0.0  # when the step now being waited on began to count
         self._batch_sizes: list[int] = []
         self._batch_tokens: list[int] = []
         self.stopping = False
-        self.in_flight: SchedulerOutput | None = None
+        # sent and not yet applied, oldest first: one, or two under async scheduling
+        self.in_flight: deque[SchedulerOutput] = deque()
         self._inits: list[InitCache] = []  # per rank, sent again to a replacement worker
         self.restarts = RestartBudget(config.max_worker_restarts, RESTART_WINDOW_S)
         self.recovered_tokens = 0  # computed tokens that recoveries kept (the pool outlived the worker)
@@ -193,7 +196,8 @@ class EngineCore:
                     raise EngineFailure(f"a replacement worker failed while starting: {e}") from None
                 failure = e  # killed while starting: that is one more restart
         kv_lost = any(init.kv_segment is None for init in self._inits)
-        failed, self.in_flight = self.in_flight, None
+        failed = list(self.in_flight)
+        self.in_flight.clear()
         kept = self.scheduler.recover(failed, kv_lost)
         self.recovered_tokens += kept
         logger.warning(
@@ -230,8 +234,9 @@ class EngineCore:
 
     def _run_steps(self) -> None:
         sched = self.scheduler
+        in_flight = self.in_flight
         while not self.stopping:
-            if self.in_flight is None:
+            if not in_flight:
                 busy = sched.has_unfinished_requests()
                 self._take_frontend_messages(0 if busy else POLL_MS)
                 if not busy:
@@ -242,38 +247,58 @@ class EngineCore:
                 if self.stopping:
                     break
                 self._send_step()
-                if self.in_flight is None:
+                if not in_flight:
                     continue
-            # the worker computes; meanwhile flush outputs and take new messages
+            if self.config.async_scheduling and len(in_flight) == 1:
+                self._send_step_ahead()  # the workers find it queued when they finish this one
+            # the workers compute; meanwhile flush outputs and take new messages
             self._flush_outputs()
             self._take_frontend_messages(0)
-            result = self._wait_result()
-            plan, self.in_flight = self.in_flight, None
+            plan = in_flight[0]
+            result = self._wait_result(plan)
+            in_flight.popleft()
             outputs = sched.update(plan, sampled_by_request(plan, result), result.logprobs)
             self.steps += 1
             self._batch_sizes.append(len(plan.num_scheduled_tokens))
             self._batch_tokens.append(plan.total_num_scheduled_tokens)
-            self.step_seconds += time.perf_counter() - self._step_start
+            now = time.perf_counter()
+            self.step_seconds += now - self._step_mark
+            self._step_mark = now
             self.forward_seconds += result.forward_seconds
-            if sched.has_unfinished_requests() and not self.stopping:
+            if not in_flight and sched.has_unfinished_requests() and not self.stopping:
                 self._send_step()
             self._collect(outputs, result)  # after the next step is on its way
-            if self.in_flight is None:
+            if not in_flight:
                 self._flush_outputs()
 
     def _send_step(self) -> None:
         """Plan a step and send it; `in_flight` holds it until its result is applied (a step
         whose workers die is planned again from it)."""
-        self._step_start = time.perf_counter()
+        if not self.in_flight:
+            self._step_mark = time.perf_counter()  # idle until now: not a step's time
         plan = self.scheduler.schedule()
         if plan.is_empty:
             self._flush_outputs()
             return
-        self.in_flight = plan
+        self._broadcast(plan)
+
+    def _send_step_ahead(self) -> None:
+        """Async scheduling: the next step planned and sent while the one in flight computes,
+        when the scheduler can plan it without that step's tokens."""
+        plan = self.scheduler.schedule_ahead(self.in_flight[0])
+        if plan is not None:
+            self.planned_ahead += 1
+            self._broadcast(plan)
+
+    def _broadcast(self, plan: SchedulerOutput) -> None:
+        self.in_flight.append(plan)
         self.workers.broadcast(Step(plan))
 
-    def _wait_result(self) -> StepResult:
-        return self.workers.wait_result(StepResult, self._check_frontend)
+    def _wait_result(self, plan: SchedulerOutput) -> StepResult:
+        result = self.workers.wait_result(StepResult, self._check_frontend)
+        if result.step_id != plan.step_id:
+            raise WorkerFailure(f"worker 0 answered step {result.step_id} while step {plan.step_id} was due")
+        return result
 
     def _collect(self, outputs: list[RequestOutputDelta], result: StepResult) -> None:
         """The scheduler's outputs, with the worker's logprobs and the prefix-cache hit added."""
@@ -303,6 +328,7 @@ class EngineCore:
             forward_seconds=self.forward_seconds,
             batch_sizes=sizes,
             batch_tokens=tokens,
+            planned_ahead=self.planned_ahead,
             worker_restarts=self.restarts.total,
             recovered_tokens=self.recovered_tokens,
         )

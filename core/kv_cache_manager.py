@@ -112,7 +112,8 @@ class KVCacheManager:
     def _cache_full_blocks(self, request: Request, table: list[KVBlock], num_tokens: int) -> None:
         rid = request.request_id
         done = self._num_hashed[rid]
-        full = min(num_tokens // self.block_size, len(table))
+        # a slot planned for a token not yet sampled (async scheduling) waits to be hashed
+        full = min(min(num_tokens, request.num_tokens) // self.block_size, len(table))
         if full <= done:
             return
         hashes = self._block_hashes(request, full)
@@ -121,6 +122,13 @@ class KVCacheManager:
             parent = table[i - 1] if i else None
             self.pool.cache_full_block(table[i], hashes[i], tuple(tokens[i * bs : (i + 1) * bs]), parent)
         self._num_hashed[rid] = full
+
+    def cache_planned_blocks(self, request: Request) -> None:
+        """A token planned ahead of its sampling (async scheduling) is now known: the blocks it
+        completed enter the prefix cache."""
+        table = self.tables.get(request.request_id)
+        if self.enable_caching and table is not None:
+            self._cache_full_blocks(request, table, request.num_computed_tokens)
 
     # --- allocation -----------------------------------------------------------------------
     def _register(self, request_id: str, table: list[KVBlock]) -> list[KVBlock]:

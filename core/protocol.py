@@ -47,6 +47,7 @@ class EngineStats(msgspec.Struct):
     # the steps since the previous stats: requests in each step's batch, and tokens computed
     batch_sizes: list[int] = []
     batch_tokens: list[int] = []
+    planned_ahead: int = 0  # steps planned before the previous step's tokens came (async scheduling)
     worker_restarts: int = 0  # since start
     recovered_tokens: int = 0  # computed tokens restarts kept instead of recomputing
 

@@ -166,6 +166,37 @@ class Scheduler:
             self.config.max_num_batched_tokens,
         )
 
+    def schedule_ahead(self, in_flight: SchedulerOutput) -> SchedulerOutput | None:
+        """The step after `in_flight`, planned before its tokens are known (async scheduling):
+        each request that samples in `in_flight` computes, next, the token the worker is about
+        to sample — the worker holds that token itself. Only the steady state qualifies: every
+        running request decodes in `in_flight`, nothing waits that could start, and the next
+        tokens' blocks are free; otherwise None, and the step is planned after the results.
+        Requests that reach their length limit in `in_flight` are left out; one that stops on
+        EOS or a stop token computes one token in vain, which `update` then skips."""
+        cfg = self.config
+        if self.swapped or self.beams.groups or not self.running:
+            return None
+        if self.waiting and (self.by_priority or len(self.running) < cfg.max_num_seqs):
+            return None  # one could start or preempt: that needs the results first
+        scheduled = in_flight.num_scheduled_tokens
+        requests = []
+        for request in self.running:
+            if request.request_id not in scheduled or request.forks_pending:
+                return None
+            if request.num_computed_tokens != request.num_tokens:
+                return None  # a prefill chunk that samples nothing yet
+            if request.num_output_tokens + 1 < request.max_tokens and request.num_tokens + 1 < cfg.max_model_len:
+                requests.append(request)
+        budget = cfg.max_num_batched_tokens
+        if not requests or len(requests) > budget or self.kv.blocks_needed(requests, 1) > self.kv.pool.num_free:
+            return None
+        step = StepBuilder(budget, self.worker, self.kv)
+        for request in requests:
+            step.add(request, 1, self.kv.allocate_slots(request, 1))
+            request.num_computed_tokens += 1
+        return step.build(next(self._step_ids), self.kv.take_block_copies(), {}, budget)
+
     def _schedule_running(self, step: StepBuilder) -> None:
         """Running requests: decodes first, then unfinished prefills in chunks."""
         left = [(r, r.fork_point - r.num_computed_tokens) for r in self.running]
@@ -336,6 +367,8 @@ class Scheduler:
         """The sampled token joins the request; it may end it (stop token, EOS, length)."""
         tokens = request.all_token_ids
         tokens.append(token)
+        if request.num_computed_tokens == len(tokens):  # its slot was planned ahead
+            self.kv.cache_planned_blocks(request)
         num_output = len(tokens) - request.num_prompt_tokens
         status = None
         if num_output >= request.min_tokens and (token in request.eos_token_ids or token in request.stop_ids):
@@ -385,30 +418,37 @@ class Scheduler:
         del self.requests[request.request_id]
 
     # --- recovery -------------------------------------------------------------------------
-    def recover(self, failed: SchedulerOutput | None, kv_lost: bool) -> int:
+    def recover(self, failed: list[SchedulerOutput], kv_lost: bool) -> int:
         """The workers were replaced and hold no request state; every running request goes to
-        them in full with the next step. `failed`: the step they did not finish, planned again
-        from the state before it. kv_lost: their KV pool went with them (device memory), so
-        everything running is recomputed. Returns the computed tokens kept (not recomputed)."""
-        recompute: list[Request] = []
-        if failed is not None:
-            new = {n.request_id for n in failed.new_requests}
-            for rid, num_tokens in failed.num_scheduled_tokens.items():
+        them in full with the next step. `failed`: the steps they did not finish (two under
+        async scheduling), planned again from the state before them. kv_lost: their KV pool
+        went with them (device memory), so everything running is recomputed. Returns the
+        computed tokens kept (not recomputed)."""
+        recompute: dict[str, Request] = {}
+        for plan in reversed(failed):  # the latest undone first, so each undo meets its own state
+            new = {n.request_id for n in plan.new_requests}
+            for rid, num_tokens in plan.num_scheduled_tokens.items():
                 request = self.requests.get(rid)
-                if request is None or request.status != RUNNING:
+                if request is None or request.status != RUNNING or rid in recompute:
                     continue
                 if rid in new:  # admitted, resumed or forked in that step: it may lean on blocks never written
-                    recompute.append(request)
+                    recompute[rid] = request
                 else:
                     request.num_computed_tokens -= num_tokens
                     self.kv.forget_beyond(request)
-            swapped_out = {s for _, s in failed.swap_out}
-            recompute += [r for r in self.swapped if set(self.kv.swapped[r.request_id]) & swapped_out]
+            swapped_out = {s for _, s in plan.swap_out}
+            for r in self.swapped:
+                if set(self.kv.swapped[r.request_id]) & swapped_out:
+                    recompute[r.request_id] = r
             live = {b.block_id for table in self.kv.tables.values() for b in table}
-            self.kv.restore_copies(failed.block_copies, live)
+            self.kv.restore_copies(plan.block_copies, live)
+        if failed and not kv_lost:
+            # a request that ended with its step unfinished (aborted meanwhile, or stopped with a
+            # step planned ahead) left blocks keyed for KV never written: no cached free block stays
+            self.kv.pool.drop_free_cached()
         if kv_lost:
-            recompute += [r for r in self.running if r not in recompute]
-        for request in recompute:
+            recompute.update((r.request_id, r) for r in self.running)
+        for request in recompute.values():
             self._requeue_for_recompute(request)
         self.running = [r for r in self.running if r.status == RUNNING]
         if kv_lost:

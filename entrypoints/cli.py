@@ -39,6 +39,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     g.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="plan each decode step while the previous one computes",
+    )
+    g.add_argument(
         "--block-placement",
         default="lru",
         choices=["lru", "first-fit", "best-fit"],
@@ -135,6 +141,7 @@ def engine_kwargs(args) -> dict:
         priority_preemption=args.priority_preemption,
         block_placement=args.block_placement,
         preemption_mode=args.preemption_mode,
+        async_scheduling=args.async_scheduling,
         swap_space=args.swap_space,
         kv_cache_memory=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization,

@@ -39,6 +39,7 @@ class EngineArgs:
     priority_preemption: bool = True
     block_placement: str = "lru"
     preemption_mode: str = "recompute"
+    async_scheduling: bool = True
     seed: int = 0
     kv_cache_memory: int | str = "1GiB"
     swap_space: float | str | None = None

@@ -130,17 +130,29 @@ class FakeWorker:
         return sampled
 
 
-def run_to_completion(sched: Scheduler, worker: FakeWorker | None = None, max_steps=10_000, check=True):
-    """Steps until every request ended; returns ({rid: output tokens}, {rid: finish_reason}, plans)."""
+def run_to_completion(
+    sched: Scheduler, worker: FakeWorker | None = None, max_steps=10_000, check=True, async_scheduling=False
+):
+    """Steps until every request ended; returns ({rid: output tokens}, {rid: finish_reason}, plans).
+    async_scheduling: as the engine core does, each next step is planned ahead (`schedule_ahead`)
+    before the results of the one in flight are applied, whenever the scheduler can."""
     worker = worker or FakeWorker(sched.block_size, sched.cache_config.num_blocks, sched.cache_config.num_swap_blocks)
     outputs: dict[str, list[int]] = {}
     reasons: dict[str, str] = {}
     plans = []
+    in_flight: list[SchedulerOutput] = []
     for _ in range(max_steps):
-        if not sched.has_unfinished_requests():
-            return outputs, reasons, plans
-        plan = sched.schedule()
-        plans.append(plan)
+        if not in_flight:
+            if not sched.has_unfinished_requests():
+                return outputs, reasons, plans
+            in_flight.append(sched.schedule())
+            plans.append(in_flight[0])
+        if async_scheduling:
+            ahead = sched.schedule_ahead(in_flight[0])
+            if ahead is not None:
+                in_flight.append(ahead)
+                plans.append(ahead)
+        plan = in_flight.pop(0)
         sampled = worker.execute(plan)
         for out in sched.update(plan, sampled, worker.logprobs):
             outputs.setdefault(out.request_id, []).extend(out.new_token_ids)

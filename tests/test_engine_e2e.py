@@ -58,3 +58,28 @@ def test_32_requests_under_kv_pressure_match_transformers(reference, prefix_cach
         assert out.outputs[0].token_ids == want, f"request {i}: prompt of {len(prompts[i])} tokens"
         assert out.outputs[0].finish_reason == "length"
     assert not children_of(core_pid) and not segments_of(core_pid)
+
+
+def test_async_scheduling_gives_transformers_tokens_with_stops_and_late_arrivals(reference):
+    """Decode steps planned while the previous one computes: the same greedy tokens as
+    transformers (and as planning after each result), requests stopping on a stop token in
+    the middle of the batch, and a second generate call joining a running engine."""
+    path, prompts, max_tokens, expected = reference
+    stops = [want[len(want) // 2] if len(want) > 4 else None for want in expected]
+    params = [
+        SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, stop_token_ids=[s] if s is not None else None)
+        for m, s in zip(max_tokens, stops)
+    ]
+    wanted = [want[: want.index(s) + 1] if s is not None else want for want, s in zip(expected, stops)]
+    for async_scheduling in (True, False):
+        with LLM(path, num_kv_blocks=512, max_model_len=512, async_scheduling=async_scheduling) as llm:
+            first = llm.generate(prompts[:16], params[:16], use_tqdm=False)
+            second = llm.generate(prompts[16:], params[16:], use_tqdm=False)
+            stats = llm.last_stats
+        for i, out in enumerate(first + second):
+            assert out.outputs[0].token_ids == wanted[i], f"request {i}, async_scheduling={async_scheduling}"
+            assert out.outputs[0].finish_reason == ("stop" if stops[i] is not None else "length")
+        if async_scheduling:
+            assert stats.planned_ahead > stats.steps // 2, f"{stats.planned_ahead} of {stats.steps} steps planned ahead"
+        else:
+            assert stats.planned_ahead == 0

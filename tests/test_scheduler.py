@@ -132,19 +132,51 @@ def test_fork_then_one_append_each_copies_the_shared_block_once():
     assert plan.block_copies == []
 
 
-def test_stop_conditions():
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_stop_conditions(async_scheduling):
     sched = make_scheduler(max_model_len=40)
     add(sched, "eos", [1, 2, 3], max_tokens=30, eos_token_id=fake_token("eos", 5))
     add(sched, "min", [1, 2, 3], max_tokens=30, eos_token_id=fake_token("min", 3), min_tokens=3)
     add(sched, "stopid", [1, 2, 3], max_tokens=30, stop_token_ids=[fake_token("stopid", 4)])
     add(sched, "ignore", [1, 2, 3], max_tokens=5, eos_token_id=fake_token("ignore", 3), ignore_eos=True)
     add(sched, "modellen", list(range(1, 36)), max_tokens=None)
-    outputs, reasons, _ = run_to_completion(sched)
+    outputs, reasons, _ = run_to_completion(sched, async_scheduling=async_scheduling)
     assert outputs["eos"] == [fake_token("eos", p) for p in (3, 4, 5)] and reasons["eos"] == "stop"
     assert len(outputs["min"]) >= 3 and reasons["min"] in ("stop", "length")
     assert outputs["stopid"][-1] == fake_token("stopid", 4) and reasons["stopid"] == "stop"
     assert len(outputs["ignore"]) == 5 and reasons["ignore"] == "length"
     assert len(outputs["modellen"]) == 5 and reasons["modellen"] == "length"
+
+
+def test_async_scheduling_plans_decodes_ahead_with_the_same_tokens_and_prefix_hits():
+    """Planned before the step in flight has sampled, a decode's next step computes the token
+    the worker is about to sample; the outputs equal planning after the results, a stop costs
+    one token computed in vain, and a block completed by a planned-ahead token still enters the
+    prefix cache once that token is known."""
+    runs = {}
+    for async_scheduling in (False, True):
+        sched = make_scheduler(block_size=4, num_blocks=64, max_num_seqs=4, max_model_len=64)
+        for i in range(6):  # more than max_num_seqs; the even ones stop on EOS, the odd at their length
+            eos = fake_token(f"r{i}", 7 + i) if i % 2 == 0 else None
+            add(sched, f"r{i}", range(10 * i + 1, 10 * i + 4), max_tokens=9 + i, eos_token_id=eos)
+        worker = FakeWorker(4, 64)
+        outputs, reasons, plans = run_to_completion(sched, worker, async_scheduling=async_scheduling)
+        # a sequence that ended at its length, again: its blocks should be in the cache, the
+        # last one completed by a planned-ahead token too
+        first = list(range(11, 14)) + outputs["r1"]
+        add(sched, "again", first + [99], max_tokens=1)
+        hits_before = sched.kv.pool.prefix_hits
+        run_to_completion(sched, worker, async_scheduling=async_scheduling)
+        runs[async_scheduling] = (outputs, reasons, plans, sched.kv.pool.prefix_hits - hits_before)
+    sync, ahead = runs[False], runs[True]
+    assert ahead[0] == sync[0] and ahead[1] == sync[1]
+    assert "stop" in sync[1].values() and "length" in sync[1].values()
+    assert ahead[3] == sync[3] == (len(first) // 4) * 4, "a planned-ahead block was never cached"
+    # fewer plans than steps of tokens would be wrong; more (wasted) only by the stops
+    wasted = sum(n for p in ahead[2] for n in p.num_scheduled_tokens.values()) - sum(
+        n for p in sync[2] for n in p.num_scheduled_tokens.values()
+    )
+    assert wasted == list(sync[1].values()).count("stop")
 
 
 def test_abort_frees_blocks_immediately_and_in_every_state():

@@ -28,6 +28,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         num_swap_blocks=st.integers(0, 24),
         placement=st.sampled_from(["lru", "first-fit", "best-fit"]),
         priority_preemption=st.booleans(),
+        async_scheduling=st.booleans(),
     )
     def setup(
         self,
@@ -41,6 +42,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         num_swap_blocks,
         placement,
         priority_preemption,
+        async_scheduling,
     ):
         # tight: the smallest pool that still fits one max_model_len request, plus a little
         num_blocks = 1 + cdiv(MAX_MODEL_LEN, block_size) + extra_blocks
@@ -60,6 +62,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.worker = FakeWorker(block_size, num_blocks, num_swap_blocks, vocab=12)
         self.next_id = 0
         self.expected_len: dict[str, int] = {}
+        self.async_scheduling = async_scheduling
+        self.in_flight = []  # under async scheduling, the step planned ahead between rules
 
     @rule(
         prefix=st.sampled_from(range(len(PREFIXES))),
@@ -113,7 +117,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.sched.abort_requests([rid])
         assert rid not in self.sched.requests and rid not in self.sched.beams.groups
 
-    @precondition(lambda self: any(r.beam_group is None for r in self.sched.running))
+    # the engine forks only while applying results, never with a step planned ahead
+    @precondition(lambda self: not self.in_flight and any(r.beam_group is None for r in self.sched.running))
     @rule(data=st.data())
     def fork(self, data):
         parent = data.draw(st.sampled_from([r.request_id for r in self.sched.running if r.beam_group is None]))
@@ -121,10 +126,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.next_id += 1
         self.sched.fork_request(parent, child)
 
-    @rule()
-    def step(self):
+    def _check_plan(self, plan):
         sched = self.sched
-        plan = sched.schedule()
         assert plan.total_num_scheduled_tokens == sum(plan.num_scheduled_tokens.values())
         assert plan.total_num_scheduled_tokens <= sched.config.max_num_batched_tokens
         assert all(n > 0 for n in plan.num_scheduled_tokens.values())
@@ -132,6 +135,22 @@ class SchedulerMachine(RuleBasedStateMachine):
         for kind in ("block_copies", "swap_out", "swap_in", "preempted_request_ids", "appended_token_ids"):
             if getattr(plan, kind):
                 event(kind)
+
+    @rule()
+    def step(self):
+        """Apply one step's results. Under async scheduling the next step is planned first, as
+        the engine core does, and stays in flight until the following `step`."""
+        sched = self.sched
+        if not self.in_flight:
+            self.in_flight.append(sched.schedule())
+            self._check_plan(self.in_flight[0])
+        if self.async_scheduling:
+            ahead = sched.schedule_ahead(self.in_flight[0])
+            if ahead is not None:
+                event("planned ahead")
+                self._check_plan(ahead)
+                self.in_flight.append(ahead)
+        plan = self.in_flight.pop(0)
         sampled = self.worker.execute(plan)
         outputs = sched.update(plan, sampled, self.worker.logprobs)
         for out in outputs:
@@ -148,7 +167,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         sched = self.sched
         for _ in range(2000):
-            if not sched.has_unfinished_requests():
+            if not sched.has_unfinished_requests() and not self.in_flight:
                 break
             self.step()
         assert not sched.has_unfinished_requests() and not sched.beams.groups, (
