@@ -85,6 +85,10 @@ class EngineMetrics:
         self.prefix_hits = metric(Counter, "prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = metric(Counter, "num_preemptions", "Preemptions of running requests.")
         self.worker_restarts = metric(Counter, "worker_restarts", "Workers replaced after they died.")
+        self.steps = metric(Counter, "engine_steps", "Steps the workers computed.")
+        self.planned_ahead = metric(
+            Counter, "steps_planned_ahead", "Steps planned while the previous one computed (async scheduling)."
+        )
         self.prompt_tokens = metric(Counter, "prompt_tokens", "Prompt tokens of requests that started.")
         self.generation_tokens = metric(Counter, "generation_tokens", "Generated tokens.")
         self.batch_size = metric(Histogram, "batch_size", "Requests in each step's batch.", buckets=_BATCH_BUCKETS)
@@ -112,6 +116,7 @@ class EngineMetrics:
         )
         self._last: SchedulerStats | None = None
         self._last_restarts = 0
+        self._last_steps = self._last_planned_ahead = 0
 
     def observe_stats(self, stats: EngineStats) -> None:
         sched = stats.scheduler
@@ -130,6 +135,9 @@ class EngineMetrics:
         self.preemptions.inc(sched.num_preemptions - (last.num_preemptions if last else 0))
         self.worker_restarts.inc(stats.worker_restarts - self._last_restarts)
         self._last_restarts = stats.worker_restarts
+        self.steps.inc(stats.steps - self._last_steps)
+        self.planned_ahead.inc(stats.planned_ahead - self._last_planned_ahead)
+        self._last_steps, self._last_planned_ahead = stats.steps, stats.planned_ahead
         self._last = sched
         for size, tokens in zip(stats.batch_sizes, stats.batch_tokens):
             self.batch_size.observe(size)

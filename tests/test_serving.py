@@ -518,6 +518,9 @@ def test_metrics_parse_and_move(server, model):
         after["pagedllm:inter_token_latency_seconds_count"] - before["pagedllm:inter_token_latency_seconds_count"] == 4
     )
     assert after["pagedllm:batch_size_count"] > before["pagedllm:batch_size_count"]
+    # one step per token; each but the first planned while the one before computed
+    assert after["pagedllm:engine_steps_total"] - before["pagedllm:engine_steps_total"] == 5
+    assert after["pagedllm:steps_planned_ahead_total"] - before["pagedllm:steps_planned_ahead_total"] == 4
     assert after["pagedllm:prefix_cache_queries_total"] > before["pagedllm:prefix_cache_queries_total"]
     assert "pagedllm:num_preemptions_total" in after and "pagedllm:num_requests_swapped" in after
     assert server.get("/health")[0] == 200
