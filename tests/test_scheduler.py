@@ -1,6 +1,7 @@
 import pytest
 
 from pagedllm.core import InvalidParameter
+from pagedllm.core.worker_state import WorkerState
 
 from core_helpers import FakeWorker, add, fake_token, make_scheduler, run_to_completion
 
@@ -177,6 +178,26 @@ def test_async_scheduling_plans_decodes_ahead_with_the_same_tokens_and_prefix_hi
         n for p in sync[2] for n in p.num_scheduled_tokens.values()
     )
     assert wasted == list(sync[1].values()).count("stop")
+
+
+def test_recovery_drops_a_block_keyed_for_a_planned_step_that_never_ran():
+    """A request stops on its first token while the step after it is already planned: the
+    block that step completes is keyed in the prefix cache. The workers die before running it;
+    the block must not be found by the next request with that prefix (its KV was never written)."""
+    sched = make_scheduler(block_size=4, num_blocks=32)
+    worker = FakeWorker(4, 32)
+    eos = fake_token("a", 3)
+    add(sched, "a", [5, 6, 7], max_tokens=8, eos_token_id=eos)
+    plan = sched.schedule()
+    ahead = sched.schedule_ahead(plan)
+    assert ahead is not None and ahead.num_scheduled_tokens == {"a": 1}
+    (out,) = sched.update(plan, worker.execute(plan))
+    assert out.finish_reason == "stop"
+    sched.recover([ahead], kv_lost=False)  # `ahead` never ran: position 3 holds nothing
+    worker.state = WorkerState()
+    add(sched, "b", [5, 6, 7, eos, 9], max_tokens=1)
+    run_to_completion(sched, worker)  # the fake worker checks every position it reads
+    assert sched.kv.pool.prefix_hits == 0
 
 
 def test_abort_frees_blocks_immediately_and_in_every_state():

@@ -7,6 +7,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from pagedllm.core import EngineRequest, InvalidParameter, RequestStatus, SamplingParams
 from pagedllm.core.utils import cdiv
+from pagedllm.core.worker_state import WorkerState
 
 from core_helpers import FakeWorker, make_scheduler
 
@@ -125,6 +126,19 @@ class SchedulerMachine(RuleBasedStateMachine):
         child = f"r{self.next_id}"
         self.next_id += 1
         self.sched.fork_request(parent, child)
+
+    @precondition(lambda self: self.in_flight)
+    @rule(kv_lost=st.booleans())
+    def workers_die(self, kv_lost):
+        """The workers die with the step planned ahead unfinished (not begun: the harder case
+        for the KV it meant to write) and are replaced, as the engine core's `_recover` does:
+        a fresh worker state, the pool kept (shared memory) or lost (device memory)."""
+        failed, self.in_flight = self.in_flight, []
+        self.sched.recover(failed, kv_lost)
+        event("recovered with a step planned ahead")
+        self.worker.state = WorkerState()
+        if kv_lost:
+            self.worker.kv = [None] * len(self.worker.kv)
 
     def _check_plan(self, plan):
         sched = self.sched
