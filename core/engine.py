@@ -272,10 +272,9 @@ class EngineCore:
                 self._flush_outputs()
 
     def _send_step(self) -> None:
-        """Plan a step and send it; `in_flight` holds it until its result is applied (a step
-        whose workers die is planned again from it)."""
-        if not self.in_flight:
-            self._step_mark = time.perf_counter()  # idle until now: not a step's time
+        """With nothing in flight: plan a step and send it; `in_flight` holds it until its result
+        is applied (a step whose workers die is planned again from it)."""
+        self._step_mark = time.perf_counter()  # what came before (idle, or applying results) is not this step's
         plan = self.scheduler.schedule()
         if plan.is_empty:
             self._flush_outputs()

@@ -4,10 +4,12 @@ engine message; per-request figures from each request's timing when it ends."""
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from pagedllm.core.protocol import EngineStats, SchedulerStats
+from pagedllm.core.protocol import EngineStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -52,6 +54,15 @@ _REQUEST_BUCKETS = (
     240.0,
     480.0,
     960.0,
+)
+# the engine's counts are cumulative since start; each counter takes the increment
+_CUMULATIVE = (
+    ("prefix_queries", "scheduler.prefix_cache_queries"),
+    ("prefix_hits", "scheduler.prefix_cache_hits"),
+    ("preemptions", "scheduler.num_preemptions"),
+    ("worker_restarts", "worker_restarts"),
+    ("steps", "steps"),
+    ("planned_ahead", "planned_ahead"),
 )
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -114,9 +125,7 @@ class EngineMetrics:
             ["model_name", "finished_reason"],
             registry=self.registry,
         )
-        self._last: SchedulerStats | None = None
-        self._last_restarts = 0
-        self._last_steps = self._last_planned_ahead = 0
+        self._last: EngineStats | None = None
 
     def observe_stats(self, stats: EngineStats) -> None:
         sched = stats.scheduler
@@ -129,16 +138,10 @@ class EngineMetrics:
             self.kv_external_fragmentation.set(sched.fragmentation.external)
             self.kv_table_run.set(sched.fragmentation.mean_table_run)
         last = self._last
-        # the engine's counts are cumulative; the counters take the increments
-        self.prefix_queries.inc(sched.prefix_cache_queries - (last.prefix_cache_queries if last else 0))
-        self.prefix_hits.inc(sched.prefix_cache_hits - (last.prefix_cache_hits if last else 0))
-        self.preemptions.inc(sched.num_preemptions - (last.num_preemptions if last else 0))
-        self.worker_restarts.inc(stats.worker_restarts - self._last_restarts)
-        self._last_restarts = stats.worker_restarts
-        self.steps.inc(stats.steps - self._last_steps)
-        self.planned_ahead.inc(stats.planned_ahead - self._last_planned_ahead)
-        self._last_steps, self._last_planned_ahead = stats.steps, stats.planned_ahead
-        self._last = sched
+        for name, field in _CUMULATIVE:
+            count = attrgetter(field)
+            getattr(self, name).inc(count(stats) - (count(last) if last else 0))
+        self._last = stats
         for size, tokens in zip(stats.batch_sizes, stats.batch_tokens):
             self.batch_size.observe(size)
             self.iteration_tokens.observe(tokens)

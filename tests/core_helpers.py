@@ -130,29 +130,38 @@ class FakeWorker:
         return sampled
 
 
+def next_step(sched: Scheduler, in_flight: list[SchedulerOutput], async_scheduling: bool):
+    """The engine core's order: with nothing in flight a step is planned by `schedule()`; under
+    async scheduling the one after it is planned ahead (`schedule_ahead`) before its results
+    are applied, whenever the scheduler can. Returns (the oldest step, to run and apply now,
+    the plans made here); `in_flight` keeps the rest."""
+    made = []
+    if not in_flight:
+        made.append(sched.schedule())
+        in_flight.append(made[-1])
+    if async_scheduling:
+        ahead = sched.schedule_ahead(in_flight[0])
+        if ahead is not None:
+            made.append(ahead)
+            in_flight.append(ahead)
+    return in_flight.pop(0), made
+
+
 def run_to_completion(
     sched: Scheduler, worker: FakeWorker | None = None, max_steps=10_000, check=True, async_scheduling=False
 ):
     """Steps until every request ended; returns ({rid: output tokens}, {rid: finish_reason}, plans).
-    async_scheduling: as the engine core does, each next step is planned ahead (`schedule_ahead`)
-    before the results of the one in flight are applied, whenever the scheduler can."""
+    async_scheduling: steps planned ahead as the engine core plans them (`next_step`)."""
     worker = worker or FakeWorker(sched.block_size, sched.cache_config.num_blocks, sched.cache_config.num_swap_blocks)
     outputs: dict[str, list[int]] = {}
     reasons: dict[str, str] = {}
     plans = []
     in_flight: list[SchedulerOutput] = []
     for _ in range(max_steps):
-        if not in_flight:
-            if not sched.has_unfinished_requests():
-                return outputs, reasons, plans
-            in_flight.append(sched.schedule())
-            plans.append(in_flight[0])
-        if async_scheduling:
-            ahead = sched.schedule_ahead(in_flight[0])
-            if ahead is not None:
-                in_flight.append(ahead)
-                plans.append(ahead)
-        plan = in_flight.pop(0)
+        if not in_flight and not sched.has_unfinished_requests():
+            return outputs, reasons, plans
+        plan, made = next_step(sched, in_flight, async_scheduling)
+        plans.extend(made)
         sampled = worker.execute(plan)
         for out in sched.update(plan, sampled, worker.logprobs):
             outputs.setdefault(out.request_id, []).extend(out.new_token_ids)

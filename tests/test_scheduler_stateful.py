@@ -9,7 +9,7 @@ from pagedllm.core import EngineRequest, InvalidParameter, RequestStatus, Sampli
 from pagedllm.core.utils import cdiv
 from pagedllm.core.worker_state import WorkerState
 
-from core_helpers import FakeWorker, make_scheduler
+from core_helpers import FakeWorker, make_scheduler, next_step
 
 MAX_MODEL_LEN = 32
 EOS = 1
@@ -155,16 +155,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         """Apply one step's results. Under async scheduling the next step is planned first, as
         the engine core does, and stays in flight until the following `step`."""
         sched = self.sched
-        if not self.in_flight:
-            self.in_flight.append(sched.schedule())
-            self._check_plan(self.in_flight[0])
-        if self.async_scheduling:
-            ahead = sched.schedule_ahead(self.in_flight[0])
-            if ahead is not None:
-                event("planned ahead")
-                self._check_plan(ahead)
-                self.in_flight.append(ahead)
-        plan = self.in_flight.pop(0)
+        plan, made = next_step(sched, self.in_flight, self.async_scheduling)
+        for new in made:
+            self._check_plan(new)
+        if self.in_flight:
+            event("planned ahead")
         sampled = self.worker.execute(plan)
         outputs = sched.update(plan, sampled, self.worker.logprobs)
         for out in outputs:
