@@ -442,14 +442,15 @@ class Scheduler:
                     recompute[r.request_id] = r
             live = {b.block_id for table in self.kv.tables.values() for b in table}
             self.kv.restore_copies(plan.block_copies, live)
-        if failed and not kv_lost:
-            # a request that ended with its step unfinished (aborted meanwhile, or stopped with a
-            # step planned ahead) left blocks keyed for KV never written: no cached free block stays
-            self.kv.pool.drop_free_cached()
         if kv_lost:
             recompute.update((r.request_id, r) for r in self.running)
         for request in recompute.values():
             self._requeue_for_recompute(request)
+        if failed and not kv_lost:
+            # the requests just requeued, and any that ended with their step unfinished (aborted
+            # meanwhile, or stopped with a step planned ahead), left blocks keyed for KV that may
+            # never have been written: no cached free block stays
+            self.kv.pool.drop_free_cached()
         self.running = [r for r in self.running if r.status == RUNNING]
         if kv_lost:
             self.kv.pool.reset_prefix_cache()

@@ -127,15 +127,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.next_id += 1
         self.sched.fork_request(parent, child)
 
-    @precondition(lambda self: self.in_flight)
+    @precondition(lambda self: self.sched.requests)
     @rule(kv_lost=st.booleans())
     def workers_die(self, kv_lost):
-        """The workers die with the step planned ahead unfinished (not begun: the harder case
-        for the KV it meant to write) and are replaced, as the engine core's `_recover` does:
+        """The workers die during a step and are replaced, as the engine core's `_recover` does:
+        every step in flight — the one computing and, under async scheduling, the one planned
+        after it — is undone (none had begun: the harder case for the KV they meant to write),
         a fresh worker state, the pool kept (shared memory) or lost (device memory)."""
-        failed, self.in_flight = self.in_flight, []
+        plan, _ = next_step(self.sched, self.in_flight, self.async_scheduling)
+        failed, self.in_flight = [plan, *self.in_flight], []
         self.sched.recover(failed, kv_lost)
-        event("recovered with a step planned ahead")
+        event("recovered with two steps in flight" if len(failed) == 2 else "recovered")
         self.worker.state = WorkerState()
         if kv_lost:
             self.worker.kv = [None] * len(self.worker.kv)
