@@ -225,21 +225,20 @@ class KVCacheManager:
 
     def forget_beyond(self, request: Request) -> None:
         """The request's tokens past num_computed_tokens were not computed after all (a step
-        that never finished): its blocks past them leave the prefix cache."""
+        that never finished): its blocks past them leave the prefix cache, and those that held
+        only them go back to the pool (a fork of a table with blocks beyond its tokens would
+        share a block both then write)."""
         rid = request.request_id
         table = self.tables.get(rid)
         if table is None:
             return
         first = request.num_computed_tokens // self.block_size
         for block in table[first : self._num_hashed[rid]]:
-            if block.ref_cnt:
-                self.pool.uncache(block)
+            self.pool.uncache(block)
         self._num_hashed[rid] = min(self._num_hashed[rid], first)
-
-    def restore_copies(self, copies: list[tuple[int, int]], live_blocks: set[int]) -> None:
-        """Copies of a step that never finished, to be done before the next one (those whose
-        destination a request still holds)."""
-        self._copies = [c for c in copies if c[1] in live_blocks] + self._copies
+        keep = cdiv(request.num_computed_tokens, self.block_size)
+        self.pool.free(reversed(table[keep:]))
+        del table[keep:]
 
     # --- swap -----------------------------------------------------------------------------
     def swap_out(self, request: Request) -> list[tuple[int, int]] | None:

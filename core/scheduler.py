@@ -1,9 +1,10 @@
 """Continuous-batching scheduler, one rule for every phase: each step gives a request tokens
 so that its `num_computed_tokens` catches up with its length, within a token budget.
 
-A step has four phases, in order: running requests (decodes before unfinished prefills, so a
-long prompt's chunks never stall the decodes), beam groups (all of a group's beams decode in
-one step, or none), swapped requests, then waiting ones. When a running request needs blocks
+A step has five phases, in order: running requests' decodes, beam groups' decodes (all of a
+group's beams in one step, or none), running requests' unfinished prefills in chunks (so a
+long prompt's chunks never stall the decodes, nor take the blocks they need), swapped
+requests, then waiting ones. When a running request needs blocks
 and none are free, the victim is the lowest-priority, latest-arriving request not yet
 scheduled in this step (possibly itself), preempted by recompute or swap; nothing new starts
 in a step that had to preempt.
@@ -150,8 +151,10 @@ class Scheduler:
         step = StepBuilder(self.config.max_num_batched_tokens, self.worker, self.kv)
         if self.by_priority and self.config.priority_preemption:
             self._preempt_for_waiting(step)
-        self._schedule_running(step)
-        self._schedule_beam_groups(step)
+        decodes, prefills = self._running_by_phase()
+        self._schedule_running(decodes, step)
+        self._schedule_beam_groups(step)  # decodes too: before prefills take the blocks they need
+        self._schedule_running(prefills, step)
         if step.preempted:
             self.running = [r for r in self.running if r.status == RUNNING]
         else:
@@ -197,11 +200,15 @@ class Scheduler:
             request.num_computed_tokens += 1
         return step.build(next(self._step_ids), self.kv.take_block_copies(), {}, budget)
 
-    def _schedule_running(self, step: StepBuilder) -> None:
-        """Running requests: decodes first, then unfinished prefills in chunks."""
+    def _running_by_phase(self) -> tuple[list, list]:
+        """(decodes, unfinished prefills) of the running requests, with the tokens each has left
+        before it samples; beams whose group decodes next are in neither."""
         left = [(r, r.fork_point - r.num_computed_tokens) for r in self.running]
+        return [d for d in left if d[1] == 1], [p for p in left if p[1] > 1]
+
+    def _schedule_running(self, left: list[tuple[Request, int]], step: StepBuilder) -> None:
         allocate = self.kv.allocate_slots
-        for request, num_left in [d for d in left if d[1] == 1] + [p for p in left if p[1] > 1]:
+        for request, num_left in left:
             if step.budget <= 0:
                 break
             if request.status != RUNNING:
@@ -232,8 +239,11 @@ class Scheduler:
             members = group.members
             running = [m for m in members if m.status == RUNNING]
             if len(running) < len(members):
-                if running and not any(m.request_id in step for m in members):
-                    self._preempt(running[0], step)  # half admitted: it waits whole, never stalls
+                # half admitted (a budget or the pool let in only some beams): it waits on
+                # the others while they are next to start, and otherwise goes back to wait whole
+                next_up = self.waiting and self._waiting_goes_first() and self.waiting.peek().beam_group is group
+                if running and not next_up and not any(m.request_id in step for m in members):
+                    self._preempt(running[0], step)
                 continue
             if not self.beams.decodes_now(group, step) or len(members) > step.budget:
                 continue
@@ -425,6 +435,15 @@ class Scheduler:
         went with them (device memory), so everything running is recomputed. Returns the
         computed tokens kept (not recomputed)."""
         recompute: dict[str, Request] = {}
+        if failed:
+            # a request started on prefix hits alone (a beam, a sample about to fork) was never
+            # sent, and its hits may be blocks keyed in a failed step, never written; a block
+            # copied on write in a failed step is empty, and the copy cannot be redone later:
+            # its source may be freed (its holders requeued) and refilled before then
+            copied = {dst for plan in failed for _, dst in plan.block_copies}
+            for r in self.running:
+                if r.request_id not in self.worker.known or copied.intersection(self.kv.block_ids(r.request_id)):
+                    recompute[r.request_id] = r
         for plan in reversed(failed):  # the latest undone first, so each undo meets its own state
             new = {n.request_id for n in plan.new_requests}
             for rid, num_tokens in plan.num_scheduled_tokens.items():
@@ -440,8 +459,6 @@ class Scheduler:
             for r in self.swapped:
                 if set(self.kv.swapped[r.request_id]) & swapped_out:
                     recompute[r.request_id] = r
-            live = {b.block_id for table in self.kv.tables.values() for b in table}
-            self.kv.restore_copies(plan.block_copies, live)
         if kv_lost:
             recompute.update((r.request_id, r) for r in self.running)
         for request in recompute.values():

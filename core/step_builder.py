@@ -73,6 +73,10 @@ class StepBuilder:
 
     def build(self, step_id: int, block_copies, appended: dict[str, int], total_budget: int) -> SchedulerOutput:
         finished, preempted = self.worker.take_dropped()
+        if appended and self.new_requests:
+            # preempted and started again in this step (priority preemption): its tokens go whole
+            new = {n.request_id for n in self.new_requests}
+            appended = {rid: token for rid, token in appended.items() if rid not in new}
         return SchedulerOutput(
             step_id=step_id,
             new_requests=self.new_requests,

@@ -200,6 +200,66 @@ def test_recovery_drops_a_block_keyed_for_a_planned_step_that_never_ran():
     assert sched.kv.pool.prefix_hits == 0
 
 
+@pytest.mark.parametrize("kind", ["beams", "samples"])
+def test_recovery_recomputes_a_request_that_started_on_blocks_keyed_in_the_failed_step(kind):
+    """A beam, or an n > 1 request, computes all but its last prompt token before its group
+    decodes or it forks; here the prefix cache holds all of those, in blocks that another
+    request started in the same step keyed (and did not write: the workers die first). It
+    started without being sent to the worker, so nothing in the step says it leans on them."""
+    sched = make_scheduler(block_size=2, num_blocks=40)
+    worker = FakeWorker(2, 40)
+    add(sched, "long", range(2, 16), max_tokens=2)
+    params = {"beam_width": 2} if kind == "beams" else {"n": 2}
+    add(sched, "short", [2, 3, 4], max_tokens=2, **params)
+    plan = sched.schedule()
+    assert set(plan.num_scheduled_tokens) == {"long"}  # "short" started on its hits alone
+    sched.recover([plan], kv_lost=False)
+    worker.state = WorkerState()
+    run_to_completion(sched, worker)  # the fake worker checks every position it reads
+
+
+def test_a_fork_after_recovery_shares_no_block_past_the_computed_tokens():
+    """Two steps planned ahead die with the workers: the request's table held blocks for both.
+    Were they kept, a fork would share a block past the computed tokens, one the two requests
+    then both write (a table's fresh block needs no copy-on-write)."""
+    sched = make_scheduler(block_size=1, num_blocks=80, enable_prefix_caching=False)
+    worker = FakeWorker(1, 80)
+    add(sched, "a", range(2, 10), max_tokens=6)
+    plan = sched.schedule()
+    ahead = sched.schedule_ahead(plan)
+    sched.update(plan, worker.execute(plan))
+    after = sched.schedule_ahead(ahead)
+    assert after is not None
+    sched.recover([ahead, after], kv_lost=False)
+    worker.state = WorkerState()
+    assert sched.kv.num_blocks_of(sched.requests["a"]) == 8  # its computed tokens, no more
+    sched.fork_request("a", "b")
+    outputs, _, _ = run_to_completion(sched, worker)  # the fake worker checks every position it reads
+    assert len(outputs["b"]) == 5
+
+
+def test_recovery_recomputes_a_request_whose_block_was_copied_on_write_in_the_failed_step():
+    """A fork's first step copies the parent's shared partial block; the workers die before
+    the copy. The copy is not redone later: its source's other holder (the child, new in that
+    step) is requeued, which frees the source for any allocation — a swap-in writes into its
+    block before the step's copies run. The parent is recomputed instead."""
+    sched = make_scheduler(block_size=4, num_blocks=32, enable_prefix_caching=False)
+    worker = FakeWorker(4, 32)
+    add(sched, "a", range(2, 8), max_tokens=6)
+    plan = sched.schedule()
+    sched.update(plan, worker.execute(plan))
+    sched.fork_request("a", "b")
+    plan = sched.schedule()
+    ((src, dst),) = plan.block_copies
+    assert dst in sched.kv.block_ids("a")
+    sched.recover([plan], kv_lost=False)
+    worker.state = WorkerState()
+    assert sched.kv.pool.blocks[src].ref_cnt == 0  # free: what it holds may be gone by the next step
+    assert {r.request_id for r in sched.waiting} == {"a", "b"}
+    outputs, _, _ = run_to_completion(sched, worker)  # the fake worker checks every position it reads
+    assert len(outputs["a"]) == 5 and len(outputs["b"]) == 5
+
+
 def test_abort_frees_blocks_immediately_and_in_every_state():
     sched = make_scheduler(
         block_size=4, num_blocks=12, budget=64, max_model_len=32, preemption_mode="swap", num_swap_blocks=32
@@ -269,6 +329,73 @@ def test_beam_search_wider_than_max_num_seqs_is_refused_and_one_as_wide_finishes
     add(sched, "beams", [2], max_tokens=2, beam_width=2)
     _outputs, reasons, _ = run_to_completion(sched)
     assert reasons == {"long": "length", "beams": "stop"}
+
+
+def test_a_preempted_beam_group_comes_back_when_the_budget_takes_one_beam_a_step():
+    """After a recompute preemption each beam recomputes its whole sequence, and here the
+    budget holds one beam's: the first beam back must wait for its sibling to start in the
+    next step, not go back to wait whole (which let the two take turns for ever). The first
+    beam starts again in the step that preempted it, with its group's last choice already in
+    its tokens: the worker must not be told to append that token as well."""
+    sched = make_scheduler(
+        block_size=4, num_blocks=200, budget=9, max_num_seqs=2, policy="priority", enable_prefix_caching=False
+    )
+    worker = FakeWorker(4, 200)
+    outputs = {}
+    add(sched, "beams", range(1, 9), max_tokens=6, beam_width=2, priority=3)
+    while len(sched.beams.groups["beams"].members) < 2 or sched.requests["beams"].num_tokens < 10:
+        _step(sched, worker, outputs)
+    add(sched, "urgent", [100], max_tokens=2, priority=0)
+    _step(sched, worker, outputs)
+    assert sched.num_preemptions == 2  # the group, whole
+    assert any(rid.startswith("beams") for rid in worker.state.requests)
+    for rid, state in worker.state.requests.items():
+        assert state.token_ids == sched.requests[rid].all_token_ids, rid
+    _outputs, reasons, _ = run_to_completion(sched, worker, max_steps=100)
+    assert reasons == {"urgent": "length", "beams": "stop"}
+
+
+def test_two_beam_groups_recomputed_together_do_not_take_turns_for_ever():
+    """Both groups start again in one step, the second with part of its beams' prompts: the
+    first group's decode then needs blocks the second's prefill chunks would take. Decodes
+    come first, so the later group yields (it took turns with the first for ever when prefill
+    chunks went first and made the first group preempt itself)."""
+    sched = make_scheduler(
+        block_size=8, num_blocks=7, max_num_seqs=6, max_model_len=32, budget=32, enable_prefix_caching=False
+    )
+    worker = FakeWorker(8, 7)
+    add(sched, "a", range(2, 10), max_tokens=8, beam_width=3)
+    add(sched, "b", range(2, 9), max_tokens=5, beam_width=3)
+    for _ in range(2):
+        plan = sched.schedule()
+        sched.update(plan, worker.execute(plan), worker.logprobs)
+    assert [len(g.members) for g in sched.beams.groups.values()] == [3, 3]
+    sched.recover([], kv_lost=True)  # every beam recomputes
+    worker.state, worker.kv = WorkerState(), [None] * len(worker.kv)
+    _outputs, reasons, _ = run_to_completion(sched, worker, max_steps=200)
+    assert reasons == {"a": "stop", "b": "stop"}
+
+
+def test_a_half_admitted_beam_group_yields_to_a_swapped_request():
+    """Its waiting beam is first in the waiting queue, but a swapped request goes before the
+    waiting ones and needs the blocks the running beam holds: the beam goes back to wait."""
+    sched = make_scheduler(
+        block_size=4,
+        num_blocks=11,
+        max_num_seqs=3,
+        max_model_len=32,
+        budget=21,
+        preemption_mode="swap",
+        num_swap_blocks=10,
+        enable_prefix_caching=False,
+    )
+    worker = FakeWorker(4, 11, 10)
+    add(sched, "a", range(2, 27), max_tokens=10)
+    add(sched, "b", range(2, 12), max_tokens=3)
+    add(sched, "beams", range(2, 11), max_tokens=6, beam_width=2)
+    add(sched, "c", range(30, 50), max_tokens=11)
+    _outputs, reasons, _ = run_to_completion(sched, worker, max_steps=300)
+    assert set(reasons) == {"a", "b", "beams", "c"}
 
 
 def test_colliding_prefix_keys_never_hand_one_request_anothers_kv(monkeypatch):
