@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -67,6 +68,20 @@ class ServerProcess:
                 extra = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
                 values[s.name + (f"{{{extra}}}" if extra else "")] = s.value
         return values
+
+    def settled_metrics(self, timeout_s: float = 10.0) -> dict[str, float]:
+        """The metrics once the engine is idle and its step counts stop moving: its stats
+        arrive apart from the outputs, so a step's may come after the response that it ended."""
+        last = self.metrics()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+            now = self.metrics()
+            steps = "pagedllm:engine_steps_total"
+            if now[steps] == last[steps] and now["pagedllm:num_requests_running"] == 0:
+                return now
+            last = now
+        raise AssertionError(f"the engine did not settle within {timeout_s} s")
 
     def stop(self) -> None:
         """SIGINT, as Ctrl-C would; then everything it started must be gone."""

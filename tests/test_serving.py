@@ -503,9 +503,9 @@ def test_each_limit_at_its_bound_and_just_past_it(model):
 
 
 def test_metrics_parse_and_move(server, model):
-    before = server.metrics()
+    before = server.settled_metrics()
     client(server).completions.create(model=model, prompt="count me", max_tokens=5, temperature=0)
-    after = server.metrics()
+    after = server.settled_metrics()
     assert after["pagedllm:generation_tokens_total"] - before["pagedllm:generation_tokens_total"] == 5
     assert after["pagedllm:prompt_tokens_total"] > before["pagedllm:prompt_tokens_total"]
     assert (
