@@ -64,6 +64,25 @@ def _target(name: str) -> tuple[str, int | None] | None:
     return None
 
 
+def _materialize(model: torch.nn.Module, device, dtype: torch.dtype) -> None:
+    """Storage for a model built on the meta device, floating point in `dtype` (what
+    `to_empty(device).to(dtype)` does, without its empty_like over meta tensors, which imports
+    sympy: a second of every worker's start). Shared tensors stay shared."""
+    made: dict[int, torch.Tensor] = {}
+
+    def real(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            empty = torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+            made[id(t)] = torch.nn.Parameter(empty, t.requires_grad) if isinstance(t, torch.nn.Parameter) else empty
+        return made[id(t)]
+
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is not None:
+                    table[name] = real(t)
+
+
 def load_model(
     model_dir: str,
     dtype: str | None = None,
@@ -89,7 +108,7 @@ def load_model(
             for layer in model.layers:
                 for name in QUANTIZED_PROJECTIONS:
                     setattr(layer, name, _BiasOnly(getattr(layer, name)))
-    model = model.to_empty(device=device).to(cfg.dtype)
+    _materialize(model, device, cfg.dtype)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rope = rope.to(device)
