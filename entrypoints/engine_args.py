@@ -119,9 +119,9 @@ def start_engine(args: EngineArgs) -> tuple[EngineClient, InputProcessor]:
     try:
         tokenizer = None
         if not args.skip_tokenizer_init:
-            from transformers import AutoTokenizer
+            from .tokenizer import load_tokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or config.model)
+            tokenizer = load_tokenizer(args.tokenizer or config.model)
         folder = ModelFolder(config.model)
         ready = engine.wait_ready()
     except BaseException:
