@@ -4,10 +4,10 @@ so that its `num_computed_tokens` catches up with its length, within a token bud
 A step has five phases, in order: running requests' decodes, beam groups' decodes (all of a
 group's beams in one step, or none), running requests' unfinished prefills in chunks (so a
 long prompt's chunks never stall the decodes, nor take the blocks they need), swapped
-requests, then waiting ones. When a running request needs blocks
-and none are free, the victim is the lowest-priority, latest-arriving request not yet
-scheduled in this step (possibly itself), preempted by recompute or swap; nothing new starts
-in a step that had to preempt.
+requests, then waiting ones. When a running request needs blocks and none are free, the
+victim is the lowest-priority, latest-arriving request not yet scheduled in this step
+(possibly itself), preempted by recompute or swap; nothing new starts in a step that had to
+preempt.
 
 Under the priority policy, a waiting request that cannot start (its first chunk's blocks are
 not free, or max_num_seqs run) first preempts running requests of strictly lower priority for
