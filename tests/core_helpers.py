@@ -86,6 +86,12 @@ class FakeWorker:
         self.vocab = vocab
         self.logprobs: dict[str, TokenLogprobs] = {}
 
+    def restart(self, kv_lost: bool = False) -> None:
+        """A replacement worker: no request state; its KV pool kept (shared memory) or lost."""
+        self.state = WorkerState()
+        if kv_lost:
+            self.kv = [None] * len(self.kv)
+
     def _copy_block(self, src_mem, src, dst_mem, dst):
         bs = self.bs
         dst_mem[dst * bs : (dst + 1) * bs] = src_mem[src * bs : (src + 1) * bs]

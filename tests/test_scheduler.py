@@ -1,7 +1,6 @@
 import pytest
 
 from pagedllm.core import InvalidParameter
-from pagedllm.core.worker_state import WorkerState
 
 from core_helpers import FakeWorker, add, fake_token, make_scheduler, run_to_completion
 
@@ -194,7 +193,7 @@ def test_recovery_drops_a_block_keyed_for_a_planned_step_that_never_ran():
     (out,) = sched.update(plan, worker.execute(plan))
     assert out.finish_reason == "stop"
     sched.recover([ahead], kv_lost=False)  # `ahead` never ran: position 3 holds nothing
-    worker.state = WorkerState()
+    worker.restart()
     add(sched, "b", [5, 6, 7, eos, 9], max_tokens=1)
     run_to_completion(sched, worker)  # the fake worker checks every position it reads
     assert sched.kv.pool.prefix_hits == 0
@@ -214,7 +213,7 @@ def test_recovery_recomputes_a_request_that_started_on_blocks_keyed_in_the_faile
     plan = sched.schedule()
     assert set(plan.num_scheduled_tokens) == {"long"}  # "short" started on its hits alone
     sched.recover([plan], kv_lost=False)
-    worker.state = WorkerState()
+    worker.restart()
     run_to_completion(sched, worker)  # the fake worker checks every position it reads
 
 
@@ -231,7 +230,7 @@ def test_a_fork_after_recovery_shares_no_block_past_the_computed_tokens():
     after = sched.schedule_ahead(ahead)
     assert after is not None
     sched.recover([ahead, after], kv_lost=False)
-    worker.state = WorkerState()
+    worker.restart()
     assert sched.kv.num_blocks_of(sched.requests["a"]) == 8  # its computed tokens, no more
     sched.fork_request("a", "b")
     outputs, _, _ = run_to_completion(sched, worker)  # the fake worker checks every position it reads
@@ -253,7 +252,7 @@ def test_recovery_recomputes_a_request_whose_block_was_copied_on_write_in_the_fa
     ((src, dst),) = plan.block_copies
     assert dst in sched.kv.block_ids("a")
     sched.recover([plan], kv_lost=False)
-    worker.state = WorkerState()
+    worker.restart()
     assert sched.kv.pool.blocks[src].ref_cnt == 0  # free: what it holds may be gone by the next step
     assert {r.request_id for r in sched.waiting} == {"a", "b"}
     outputs, _, _ = run_to_completion(sched, worker)  # the fake worker checks every position it reads
@@ -367,11 +366,10 @@ def test_two_beam_groups_recomputed_together_do_not_take_turns_for_ever():
     add(sched, "a", range(2, 10), max_tokens=8, beam_width=3)
     add(sched, "b", range(2, 9), max_tokens=5, beam_width=3)
     for _ in range(2):
-        plan = sched.schedule()
-        sched.update(plan, worker.execute(plan), worker.logprobs)
+        _step(sched, worker, {})
     assert [len(g.members) for g in sched.beams.groups.values()] == [3, 3]
     sched.recover([], kv_lost=True)  # every beam recomputes
-    worker.state, worker.kv = WorkerState(), [None] * len(worker.kv)
+    worker.restart(kv_lost=True)
     _outputs, reasons, _ = run_to_completion(sched, worker, max_steps=200)
     assert reasons == {"a": "stop", "b": "stop"}
 

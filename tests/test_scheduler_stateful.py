@@ -7,7 +7,6 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from pagedllm.core import EngineRequest, InvalidParameter, RequestStatus, SamplingParams
 from pagedllm.core.utils import cdiv
-from pagedllm.core.worker_state import WorkerState
 
 from core_helpers import FakeWorker, make_scheduler, next_step
 
@@ -138,9 +137,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         failed, self.in_flight = [plan, *self.in_flight], []
         self.sched.recover(failed, kv_lost)
         event("recovered with two steps in flight" if len(failed) == 2 else "recovered")
-        self.worker.state = WorkerState()
-        if kv_lost:
-            self.worker.kv = [None] * len(self.worker.kv)
+        self.worker.restart(kv_lost)
 
     def _check_plan(self, plan):
         sched = self.sched
