@@ -176,7 +176,7 @@ def test_fused_rms_norm_and_silu_and_mul_match_torch():
     from pagedllm.backends.models.decoder import RMSNorm, silu_and_mul
 
     gen = torch.Generator().manual_seed(0)
-    for rows, size in ((1, 64), (7, 256), (300, 704)):  # below and above the threading cut-off
+    for rows, size in ((1, 64), (7, 256), (300, 704), (3, 37)):  # below and above the threading cut-off; a tail
         x = torch.randn(rows, size, generator=gen) * 3
         norm = RMSNorm(size, 1e-6)
         norm.weight.data = torch.randn(size, generator=gen)

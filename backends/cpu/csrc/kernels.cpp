@@ -64,6 +64,71 @@ inline float exp_clamped(float x) {
   return y * scale;
 }
 
+#ifdef PAGEDLLM_AVX2
+// exp_clamped on eight lanes: the same reduction and polynomial. (GCC leaves the scalar one's
+// loops scalar — the bit cast of the 2^n scale — which cost a quarter of attention's time.)
+inline __m256 exp8_clamped(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x));
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+}
+
+inline float horizontal_max(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline float horizontal_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
+// s[0:n] = exp(s[0:n] - m); returns their sum
+inline float exp_shifted(float* s, int64_t n, float m) {
+  int64_t t = 0;
+  float total = 0.f;
+#ifdef PAGEDLLM_AVX2
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 sums = _mm256_setzero_ps();
+  for (; t + 8 <= n; t += 8) {
+    const __m256 e = exp8_clamped(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv));
+    _mm256_storeu_ps(s + t, e);
+    sums = _mm256_add_ps(sums, e);
+  }
+  total = horizontal_sum(sums);
+#endif
+  for (; t < n; ++t) {
+    s[t] = exp_clamped(s[t] - m);
+    total += s[t];
+  }
+  return total;
+}
+
+inline float max_of(const float* s, int64_t n, float m) {
+  int64_t t = 0;
+#ifdef PAGEDLLM_AVX2
+  if (n >= 8) {
+    __m256 mv = _mm256_set1_ps(m);
+    for (; t + 8 <= n; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + t));
+    m = horizontal_max(mv);
+  }
+#endif
+  for (; t < n; ++t) m = std::max(m, s[t]);
+  return m;
+}
+
 // A request's blocks lie anywhere in the pool, so the hardware prefetcher loses the trail at
 // every block boundary: the next block's K and V are fetched into L2 while this one is
 // computed, a few cache lines at every step of the computation. (Issued all at once, at the
@@ -195,15 +260,9 @@ void attend_block(const float* qs, const T* k_block, const T* v_block, int64_t n
     block_scores<HS, T>(qs, k_block, n, num_heads, group, head_size, token_stride, block_size, scale, scores, pf);
     for (int64_t h = 0; h < num_heads; ++h) {
       float* s = scores + h * block_size;
-      float m = max[h];
-      for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
+      const float m = max_of(s, n, max[h]);
       const float rescale = exp_clamped(max[h] - m);  // ~0 on the first block
-      float block_sum = 0.f;
-#pragma omp simd reduction(+ : block_sum)
-      for (int64_t t = 0; t < n; ++t) {
-        s[t] = exp_clamped(s[t] - m);
-        block_sum += s[t];
-      }
+      const float block_sum = exp_shifted(s, n, m);
       sum[h] = sum[h] * rescale + block_sum;
       max[h] = m;
       if (rescale != 1.f)
@@ -338,8 +397,16 @@ void pagedllm_silu_and_mul_f32(const float* x, float* out, int64_t rows, int64_t
     const float* gate = x + r * 2 * size;
     const float* up = gate + size;
     float* o = out + r * size;
-#pragma omp simd
-    for (int64_t i = 0; i < size; ++i) o[i] = gate[i] / (1.f + exp_clamped(-gate[i])) * up[i];
+    int64_t i = 0;
+#ifdef PAGEDLLM_AVX2
+    const __m256 one = _mm256_set1_ps(1.f);
+    for (; i + 8 <= size; i += 8) {
+      const __m256 g = _mm256_loadu_ps(gate + i);
+      const __m256 e = exp8_clamped(_mm256_sub_ps(_mm256_setzero_ps(), g));
+      _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + i)));
+    }
+#endif
+    for (; i < size; ++i) o[i] = gate[i] / (1.f + exp_clamped(-gate[i])) * up[i];
   }
 }
 
