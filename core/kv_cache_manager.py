@@ -126,9 +126,12 @@ class KVCacheManager:
     def cache_planned_blocks(self, request: Request) -> None:
         """A token planned ahead of its sampling (async scheduling) is now known: the blocks it
         completed enter the prefix cache."""
-        table = self.tables.get(request.request_id)
-        if self.enable_caching and table is not None:
-            self._cache_full_blocks(request, table, request.num_computed_tokens)
+        if not self.enable_caching:
+            return
+        rid = request.request_id
+        # called for every sampled token: most complete no block
+        if request.num_computed_tokens // self.block_size > self._num_hashed.get(rid, 1 << 62):
+            self._cache_full_blocks(request, self.tables[rid], request.num_computed_tokens)
 
     # --- allocation -----------------------------------------------------------------------
     def _register(self, request_id: str, table: list[KVBlock]) -> list[KVBlock]:
@@ -188,6 +191,31 @@ class KVCacheManager:
         if self.enable_caching:
             self._cache_full_blocks(request, table, end)
         return first_changed, [b.block_id for b in table[first_changed:]]
+
+    def allocate_decode_slots(self, requests: list[Request]) -> list[TableDelta] | None:
+        """allocate_slots(r, 1) for each of `requests` (async scheduling's planned step), or
+        None, with nothing changed, when the free blocks do not suffice for all of them. Most
+        tables hold the slot already: those are answered here, without a call each."""
+        bs, tables = self.block_size, self.tables
+        deltas: list = [None] * len(requests)
+        rest = []
+        for i, request in enumerate(requests):
+            table = tables.get(request.request_id)
+            start = request.num_computed_tokens
+            if (
+                table is not None
+                and start < len(table) * bs
+                and (start % bs == 0 or table[start // bs].ref_cnt == 1)
+                and (not self.enable_caching or (start + 1) // bs <= self._num_hashed[request.request_id])
+            ):
+                deltas[i] = (len(table), [])
+            else:
+                rest.append(i)
+        if rest and self.blocks_needed([requests[i] for i in rest], 1) > self.pool.num_free:
+            return None
+        for i in rest:
+            deltas[i] = self.allocate_slots(requests[i], 1)
+        return deltas
 
     def blocks_needed(self, requests: list[Request], num_new_tokens: int) -> int:
         """Free blocks that allocate_slots(r, num_new_tokens) for each of `requests`, in order,

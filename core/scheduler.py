@@ -184,19 +184,24 @@ class Scheduler:
             return None  # one could start or preempt: that needs the results first
         scheduled = in_flight.num_scheduled_tokens
         requests = []
+        max_len = cfg.max_model_len
         for request in self.running:
             if request.request_id not in scheduled or request.forks_pending:
                 return None
-            if request.num_computed_tokens != request.num_tokens:
+            num_tokens = len(request.all_token_ids)
+            if request.num_computed_tokens != num_tokens:
                 return None  # a prefill chunk that samples nothing yet
-            if request.num_output_tokens + 1 < request.max_tokens and request.num_tokens + 1 < cfg.max_model_len:
+            if num_tokens - request.num_prompt_tokens + 1 < request.max_tokens and num_tokens + 1 < max_len:
                 requests.append(request)
         budget = cfg.max_num_batched_tokens
-        if not requests or len(requests) > budget or self.kv.blocks_needed(requests, 1) > self.kv.pool.num_free:
+        if not requests or len(requests) > budget:
+            return None
+        deltas = self.kv.allocate_decode_slots(requests)
+        if deltas is None:
             return None
         step = StepBuilder(budget, self.worker, self.kv)
-        for request in requests:
-            step.add(request, 1, self.kv.allocate_slots(request, 1))
+        for request, delta in zip(requests, deltas):
+            step.add(request, 1, delta)
             request.num_computed_tokens += 1
         return step.build(next(self._step_ids), self.kv.take_block_copies(), {}, budget)
 

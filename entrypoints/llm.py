@@ -132,14 +132,13 @@ class LLM:
                 msg = self.engine.recv(100)
                 if isinstance(msg, EngineOutputs):
                     self.last_stats = msg.stats
-                    updates, aborts = self.outputs.process(msg.outputs)
+                    finished, aborts = self.outputs.fold(msg.outputs)
                     self.engine.abort(aborts)
-                    for tracker, update in updates:
-                        if update.finished:
-                            remaining -= 1
-                            self.outputs.remove(tracker)
-                            if bar is not None:
-                                bar.update(1)
+                    for tracker in finished:
+                        remaining -= 1
+                        self.outputs.remove(tracker)
+                    if bar is not None and finished:
+                        bar.update(len(finished))
                 elif isinstance(msg, RequestRejected):
                     raise InvalidParameter(msg.field, msg.message)
         except BaseException:

@@ -75,3 +75,18 @@ class OutputProcessor:
             )
             updates.append((tracker, update))
         return updates, aborts
+
+    def fold(self, deltas: list[RequestOutputDelta]) -> tuple[list[RequestTracker], list[str]]:
+        """`process` for a caller that waits for whole requests (`LLM.generate`): no stream
+        updates, no timing. Returns (trackers that finished, engine ids to abort)."""
+        finished, aborts = [], []
+        trackers = self._trackers
+        for delta in deltas:
+            tracker = trackers.get(delta.request_id)
+            if tracker is None or tracker.output.finished:
+                continue
+            if tracker.apply(delta)[3]:
+                aborts.append(delta.request_id)
+            if tracker.output.finished:
+                finished.append(tracker)
+        return finished, aborts

@@ -101,7 +101,8 @@ class RequestTracker:
             return i, "", True, False
         if comp.finish_reason is not None:
             return i, "", False, False  # e.g. the abort that follows a stop string
-        self.output.num_cached_tokens = max(self.output.num_cached_tokens, delta.num_cached_tokens)
+        if delta.num_cached_tokens > self.output.num_cached_tokens:
+            self.output.num_cached_tokens = delta.num_cached_tokens
         comp.token_ids.extend(delta.new_token_ids)
         if delta.logprobs and comp.logprobs is not None:
             for token, lp in zip(delta.new_token_ids, delta.logprobs):
@@ -114,10 +115,11 @@ class RequestTracker:
                 comp.cumulative_logprob += lp.token_logprob
         detok = self._detok[i]
         if detok is None:  # no tokenizer: token ids only
-            if delta.finish_reason is not None:
-                comp.finish_reason, comp.stop_reason = delta.finish_reason, delta.stop_reason
+            if delta.finish_reason is None:
+                return i, "", False, False
+            comp.finish_reason, comp.stop_reason = delta.finish_reason, delta.stop_reason
             self.output.finished = all(c.finish_reason is not None for c in self.output.outputs)
-            return i, "", comp.finish_reason is not None, False
+            return i, "", True, False
         new_text = detok.add(delta.new_token_ids)
         if delta.finish_reason is not None:
             new_text += detok.flush()
