@@ -88,9 +88,10 @@ class WorkerState:
         for rid, token in plan.appended_token_ids.items():
             requests[rid].token_ids.append(token)
         chunks = []
+        new_chunk = tuple.__new__  # a NamedTuple's own __new__ is a Python call: 60% of this loop
         for rid, n in plan.num_scheduled_tokens.items():
             state = requests[rid]
-            chunks.append(ScheduledChunk(rid, state, state.num_computed, n))
+            chunks.append(new_chunk(ScheduledChunk, (rid, state, state.num_computed, n)))
             state.num_computed += n
         return chunks
 
