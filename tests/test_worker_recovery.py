@@ -87,15 +87,17 @@ def test_five_worker_kills_change_no_token(tiny_model, mode):
         core = llm.engine.pid
         killer = Killer(core, times=5)
         killer.start()
-        got = tokens_of(llm.generate(prompts, params, use_tqdm=False))
+        runs = []  # the workload again until the five kills are done: a faster engine ends it sooner
+        while len(killer.killed) < 5 and len(runs) < 4:
+            runs.append(tokens_of(llm.generate(prompts, params, use_tqdm=False)))
         killer.stop.set()
         killer.join()
         # a kill after the worker sent the last step's tokens is noticed with the next step
         llm.generate([[5]], SamplingParams(max_tokens=1), use_tqdm=False)
         stats = llm.last_stats
-    assert len(killer.killed) == 5, "the workload ended before five kills"
+    assert len(killer.killed) == 5, "four runs of the workload ended before five kills"
     assert stats.worker_restarts == 5
-    assert got == expected
+    assert all(got == expected for got in runs)
     assert stats.recovered_tokens > 0, "the shared pool should have spared some recomputation"
     assert not children_of(core) and not segments_of(core)
 
