@@ -129,8 +129,9 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         rid = request.request_id
+        done = self._num_hashed.get(rid)  # None: nothing allocated yet
         # called for every sampled token: most complete no block
-        if request.num_computed_tokens // self.block_size > self._num_hashed.get(rid, 1 << 62):
+        if done is not None and request.num_computed_tokens // self.block_size > done:
             self._cache_full_blocks(request, self.tables[rid], request.num_computed_tokens)
 
     # --- allocation -----------------------------------------------------------------------
@@ -147,6 +148,12 @@ class KVCacheManager:
         block = table[start // self.block_size]
         return block if block.ref_cnt > 1 else None
 
+    def _holds_own_slots(self, table: list[KVBlock] | None, start: int, end: int) -> bool:
+        """Whether the table already holds the slots of positions [start, end) and the partly
+        written block at `start` is its own (not shared with a fork, which would need a copy)."""
+        bs = self.block_size
+        return table is not None and end <= len(table) * bs and (start % bs == 0 or table[start // bs].ref_cnt == 1)
+
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock] = ()
     ) -> TableDelta | None:
@@ -158,12 +165,7 @@ class KVCacheManager:
         bs = self.block_size
         start = request.num_computed_tokens + len(computed_blocks) * bs
         end = start + num_new_tokens
-        if (
-            table is not None
-            and not computed_blocks
-            and end <= len(table) * bs
-            and (start % bs == 0 or table[start // bs].ref_cnt == 1)
-        ):
+        if not computed_blocks and self._holds_own_slots(table, start, end):
             # the common decode step: the table already holds the slots, and they are its own
             if self.enable_caching and end // bs > self._num_hashed[rid]:
                 self._cache_full_blocks(request, table, end)
@@ -201,14 +203,11 @@ class KVCacheManager:
         rest = []
         for i, request in enumerate(requests):
             table = tables.get(request.request_id)
-            start = request.num_computed_tokens
-            if (
-                table is not None
-                and start < len(table) * bs
-                and (start % bs == 0 or table[start // bs].ref_cnt == 1)
-                and (not self.enable_caching or (start + 1) // bs <= self._num_hashed[request.request_id])
+            end = request.num_computed_tokens + 1
+            if self._holds_own_slots(table, end - 1, end) and (
+                not self.enable_caching or end // bs <= self._num_hashed[request.request_id]
             ):
-                deltas[i] = (len(table), [])
+                deltas[i] = (len(table), [])  # what allocate_slots answers, with nothing to hash
             else:
                 rest.append(i)
         if rest and self.blocks_needed([requests[i] for i in rest], 1) > self.pool.num_free:
