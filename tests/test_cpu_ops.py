@@ -207,21 +207,24 @@ def test_fused_rotary_matches_torch():
 def test_prepare_model_puts_each_dtype_on_its_kernels(tiny_model, dtype):
     from torch import nn
 
-    from pagedllm.backends.cpu.model_kernels import Float32Embedding, FusedRMSNorm, HalfLinear
-    from pagedllm.backends.cpu.packed_linear import PackedLinear, packing_available
+    from pagedllm.backends.cpu.model_kernels import Bfloat16Linear, Float32Embedding, FusedRMSNorm, HalfLinear
+    from pagedllm.backends.cpu.packed_linear import PackedLinear, native_bfloat16_matmul, packing_available
     from pagedllm.backends.models.loader import load_model
 
     model = load_model(tiny_model("llama"), dtype)
     CpuAttentionOps().prepare_model(model)
     assert isinstance(model.norm, FusedRMSNorm) and model.norm.weight.dtype == torch.float32
     assert all(layer.act is native.silu_and_mul and layer.rotate is native.rotate for layer in model.layers)
-    linears = [m for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear, HalfLinear))]
+    linears = [m for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear, HalfLinear, Bfloat16Linear))]
     if dtype == "float32":
         want = PackedLinear if packing_available(torch.float32) else nn.Linear
         assert all(type(m) is want for m in linears)
     else:
-        # 16-bit weights read in place, activations in float32
-        assert linears and all(type(m) is HalfLinear and m.packed.dtype == getattr(torch, dtype) for m in linears)
+        # 16-bit weights read in place (bfloat16 ones by oneDNN where the CPU multiplies
+        # bfloat16), activations in float32
+        on_onednn = dtype == "bfloat16" and native_bfloat16_matmul()
+        want = Bfloat16Linear if on_onednn else HalfLinear
+        assert linears and all(type(m) is want and m.packed.dtype == getattr(torch, dtype) for m in linears)
         assert isinstance(model.embed_tokens, Float32Embedding)
         assert model.embed_tokens(torch.tensor([1, 2])).dtype == torch.float32
 

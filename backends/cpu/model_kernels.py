@@ -18,6 +18,7 @@ from torch import nn
 from ..models.decoder import DecoderLayer, RMSNorm
 from ..models.parallel import VocabParallelEmbedding
 from . import native
+from .packed_linear import native_bfloat16_matmul, pack_weight, packed_linear
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -40,6 +41,25 @@ class HalfLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.packed.dtype}"
+
+
+class Bfloat16Linear(nn.Module):
+    """nn.Linear with its bfloat16 weight on oneDNN's packed bfloat16 GEMM, for CPUs that
+    multiply bfloat16 in hardware (packed_linear.native_bfloat16_matmul): float32 in, rounded
+    to bfloat16 for the product as transformers' bfloat16 layers are, float32 out."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed = pack_weight(linear.weight)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        return packed_linear(rows, self.packed, self.bias).float().view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN bfloat16"
 
 
 class FusedRMSNorm(nn.Module):
@@ -77,8 +97,9 @@ def use_fused_kernels(model: nn.Module) -> None:
 
 
 def compute_in_float32(model: nn.Module) -> int:
-    """A 16-bit model's linear layers onto the 16-bit-weight kernel and its activations into
-    float32 (embedding output, norms, MLP activation); returns how many layers were replaced.
+    """A 16-bit model's linear layers onto the 16-bit-weight kernel (bfloat16 ones onto oneDNN's
+    bfloat16 GEMM where the CPU has bfloat16 arithmetic) and its activations into float32
+    (embedding output, norms, MLP activation); returns how many layers were replaced.
     Layers that are not plain nn.Linear (quantized ones) take float32 inputs as they are."""
     targets = [
         (parent, name, child)
@@ -87,7 +108,8 @@ def compute_in_float32(model: nn.Module) -> int:
         if type(child) is nn.Linear and child.weight.dtype in HALF_DTYPES
     ]
     for parent, name, child in targets:
-        setattr(parent, name, HalfLinear(child))
+        on_onednn = child.weight.dtype == torch.bfloat16 and native_bfloat16_matmul()
+        setattr(parent, name, Bfloat16Linear(child) if on_onednn else HalfLinear(child))
     model.embed_tokens = Float32Embedding(model.embed_tokens)
     use_fused_kernels(model)
     return len(targets)

@@ -10,23 +10,24 @@ with F.linear; otherwise the model keeps plain nn.Linear.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
-def _pack(weight: torch.Tensor) -> torch.Tensor:
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 32)
 
 
-def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 # the same op takes a plain [N, K] weight too, as fast for a weight it sees once (quantized
 # layers decode theirs on every call) as for a packed one
-plain_linear_pointwise = _packed_linear
+plain_linear_pointwise = packed_linear
 
 
 @functools.cache
@@ -38,20 +39,45 @@ def packing_available(dtype: torch.dtype = torch.float32) -> bool:
         w, b, x = (torch.randn(24, 16), torch.randn(24), torch.randn(5, 16))
         w, b, x = w.to(dtype), b.to(dtype), x.to(dtype)
         tol = 1e-4 if dtype == torch.float32 else 5e-2
-        return torch.allclose(_packed_linear(x, _pack(w), b).float(), F.linear(x, w, b).float(), atol=tol, rtol=tol)
+        got = packed_linear(x, pack_weight(w), b).float()
+        return torch.allclose(got, F.linear(x, w, b).float(), atol=tol, rtol=tol)
     except (RuntimeError, AttributeError):
         return False
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        return set()
+
+
+BF16_MATMUL_ENV = "PAGEDLLM_CPU_BF16_MATMUL"
+
+
+@functools.cache
+def native_bfloat16_matmul() -> bool:
+    """Whether bfloat16 linear layers go to oneDNN's bfloat16 GEMM: where this CPU multiplies
+    bfloat16 in hardware (AVX-512 BF16 or AMX) and oneDNN packs bfloat16 weights for it, unless
+    PAGEDLLM_CPU_BF16_MATMUL=0. There it runs ~2x oneDNN's float32 GEMM and ~3.5x the widening
+    kernel of half_linear.cpp (docs/bench/README.md), at the price of rounding each layer's
+    input and output to bfloat16, as transformers does; elsewhere oneDNN emulates bfloat16
+    arithmetic and the widening kernel (float32 arithmetic on bfloat16 weights) wins."""
+    if os.environ.get(BF16_MATMUL_ENV, "1") == "0":
+        return False
+    return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"}) and packing_available(torch.bfloat16)
 
 
 class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = _pack(linear.weight)
+        self.packed = pack_weight(linear.weight)
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _packed_linear(x.contiguous(), self.packed, self.bias)
+        return packed_linear(x.contiguous(), self.packed, self.bias)
 
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
