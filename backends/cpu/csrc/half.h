@@ -9,6 +9,9 @@
 #include <immintrin.h>
 #define PAGEDLLM_AVX2 1
 #endif
+#if defined(PAGEDLLM_AVX2) && defined(__AVX512F__)
+#define PAGEDLLM_AVX512 1
+#endif
 
 namespace pagedllm {
 
@@ -52,6 +55,16 @@ inline __m256 load8(const bf16* p) {
 #define PAGEDLLM_F16C 1
 inline __m256 load8(const f16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 #endif
+#endif
+
+#ifdef PAGEDLLM_AVX512
+// sixteen values from p as a float32 vector
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const f16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 #endif
 
 // out[0:n] = src[0:n] as float32

@@ -34,6 +34,9 @@ inline float dot(const float* __restrict a, const T* __restrict b, int64_t n) {
 template <int64_t HS, class T>
 constexpr bool in_place() {
   if constexpr (std::is_same_v<T, float>) return true;
+#ifdef PAGEDLLM_AVX512
+  if (HS > 0 && HS % 16 == 0) return true;
+#endif
 #ifdef PAGEDLLM_AVX2
 #ifndef PAGEDLLM_F16C
   if constexpr (std::is_same_v<T, f16>) return false;
@@ -162,6 +165,13 @@ inline __m256 sums_of_eight(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 #endif
+#ifdef PAGEDLLM_AVX512
+// the sum of v's two 256-bit halves
+inline __m256 fold_halves(__m512 v) {
+  const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+  return _mm256_add_ps(_mm512_castps512_ps256(v), high);
+}
+#endif
 
 // scores[h][t] = q_h . k_t * scale for the n tokens of one block, head by head so that the
 // query head stays in registers across the block's tokens; with AVX2, eight tokens at a time,
@@ -176,6 +186,24 @@ void block_scores(const float* q, const T* k, int64_t n, int64_t num_heads, int6
     const T* kh = k + (h / group) * hs;
     float* sh = scores + h * block_size;
     int64_t t = 0;
+#ifdef PAGEDLLM_AVX512
+    if (hs % 16 == 0) {
+      const __m256 scale_v = _mm256_set1_ps(scale);
+      for (; t + 8 <= n; t += 8) {
+        __m512 acc[8];
+        for (int j = 0; j < 8; ++j) acc[j] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < hs; d += 16) {
+          const __m512 qv = _mm512_loadu_ps(qh + d);
+          for (int j = 0; j < 8; ++j)
+            acc[j] = _mm512_fmadd_ps(qv, pagedllm::load16(kh + (t + j) * token_stride + d), acc[j]);
+        }
+        __m256 halves[8];
+        for (int j = 0; j < 8; ++j) halves[j] = fold_halves(acc[j]);
+        _mm256_storeu_ps(sh + t, _mm256_mul_ps(sums_of_eight(halves), scale_v));
+        pf.step();
+      }
+    }
+#endif
 #ifdef PAGEDLLM_AVX2
     if (hs % 8 == 0) {
       const __m256 scale_v = _mm256_set1_ps(scale);
@@ -209,6 +237,20 @@ void block_values(const float* p, const T* v, int64_t n, int64_t num_heads, int6
     const T* vh = v + (h / group) * hs;
     const float* ph = p + h * block_size;
     float* a = acc + h * hs;
+#ifdef PAGEDLLM_AVX512
+    if constexpr (HS > 0 && HS % 16 == 0) {
+      __m512 sum[HS / 16];
+      for (int64_t d = 0; d < HS / 16; ++d) sum[d] = _mm512_loadu_ps(a + 16 * d);
+      for (int64_t t = 0; t < n; ++t) {
+        const __m512 w = _mm512_set1_ps(ph[t]);
+        const T* vt = vh + t * token_stride;
+        for (int64_t d = 0; d < HS / 16; ++d) sum[d] = _mm512_fmadd_ps(w, pagedllm::load16(vt + 16 * d), sum[d]);
+        pf.step();
+      }
+      for (int64_t d = 0; d < HS / 16; ++d) _mm512_storeu_ps(a + 16 * d, sum[d]);
+      continue;
+    }
+#endif
     if constexpr (HS > 0 && !std::is_same_v<T, float>) {
 #ifdef PAGEDLLM_AVX2
       __m256 sum[HS / 8];
