@@ -147,3 +147,15 @@ def test_throughput_against_transformers_and_a_vllm_peer_through_its_own_interpr
     assert (out / "throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     missing = run_bench("throughput", "--vs", "vllm", "--num-prompts", "2")
     assert missing.returncode == 2 and "--vllm-python" in missing.stderr
+
+
+def test_peak_flops_per_cycle_follows_the_vector_units_width():
+    """Zen 4 runs AVX-512 on 256-bit pipes, Zen 5 and Intel's server cores on 512-bit ones."""
+    from pagedllm.benchmarks.bench_decode_step import nominal_flops_per_cycle
+
+    avx512 = {"fma", "avx2", "avx512f"}
+    assert nominal_flops_per_cycle(avx512, "AuthenticAMD", 26) == 64  # Zen 5
+    assert nominal_flops_per_cycle(avx512, "AuthenticAMD", 25) == 32  # Zen 4
+    assert nominal_flops_per_cycle(avx512, "GenuineIntel", 6) == 64
+    assert nominal_flops_per_cycle({"fma", "avx2"}, "AuthenticAMD", 23) == 32
+    assert nominal_flops_per_cycle({"avx"}, "GenuineIntel", 6) == 16
