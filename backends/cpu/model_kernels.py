@@ -1,13 +1,16 @@
 """Models onto the compiled kernels. float32: RMSNorm and silu-and-multiply fused (the linear
 layers are oneDNN's, packed_linear.py). 16-bit: weights and KV blocks stay in bfloat16 or float16
-(their memory and their memory traffic), the arithmetic and the activations between the ops are
-float32. This machine's CPUs have no 16-bit arithmetic short of AVX-512 BF16, so torch's own
-16-bit path widens and rounds at every op (its bfloat16 GEMM is 5-10x slower than float32 from
-16 rows on); here each weight is widened in registers where it is used and nothing is rounded
-back to 16 bits except what the KV cache stores.
+(their memory and their memory traffic), the activations between the ops are float32. Linear
+layers: on CPUs without 16-bit arithmetic torch's own 16-bit path widens and rounds at every op
+(its bfloat16 GEMM is 5-10x slower than float32 from 16 rows on), so there each weight is
+widened in registers where it is used (HalfLinear) and nothing is rounded back to 16 bits except
+what the KV cache stores; where the CPU multiplies bfloat16 (AVX-512 BF16, AMX), bfloat16 layers
+run oneDNN's bfloat16 GEMM instead (Bfloat16Linear), their inputs rounded to bfloat16 as
+transformers rounds them.
 
-The result differs from transformers' eager 16-bit computation by its missing roundings (it is
-closer to the float64 answer); PAGEDLLM_CPU_KERNELS=0 keeps the transformers-identical path.
+The widening path differs from transformers' eager 16-bit computation by its missing roundings
+(it is closer to the float64 answer); PAGEDLLM_CPU_KERNELS=0 keeps the transformers-identical
+path.
 """
 
 from __future__ import annotations
