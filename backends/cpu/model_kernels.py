@@ -21,7 +21,7 @@ from torch import nn
 from ..models.decoder import DecoderLayer, RMSNorm
 from ..models.parallel import VocabParallelEmbedding
 from . import native
-from .packed_linear import native_bfloat16_matmul, pack_weight, packed_linear
+from .packed_linear import PackedLinear, native_bfloat16_matmul, packed_linear
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -46,16 +46,10 @@ class HalfLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.packed.dtype}"
 
 
-class Bfloat16Linear(nn.Module):
+class Bfloat16Linear(PackedLinear):
     """nn.Linear with its bfloat16 weight on oneDNN's packed bfloat16 GEMM, for CPUs that
     multiply bfloat16 in hardware (packed_linear.native_bfloat16_matmul): float32 in, rounded
     to bfloat16 for the product as transformers' bfloat16 layers are, float32 out."""
-
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = pack_weight(linear.weight)
-        self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
