@@ -27,7 +27,12 @@ def test_demo_model_is_the_default_and_small():
     assert size <= 20 * 1024 * 1024
 
 
-def test_greedy_output_equals_transformers():
+def test_greedy_output_equals_transformers(monkeypatch):
+    """On the widening kernels (float32 arithmetic on the bfloat16 weights) the greedy text is
+    transformers' for 24 tokens. oneDNN's bfloat16 GEMMs, the default on CPUs with bfloat16
+    arithmetic, round elsewhere and may part at a near-tie (seen at token 22 of "def");
+    tests/test_models_vs_hf.py bounds their logits instead."""
+    monkeypatch.setenv("PAGEDLLM_CPU_BF16_MATMUL", "0")  # the worker process inherits it
     hf = AutoModelForCausalLM.from_pretrained(DEMO, attn_implementation="eager").eval()
     tok = AutoTokenizer.from_pretrained(DEMO)
     prompts = ["The for statement", "A dictionary is", "def"]

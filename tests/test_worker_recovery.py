@@ -150,7 +150,9 @@ def test_a_worker_that_dies_every_time_ends_the_engine_after_the_allowed_restart
 def test_streaming_clients_of_the_server_see_no_error_across_a_worker_kill(tiny_model):
     model = tiny_model("llama")
     srv = ServerProcess(model, "--num-kv-blocks", "256")
-    prompt, max_tokens = [5, 6, 7, 8], 300
+    # long enough that the kill, 0.05-0.15 s in, lands mid-stream on a fast machine too (an
+    # idle worker's death is noticed only at the next request)
+    prompt, max_tokens = [5, 6, 7, 8], 900
 
     async def openai_text(url):
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
@@ -179,7 +181,7 @@ def test_streaming_clients_of_the_server_see_no_error_across_a_worker_kill(tiny_
 
     try:
         expected = asyncio.run(both())
-        killer = Killer(srv.engine_pids[0], times=1, delay=(0.3, 0.6))
+        killer = Killer(srv.engine_pids[0], times=1, delay=(0.05, 0.15))
         killer.start()
         got = asyncio.run(both())
         killer.join(timeout=30)
