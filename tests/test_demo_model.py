@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.backends.cpu.packed_linear import BF16_MATMUL_ENV
 from pagedllm.benchmarks.bench_quantization import demo_held_out
 from pagedllm.entrypoints.default_model import default_model_dir, shipped_model_dir
 
@@ -32,7 +33,7 @@ def test_greedy_output_equals_transformers(monkeypatch):
     transformers' for 24 tokens. oneDNN's bfloat16 GEMMs, the default on CPUs with bfloat16
     arithmetic, round elsewhere and may part at a near-tie (seen at token 22 of "def");
     tests/test_models_vs_hf.py bounds their logits instead."""
-    monkeypatch.setenv("PAGEDLLM_CPU_BF16_MATMUL", "0")  # the worker process inherits it
+    monkeypatch.setenv(BF16_MATMUL_ENV, "0")  # the worker process inherits it
     hf = AutoModelForCausalLM.from_pretrained(DEMO, attn_implementation="eager").eval()
     tok = AutoTokenizer.from_pretrained(DEMO)
     prompts = ["The for statement", "A dictionary is", "def"]

@@ -49,6 +49,11 @@ def _cpu_flags() -> bytes:
         return b""
 
 
+def cpu_flags() -> set[str]:
+    """This CPU's instruction-set flags (/proc/cpuinfo), empty where they cannot be read."""
+    return set(_cpu_flags().decode().partition(":")[2].split())
+
+
 def _build(cxx: str) -> str:
     version = subprocess.run([cxx, "--version"], capture_output=True).stdout
     sources = b""

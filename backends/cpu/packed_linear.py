@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .native import cpu_flags
+
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 32)
@@ -45,14 +47,6 @@ def packing_available(dtype: torch.dtype = torch.float32) -> bool:
         return False
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return set(next((line for line in f if line.startswith("flags")), "").split())
-    except OSError:
-        return set()
-
-
 BF16_MATMUL_ENV = "PAGEDLLM_CPU_BF16_MATMUL"
 
 
@@ -66,7 +60,7 @@ def native_bfloat16_matmul() -> bool:
     arithmetic and the widening kernel (float32 arithmetic on bfloat16 weights) wins."""
     if os.environ.get(BF16_MATMUL_ENV, "1") == "0":
         return False
-    return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"}) and packing_available(torch.bfloat16)
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"}) and packing_available(torch.bfloat16)
 
 
 class PackedLinear(nn.Module):
