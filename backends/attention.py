@@ -124,6 +124,11 @@ class AttentionOps:
         each quantized projection before prepare_model."""
         return layer
 
+    def argmax(self, scores: torch.Tensor) -> torch.Tensor:
+        """Each row's index of its largest value, as torch.argmax(dim=-1) answers (greedy
+        decoding over the logits [rows, vocab]; a backend may have a faster kernel)."""
+        return scores.argmax(dim=-1)
+
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:

@@ -9,6 +9,7 @@ preemption. Logprobs are those of the model's raw distribution, as vLLM reports 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -57,8 +58,9 @@ def _seed_for(seed: int, step: int) -> int:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, argmax: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.generator = torch.Generator().manual_seed(seed)  # for rows without a seed
+        self.argmax = argmax or (lambda scores: scores.argmax(dim=-1))  # the backend's (AttentionOps.argmax)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         logits = logits.float()
@@ -70,11 +72,11 @@ class Sampler:
         greedy = [i for i, r in enumerate(rows) if r.params.temperature == 0.0]
         random = [i for i, r in enumerate(rows) if r.params.temperature != 0.0]
         if not random:  # the common all-greedy batch: no copies of the logits
-            tokens = logits.argmax(dim=-1)
+            tokens = self.argmax(logits)
         else:
             tokens = torch.empty(len(rows), dtype=torch.long)
         if greedy and random:
-            tokens[greedy] = logits[greedy].argmax(dim=-1)
+            tokens[greedy] = self.argmax(logits[greedy])
         if random:
             probs = probabilities([rows[i].params for i in random], logits[random])
             tokens[random] = self._draw(probs, [rows[i] for i in random])
@@ -97,7 +99,7 @@ class Sampler:
                 else torch.Generator().manual_seed(_seed_for(seed, row.num_output_tokens))
             )
             noise[j].exponential_(generator=gen)
-        return (probs / noise).argmax(dim=-1)
+        return self.argmax(probs / noise)
 
 
 def probabilities(params: list[SamplingParams], logits: torch.Tensor) -> torch.Tensor:

@@ -99,7 +99,7 @@ class Worker:
         self.model_config = self.model.config
         self.state = WorkerState()
         self.runner: ModelRunner | None = None
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, argmax=self.ops.argmax)
         self._mappings = []
 
     def hello(self) -> WorkerHello:

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from pagedllm.backends.cpu import CpuAttentionOps, native
+from pagedllm.backends.cpu.ops import bfloat16_dot_products
+from pagedllm.backends.cpu.packed_linear import BF16_MATMUL_ENV
 from pagedllm.conformance.op_cases import context_lengths, make_case
 
 OPS = CpuAttentionOps()
@@ -70,10 +72,20 @@ def test_16_bit_ops_within_tolerance(dtype, attention_path):
     assert out.dtype == dtype and (out.double() - dec.expected).abs().max() <= ATOL[torch.bfloat16]
 
 
+@pytest.fixture
+def float32_arithmetic(monkeypatch):
+    """PAGEDLLM_CPU_BF16_MATMUL=0: no bfloat16 dot products in attention."""
+    monkeypatch.setenv(BF16_MATMUL_ENV, "0")
+    bfloat16_dot_products.cache_clear()
+    yield
+    monkeypatch.undo()
+    bfloat16_dot_products.cache_clear()
+
+
 @pytest.mark.skipif(native.unavailable_reason() is not None, reason="compiled kernels unavailable")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("head_size", [64, 80, 128])
-def test_16_bit_blocks_with_a_float32_query_are_float32_exact(dtype, head_size):
+@pytest.mark.parametrize("head_size", [32, 64, 80, 128])
+def test_16_bit_blocks_with_a_float32_query_are_float32_exact(dtype, head_size, float32_arithmetic):
     """How a 16-bit model runs on the kernels: float32 queries over 16-bit blocks. The blocks
     hold the case's values exactly, so only float32 arithmetic separates the result from the
     float64 reference: a widening that loses or misplaces any bit fails float32's tolerance."""
@@ -84,6 +96,67 @@ def test_16_bit_blocks_with_a_float32_query_are_float32_exact(dtype, head_size):
     dec = make_case([1, 1, 1], [17, 300, 1], 16, head_size, 2, 4, dtype=dtype)
     out = OPS.decode_attention(dec.query.float(), dec.kv_cache, dec.decode_metadata(), dec.scale)
     assert (out.double() - dec.expected).abs().max() <= ATOL[torch.float32]
+
+
+def poison_unused_slots(case) -> None:
+    """NaN into every K/V slot that no request's context covers (what a pool may hold there)."""
+    used = torch.zeros(case.kv_cache.shape[1:3], dtype=torch.bool)
+    block_size = case.kv_cache.shape[2]
+    for table, ctx in zip(case.block_tables.tolist(), case.context_lens):
+        for t in range(ctx):
+            used[table[t // block_size], t % block_size] = True
+    case.kv_cache[:, ~used] = float("nan")
+
+
+@pytest.mark.skipif(
+    native.unavailable_reason() is not None or not native.bfloat16_dot_products(),
+    reason="kernels not built for AVX-512 BF16",
+)
+@pytest.mark.parametrize("head_size", [32, 64, 128])
+@pytest.mark.parametrize("block_size", [7, 16])
+def test_bfloat16_dot_products_round_as_transformers_and_stay_within_the_context(head_size, block_size):
+    """The AVX-512 BF16 path: the float32 query and the probabilities rounded to bfloat16, the
+    products summed in float32. Against the float64 reference it errs by bfloat16's rounding of
+    the probabilities (measured ~1.5e-3), far inside the conformance tolerance and far outside
+    float32's (so the path did run); odd contexts and block sizes pair a last token with zero,
+    never with the NaN a slot past the context may hold."""
+    assert bfloat16_dot_products()
+    q_lens, ctx = [1, 5, 17, 1], [33, 301, 41, 2 * block_size + 1]
+    case = make_case(q_lens, ctx, block_size, head_size, 2, 4, dtype=torch.bfloat16, seed=head_size)
+    poison_unused_slots(case)
+    out = OPS.prefill_attention(case.query.float(), case.kv_cache, case.prefill_metadata(), case.scale)
+    err = float((out.double() - case.expected).abs().max())
+    assert ATOL[torch.float32] * 10 < err <= 5e-3, err
+    dec = make_case([1] * len(ctx), ctx, block_size, head_size, 2, 4, dtype=torch.bfloat16, seed=head_size)
+    poison_unused_slots(dec)
+    out = OPS.decode_attention(dec.query.float(), dec.kv_cache, dec.decode_metadata(), dec.scale)
+    err = float((out.double() - dec.expected).abs().max())
+    assert ATOL[torch.float32] * 10 < err <= 5e-3, err
+
+
+@pytest.mark.skipif(native.unavailable_reason() is not None, reason="compiled kernels unavailable")
+def test_argmax_rows_answers_as_torch():
+    """Ties (the first index), NaN (the first NaN), infinities, rows shorter than a vector and
+    off its width, strided rows; and the ops' argmax is the kernel's."""
+    gen = torch.Generator().manual_seed(0)
+    for n in (1, 7, 8, 15, 16, 17, 100, 32000):
+        x = torch.randn(8, n, generator=gen)
+        x[1] = 0.0
+        x[2, n // 2] = float("nan")
+        x[3, n // 3] = x[3, n - 1] = 100.0
+        x[4] = float("-inf")
+        x[5, -1] = x[5, n // 4] = float("nan")
+        x[6] = torch.randint(0, 3, (n,), generator=gen).float()
+        x[7, -1] = float("inf")
+        assert torch.equal(native.argmax_rows(x), x.argmax(-1)), n
+        strided = torch.randn(3, n + 5, generator=gen)[:, 2 : n + 2]
+        assert torch.equal(native.argmax_rows(strided), strided.argmax(-1)), n
+    logits = torch.randn(64, 4096, generator=gen)
+    assert torch.equal(OPS.argmax(logits), logits.argmax(-1))
+    with pytest.raises(ValueError, match="2-D"):
+        native.argmax_rows(torch.zeros(3))
+    with pytest.raises(ValueError, match="float32"):
+        native.argmax_rows(logits.bfloat16())
 
 
 @pytest.mark.skipif(native.unavailable_reason() is not None, reason="compiled kernels unavailable")

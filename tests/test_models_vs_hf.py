@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pagedllm.backends.cpu import native
+from pagedllm.backends.cpu.ops import bfloat16_dot_products
 from pagedllm.backends.cpu.packed_linear import BF16_MATMUL_ENV, native_bfloat16_matmul
 from pagedllm.backends.runner import SeqInput
 from pagedllm.entrypoints.tiny_models import ARCHITECTURES, load_hf
@@ -105,11 +106,11 @@ def test_bfloat16_on_the_widening_kernels_is_closer_to_float32_than_transformers
     about half its error or less), its greedy tokens equal. (The default on CPUs without
     bfloat16 arithmetic; PAGEDLLM_CPU_BF16_MATMUL=0 on the others.)"""
     monkeypatch.setenv(BF16_MATMUL_ENV, "0")
-    native_bfloat16_matmul.cache_clear()
+    native_bfloat16_matmul.cache_clear(), bfloat16_dot_products.cache_clear()
     try:
         errors = bfloat16_errors_against_float32(tiny_model(arch), same_greedy=True)
     finally:
-        native_bfloat16_matmul.cache_clear()
+        native_bfloat16_matmul.cache_clear(), bfloat16_dot_products.cache_clear()
     for ours_err, hf16_err in errors:
         assert ours_err <= 0.1 and ours_err <= 0.6 * hf16_err, (ours_err, hf16_err)
 
@@ -118,7 +119,9 @@ def test_bfloat16_on_the_widening_kernels_is_closer_to_float32_than_transformers
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_bfloat16_on_onednn_bfloat16_gemms_is_about_as_near_to_float32_as_transformers_bfloat16(tiny_model, arch):
     """Where the CPU multiplies bfloat16, the linear layers run oneDNN's bfloat16 GEMM on
-    bfloat16-rounded inputs, as transformers' bfloat16 layers do; the rest stays float32. Its
+    bfloat16-rounded inputs, as transformers' bfloat16 layers do, and attention (where the
+    kernels were built for AVX-512 BF16) its dot products on a bfloat16-rounded query and
+    probabilities; the rest stays float32. Its
     logits must be near float32's and about as near as transformers' bfloat16 (measured: 0.5-1.1x
     its error, per prompt). Its greedy tokens may part from float32's at a near-tie, as transformers'
     bfloat16 ones do."""

@@ -92,13 +92,17 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         lib = ctypes.CDLL(_build(cxx))
     except (OSError, RuntimeError) as e:
         return None, f"building {', '.join(map(os.path.basename, SOURCES))}: {e}"
-    attention = [_p, _p, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _p, ctypes.c_int]
+    attention = [_p, _p, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _p, ctypes.c_int] + [
+        ctypes.c_int
+    ]
     signatures = {
         **{f"pagedllm_paged_attention_{suffix}": attention for suffix in ATTENTION_SUFFIX.values()},
         "pagedllm_set_prefetch": [ctypes.c_int],
+        "pagedllm_bf16_dot_products": [],
         "pagedllm_half_linear": [ctypes.c_int, _p, _i64, _p, _i64, _i64, _p, _p, ctypes.c_int],
         "pagedllm_rms_norm_f32": [_p, _p, ctypes.c_float, _p, _i64, _i64, ctypes.c_int],
         "pagedllm_silu_and_mul_f32": [_p, _p, _i64, _i64, ctypes.c_int],
+        "pagedllm_argmax_rows_f32": [_p, _i64, _i64, _i64, _p, ctypes.c_int],
         "pagedllm_rotary_f32": [_p, _i64, _p, _p, _p, _i64, _i64, _i64, ctypes.c_int],
         "pagedllm_quantized_gemv_f32": [
             ctypes.c_int,
@@ -121,6 +125,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = None, argtypes
+    lib.pagedllm_bf16_dot_products.restype = ctypes.c_int
     return lib, None
 
 
@@ -168,6 +173,21 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1) of a 2-D float32 tensor (rows may be strided; values contiguous),
+    NaNs and ties answered as torch answers them."""
+    x = _float32("x", x)
+    if x.dim() != 2 or x.shape[1] == 0:
+        raise ValueError(f"argmax_rows needs a non-empty 2-D tensor, got shape {tuple(x.shape)}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _library().pagedllm_argmax_rows_f32(
+        x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads()
+    )
+    return out
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The rotary embedding of float32 x [T, heads, D] (rows may be strided, each row's heads
     contiguous: the q/k columns of the fused projection), cos/sin [T, 1, D] float32: a
@@ -199,11 +219,15 @@ def paged_attention(
     row_table: torch.Tensor,
     row_context: torch.Tensor,
     scale: float,
+    dot_products: bool = False,
 ) -> torch.Tensor:
     """query [R, H, Dh], one row per query token; k_cache/v_cache [N, bs, KVH, Dh] float32,
     bfloat16 or float16, contiguous; block_tables [S, max_blocks] int32; row r uses table
     row_table[r] and attends to its first row_context[r] tokens (at most max_blocks * bs).
-    Computes in float32; returns [R, H, Dh] in the query's dtype."""
+    Computes in float32; returns [R, H, Dh] in the query's dtype. dot_products: bfloat16
+    blocks of head size 32, 64 or 128 go to AVX-512 BF16's dot products where the kernels were
+    built for them (bfloat16_dot_products()), the query and the probabilities rounded to
+    bfloat16 first; elsewhere it changes nothing."""
     num_rows, num_heads, head_size = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     suffix = ATTENTION_SUFFIX.get(k_cache.dtype)
@@ -231,8 +255,14 @@ def paged_attention(
         scale,
         out.data_ptr(),
         torch.get_num_threads(),
+        int(dot_products),
     )
     return out.to(query.dtype)
+
+
+def bfloat16_dot_products() -> bool:
+    """Whether the kernels were built for AVX-512 BF16 (paged_attention's dot_products)."""
+    return bool(_library().pagedllm_bf16_dot_products())
 
 
 HALF_PANEL = 16  # output features per panel of a packed 16-bit weight (csrc/half_linear.cpp)

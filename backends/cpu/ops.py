@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
+import os
 
 import torch
 
@@ -25,7 +27,7 @@ from pagedllm.core.utils import cdiv
 from ..attention import AttentionOps, DecodeMetadata, PrefillMetadata, prefill_token_rows
 from . import native
 from .model_kernels import compute_in_float32, use_fused_kernels
-from .packed_linear import pack_linear_layers
+from .packed_linear import BF16_MATMUL_ENV, pack_linear_layers
 from .quantized_linear import cpu_quantized_linear
 
 DECODE_GROUPS = 4  # at most this many context-length groups per decode batch
@@ -73,6 +75,17 @@ def keep_freed_memory() -> bool:
     )
 
 
+@functools.cache
+def bfloat16_dot_products() -> bool:
+    """Whether the kernel attends over bfloat16 blocks with AVX-512 BF16's dot products, the
+    query and the probabilities rounded to bfloat16 first as transformers' bfloat16 attention
+    rounds them (1.4-1.6x faster on K/V in cache, docs/bench/README.md): where it was built for
+    them, unless PAGEDLLM_CPU_BF16_MATMUL=0, which keeps float32 arithmetic throughout."""
+    if os.environ.get(BF16_MATMUL_ENV, "1") == "0" or native.unavailable_reason() is not None:
+        return False
+    return native.bfloat16_dot_products()
+
+
 def _compiled(query, kv_cache, meta) -> bool:
     """Whether this call goes through the compiled kernel: where it could be built."""
     if not (
@@ -102,6 +115,16 @@ class CpuAttentionOps(AttentionOps):
         else:
             compute_in_float32(model)
 
+    def argmax(self, scores):
+        if (
+            scores.dtype == torch.float32
+            and scores.dim() == 2
+            and scores.numel()
+            and native.unavailable_reason() is None
+        ):
+            return native.argmax_rows(scores)
+        return super().argmax(scores)
+
     def write_kv(self, key, value, kv_cache, slot_mapping):
         num_kv_heads, head_size = key.shape[1], key.shape[2]
         kv_cache[0].view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
@@ -113,7 +136,14 @@ class CpuAttentionOps(AttentionOps):
         if _compiled(query, kv_cache, meta):
             rows = torch.arange(query.shape[0], dtype=torch.int32)
             return native.paged_attention(
-                query, kv_cache[0], kv_cache[1], meta.block_tables, rows, meta.context_lens, scale
+                query,
+                kv_cache[0],
+                kv_cache[1],
+                meta.block_tables,
+                rows,
+                meta.context_lens,
+                scale,
+                bfloat16_dot_products(),
             )
         num_seqs = query.shape[0]
         ctx = meta.context_lens
@@ -152,7 +182,14 @@ class CpuAttentionOps(AttentionOps):
             # one row per new token: its request's table, and the context up to its own position
             request, position = prefill_token_rows(meta, query.shape[0], query.device)
             return native.paged_attention(
-                query, kv_cache[0], kv_cache[1], meta.block_tables, request, position + 1, scale
+                query,
+                kv_cache[0],
+                kv_cache[1],
+                meta.block_tables,
+                request,
+                position + 1,
+                scale,
+                bfloat16_dot_products(),
             )
         _, num_heads, head_size = query.shape
         _, _, block_size, num_kv_heads, _ = kv_cache.shape

@@ -12,6 +12,9 @@
 #if defined(PAGEDLLM_AVX2) && defined(__AVX512F__)
 #define PAGEDLLM_AVX512 1
 #endif
+#if defined(PAGEDLLM_AVX512) && defined(__AVX512BF16__)
+#define PAGEDLLM_AVX512_BF16 1
+#endif
 
 namespace pagedllm {
 

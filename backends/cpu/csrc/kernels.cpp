@@ -286,6 +286,121 @@ void block_values(const float* p, const T* v, int64_t n, int64_t num_heads, int6
   }
 }
 
+// The online softmax over one more block: scores[h][0:n] become exp(score - running max); the
+// running sums and the unnormalised outputs are rescaled to the new max.
+inline void softmax_update(float* scores, int64_t n, int64_t num_heads, int64_t head_size, int64_t block_size,
+                           float* max, float* sum, float* acc) {
+  for (int64_t h = 0; h < num_heads; ++h) {
+    float* s = scores + h * block_size;
+    const float m = max_of(s, n, max[h]);
+    const float rescale = exp_clamped(max[h] - m);  // ~0 on the first block
+    const float block_sum = exp_shifted(s, n, m);
+    sum[h] = sum[h] * rescale + block_sum;
+    max[h] = m;
+    if (rescale != 1.f)
+      for (float *a = acc + h * head_size, *e = a + head_size; a != e; ++a) *a *= rescale;
+  }
+}
+
+#ifdef PAGEDLLM_AVX512_BF16
+// bfloat16 blocks on AVX-512 BF16's dot products (vdpbf16ps: pairs of bfloat16 products,
+// exact, summed into float32), head sizes a multiple of 32. The query and the softmax's
+// probabilities are rounded to bfloat16 first, as transformers' bfloat16 attention holds
+// them; a third to a sixth of the instructions of widening every K/V value to float32.
+inline __m512bh as_bf16x32(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
+inline __m512bh load_bf16x32(const bf16* p) { return as_bf16x32(_mm512_loadu_si512(p)); }
+
+// out[0:n] = x[0:n] rounded to bfloat16 (to nearest even), zeros up to the next multiple of 16
+inline void round_to_bf16(const float* x, int64_t n, bf16* out) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 valid = n - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m256bh r = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(valid, x + i));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), reinterpret_cast<const __m256i&>(r));
+  }
+}
+
+template <int64_t HS>
+void block_scores_dot(const bf16* q, const bf16* k, int64_t n, int64_t num_heads, int64_t group,
+                      int64_t token_stride, int64_t block_size, float scale, float* scores, Prefetcher& pf) {
+  constexpr int64_t C = HS / 32;
+  const __m256 scale_v = _mm256_set1_ps(scale);
+  for (int64_t h = 0; h < num_heads; ++h) {
+    __m512bh qv[C];
+    for (int64_t c = 0; c < C; ++c) qv[c] = load_bf16x32(q + h * HS + 32 * c);
+    const bf16* kh = k + (h / group) * HS;
+    float* sh = scores + h * block_size;
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) {
+      __m512 acc[8];
+      for (int j = 0; j < 8; ++j) {
+        acc[j] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < C; ++c)
+          acc[j] = _mm512_dpbf16_ps(acc[j], qv[c], load_bf16x32(kh + (t + j) * token_stride + 32 * c));
+      }
+      __m256 halves[8];
+      for (int j = 0; j < 8; ++j) halves[j] = fold_halves(acc[j]);
+      _mm256_storeu_ps(sh + t, _mm256_mul_ps(sums_of_eight(halves), scale_v));
+      pf.step();
+    }
+    for (; t < n; ++t) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t c = 0; c < C; ++c) acc = _mm512_dpbf16_ps(acc, qv[c], load_bf16x32(kh + t * token_stride + 32 * c));
+      sh[t] = _mm512_reduce_add_ps(acc) * scale;
+      pf.step();
+    }
+  }
+}
+
+// acc[h] += sum_t p[h][t] * v_t, two tokens per dot product: rows t and t+1 interleaved value
+// by value (unpacklo/hi), against the pair (p_t, p_t+1). The interleaving leaves the sums in
+// the order d = 8L + i (lo) and 8L + 4 + i (hi) of lane L, i < 4; UNINTERLEAVE puts it back.
+template <int64_t HS>
+void block_values_dot(const float* p, const bf16* v, int64_t n, int64_t num_heads, int64_t group,
+                      int64_t token_stride, int64_t block_size, float* acc, bf16* p16, Prefetcher& pf) {
+  constexpr int64_t C = HS / 32;
+  alignas(64) static const int32_t uninterleave[32] = {0,  1,  2,  3,  16, 17, 18, 19, 4,  5,  6,
+                                                       7,  20, 21, 22, 23, 8,  9,  10, 11, 24, 25,
+                                                       26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
+  const __m512i first = _mm512_load_si512(uninterleave), second = _mm512_load_si512(uninterleave + 16);
+  for (int64_t h = 0; h < num_heads; ++h) {
+    const bf16* vh = v + (h / group) * HS;
+    round_to_bf16(p + h * block_size, n, p16);  // an odd n is paired with a 0
+    __m512 lo[C], hi[C];
+    for (int64_t c = 0; c < C; ++c) lo[c] = hi[c] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; t += 2) {
+      int32_t pair;  // (p_t, p_t+1)
+      std::memcpy(&pair, p16 + t, sizeof pair);
+      const __m512bh w = as_bf16x32(_mm512_set1_epi32(pair));
+      const bf16* v0 = vh + t * token_stride;
+      for (int64_t c = 0; c < C; ++c) {
+        const __m512i a = _mm512_loadu_si512(v0 + 32 * c);
+        // past the block's last token the pool holds anything (a NaN times 0 is NaN)
+        const __m512i b = t + 1 < n ? _mm512_loadu_si512(v0 + token_stride + 32 * c) : _mm512_setzero_si512();
+        lo[c] = _mm512_dpbf16_ps(lo[c], as_bf16x32(_mm512_unpacklo_epi16(a, b)), w);
+        hi[c] = _mm512_dpbf16_ps(hi[c], as_bf16x32(_mm512_unpackhi_epi16(a, b)), w);
+      }
+      pf.step();
+      pf.step();
+    }
+    float* a = acc + h * HS;
+    for (int64_t c = 0; c < C; ++c) {
+      float* ac = a + 32 * c;
+      _mm512_storeu_ps(ac, _mm512_add_ps(_mm512_loadu_ps(ac), _mm512_permutex2var_ps(lo[c], first, hi[c])));
+      _mm512_storeu_ps(ac + 16, _mm512_add_ps(_mm512_loadu_ps(ac + 16), _mm512_permutex2var_ps(lo[c], second, hi[c])));
+    }
+  }
+}
+
+template <int64_t HS>
+void attend_block_dot(const bf16* q16, const bf16* k_block, const bf16* v_block, int64_t n, int64_t num_heads,
+                      int64_t group, int64_t token_stride, int64_t block_size, float scale, float* scores,
+                      float* max, float* sum, float* acc, bf16* p16, Prefetcher& pf) {
+  block_scores_dot<HS>(q16, k_block, n, num_heads, group, token_stride, block_size, scale, scores, pf);
+  softmax_update(scores, n, num_heads, HS, block_size, max, sum, acc);
+  block_values_dot<HS>(scores, v_block, n, num_heads, group, token_stride, block_size, acc, p16, pf);
+}
+#endif
+
 // One block of one row: scores, online-softmax update, values, on K/V of T read in place, or on
 // float32 copies widened into k_wide/v_wide when in_place<HS, T>() says so.
 template <int64_t HS, class T>
@@ -300,16 +415,7 @@ void attend_block(const float* qs, const T* k_block, const T* v_block, int64_t n
                             scores, max, sum, acc, nullptr, nullptr, pf);
   } else {
     block_scores<HS, T>(qs, k_block, n, num_heads, group, head_size, token_stride, block_size, scale, scores, pf);
-    for (int64_t h = 0; h < num_heads; ++h) {
-      float* s = scores + h * block_size;
-      const float m = max_of(s, n, max[h]);
-      const float rescale = exp_clamped(max[h] - m);  // ~0 on the first block
-      const float block_sum = exp_shifted(s, n, m);
-      sum[h] = sum[h] * rescale + block_sum;
-      max[h] = m;
-      if (rescale != 1.f)
-        for (float *a = acc + h * head_size, *e = a + head_size; a != e; ++a) *a *= rescale;
-    }
+    softmax_update(scores, n, num_heads, head_size, block_size, max, sum, acc);
     block_values<HS, T>(scores, v_block, n, num_heads, group, head_size, token_stride, block_size, acc, pf);
   }
 }
@@ -327,16 +433,25 @@ template <class T>
 void paged_attention(const float* q, const T* k_cache, const T* v_cache, const int32_t* block_tables,
                      int64_t table_stride, const int32_t* row_table, const int32_t* row_context, int64_t num_rows,
                      int64_t num_heads, int64_t num_kv_heads, int64_t head_size, int64_t block_size, float scale,
-                     float* out, int num_threads) {
-  constexpr bool widened = !std::is_same_v<T, float>;  // head sizes other than 64 and 128 need the buffers
+                     float* out, int num_threads, bool dot_products) {
+  constexpr bool widened = !std::is_same_v<T, float>;  // head sizes other than 32, 64 and 128 need the buffers
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_size;
   const int64_t block_stride = block_size * token_stride;
+#ifdef PAGEDLLM_AVX512_BF16
+  const bool dot = std::is_same_v<T, bf16> && dot_products && (head_size == 32 || head_size == 64 || head_size == 128);
+#else
+  (void)dot_products;
+#endif
 #pragma omp parallel num_threads(num_threads)
   {
     // per query head: the block's scores, running max and sum, unnormalised output
     std::vector<float> scores(num_heads * block_size), max(num_heads), sum(num_heads),
         acc(num_heads * head_size), k_wide(widened ? block_stride : 0), v_wide(widened ? block_stride : 0);
+#ifdef PAGEDLLM_AVX512_BF16
+    // the row's query and a head's probabilities in bfloat16, for the dot products
+    std::vector<bf16> q16(dot ? num_heads * head_size : 0), p16(dot ? (block_size + 15) / 16 * 16 : 0);
+#endif
     Prefetcher pf;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t row = 0; row < num_rows; ++row) {
@@ -346,6 +461,9 @@ void paged_attention(const float* q, const T* k_cache, const T* v_cache, const i
       std::fill(max.begin(), max.end(), -std::numeric_limits<float>::infinity());
       std::fill(sum.begin(), sum.end(), 0.f);
       std::fill(acc.begin(), acc.end(), 0.f);
+#ifdef PAGEDLLM_AVX512_BF16
+      if (dot) round_to_bf16(qs, num_heads * head_size, q16.data());
+#endif
       for (int64_t start = 0; start < ctx; start += block_size) {
         const int64_t n = std::min(block_size, ctx - start);
         const T* k_block = k_cache + table[start / block_size] * block_stride;
@@ -358,7 +476,23 @@ void paged_attention(const float* q, const T* k_cache, const T* v_cache, const i
         } else {
           pf.stop();
         }
+#ifdef PAGEDLLM_AVX512_BF16
+        if constexpr (std::is_same_v<T, bf16>) {
+          if (dot) {
+            const auto block = [&](auto hs) {
+              attend_block_dot<decltype(hs)::value>(q16.data(), k_block, v_block, n, num_heads, group, token_stride,
+                                                    block_size, scale, scores.data(), max.data(), sum.data(),
+                                                    acc.data(), p16.data(), pf);
+            };
+            if (head_size == 32) block(std::integral_constant<int64_t, 32>());
+            else if (head_size == 64) block(std::integral_constant<int64_t, 64>());
+            else block(std::integral_constant<int64_t, 128>());
+            continue;
+          }
+        }
+#endif
         switch (head_size) {
+          case 32: attend_block<32>(qs, k_block, v_block, n, num_heads, group, head_size, token_stride, block_size, scale, scores.data(), max.data(), sum.data(), acc.data(), k_wide.data(), v_wide.data(), pf); break;
           case 64: attend_block<64>(qs, k_block, v_block, n, num_heads, group, head_size, token_stride, block_size, scale, scores.data(), max.data(), sum.data(), acc.data(), k_wide.data(), v_wide.data(), pf); break;
           case 128: attend_block<128>(qs, k_block, v_block, n, num_heads, group, head_size, token_stride, block_size, scale, scores.data(), max.data(), sum.data(), acc.data(), k_wide.data(), v_wide.data(), pf); break;
           default: attend_block<0>(qs, k_block, v_block, n, num_heads, group, head_size, token_stride, block_size, scale, scores.data(), max.data(), sum.data(), acc.data(), k_wide.data(), v_wide.data(), pf);
@@ -382,12 +516,22 @@ extern "C" {
                                          const int32_t* block_tables, int64_t table_stride,                      \
                                          const int32_t* row_table, const int32_t* row_context, int64_t num_rows, \
                                          int64_t num_heads, int64_t num_kv_heads, int64_t head_size,             \
-                                         int64_t block_size, float scale, float* out, int num_threads) {         \
+                                         int64_t block_size, float scale, float* out, int num_threads,           \
+                                         int dot_products) {                                                     \
     paged_attention(q, static_cast<const T*>(k_cache), static_cast<const T*>(v_cache), block_tables,             \
                     table_stride, row_table, row_context, num_rows, num_heads, num_kv_heads, head_size,          \
-                    block_size, scale, out, num_threads);                                                        \
+                    block_size, scale, out, num_threads, dot_products != 0);                                     \
   }
 void pagedllm_set_prefetch(int on) { prefetch_on = on != 0; }
+
+// whether bfloat16 attention can run on AVX-512 BF16's dot products (the dot_products argument)
+int pagedllm_bf16_dot_products() {
+#ifdef PAGEDLLM_AVX512_BF16
+  return 1;
+#else
+  return 0;
+#endif
+}
 
 PAGEDLLM_ATTENTION(f32, float)
 PAGEDLLM_ATTENTION(bf16, bf16)
@@ -430,6 +574,53 @@ void pagedllm_rotary_f32(const float* x, int64_t row_stride, const float* cos, c
       for (int64_t i = half; i < size; ++i) o[i] = xh[i] * c[i] + xh[i - half] * s[i];
     }
   }
+}
+
+// The index of x[0:n]'s largest value, the first of equal ones; the first NaN's where there is
+// one (torch.argmax's answer, which here takes ~10x as long: it compares one value at a time).
+int64_t argmax_of(const float* x, int64_t n) {
+  int64_t i = 1, at = 0;
+  float best = x[0];
+#ifdef PAGEDLLM_AVX2
+  if (n >= 16) {
+    // per lane the first largest value and its index; then the lanes' largest, its first index
+    __m256 lane_best = _mm256_loadu_ps(x), nan = _mm256_cmp_ps(lane_best, lane_best, _CMP_UNORD_Q);
+    __m256i lane_at = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), index = lane_at;
+    for (i = 8; i + 8 <= n; i += 8) {
+      index = _mm256_add_epi32(index, _mm256_set1_epi32(8));
+      const __m256 v = _mm256_loadu_ps(x + i);
+      const __m256 greater = _mm256_cmp_ps(v, lane_best, _CMP_GT_OQ);
+      lane_best = _mm256_blendv_ps(lane_best, v, greater);
+      lane_at = _mm256_castps_si256(
+          _mm256_blendv_ps(_mm256_castsi256_ps(lane_at), _mm256_castsi256_ps(index), greater));
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    if (_mm256_movemask_ps(nan)) {
+      for (int64_t j = 0;; ++j)
+        if (std::isnan(x[j])) return j;
+    }
+    alignas(32) float values[8];
+    alignas(32) int32_t indices[8];
+    _mm256_store_ps(values, lane_best);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(indices), lane_at);
+    best = values[0], at = indices[0];
+    for (int j = 1; j < 8; ++j)
+      if (values[j] > best || (values[j] == best && indices[j] < at)) best = values[j], at = indices[j];
+  }
+#endif
+  if (std::isnan(best)) return at;
+  for (; i < n; ++i) {
+    if (std::isnan(x[i])) return i;
+    if (x[i] > best) best = x[i], at = i;
+  }
+  return at;
+}
+
+// out[r] = argmax of row r: rows of n floats, row_stride apart
+void pagedllm_argmax_rows_f32(const float* x, int64_t row_stride, int64_t rows, int64_t n, int64_t* out,
+                              int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * n >= 65536)
+  for (int64_t r = 0; r < rows; ++r) out[r] = argmax_of(x + r * row_stride, n);
 }
 
 // The gated MLP's activation: x[r] = [gate | up], each `size` floats; out[r] = silu(gate) * up.
