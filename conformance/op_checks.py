@@ -316,6 +316,25 @@ def check_copy_and_swap(ops, device) -> CheckResult:
     return res
 
 
+def check_argmax(ops, device) -> CheckResult:
+    """Greedy decoding's argmax (AttentionOps.argmax): torch.argmax's answer exactly, ties to
+    the first index and NaN to the first NaN included, on rows off any vector width."""
+    res = CheckResult("argmax")
+    gen = torch.Generator().manual_seed(2)
+    for vocab in (1, 13, 4096, 32003):
+        scores = torch.randn(6, vocab, generator=gen)
+        scores[1] = 0.0
+        scores[2, vocab // 2] = float("nan")
+        scores[3, vocab // 3] = scores[3, -1] = 1e4
+        scores[4] = float("-inf")
+        scores[5, -1] = float("inf")
+        want = scores.argmax(dim=-1)
+        got = ops.argmax(scores.to(device)).cpu()
+        ok = got.shape == want.shape and torch.equal(got.long(), want)
+        res.record(ok, 0.0 if ok else 1.0, None if ok else f"vocab {vocab}: {got.tolist()}, want {want.tolist()}")
+    return res
+
+
 def op_checks(ops, quick: bool = False, only_dtypes=None) -> list[tuple[str, object]]:
     """(name, a call that makes its rows) for every op check, so that one that raises costs
     only its own rows. only_dtypes: check just these (the backend must support them)."""
@@ -330,4 +349,5 @@ def op_checks(ops, quick: bool = False, only_dtypes=None) -> list[tuple[str, obj
         ("shared_blocks", lambda: check_shared_blocks(ops, device)),
         ("output_buffers", lambda: check_output_buffers(ops, device)),
         ("copy_blocks / swap_blocks", lambda: check_copy_and_swap(ops, device)),
+        ("argmax", lambda: check_argmax(ops, device)),
     ]

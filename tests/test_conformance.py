@@ -1,5 +1,5 @@
 """The conformance suite on the cpu backend, on a third-party backend installed through its entry
-point, and on three deliberately broken backends, each of which must fail the right row."""
+point, and on deliberately broken backends, each of which must fail the right row."""
 
 import json
 import subprocess
@@ -26,9 +26,13 @@ def test_cpu_backend_passes_the_quick_op_checks_and_prints_rows_as_they_finish(t
     report = json.loads((tmp_path / "r.json").read_text())
     assert proc.returncode == 0 and report["ok"], proc.stdout
     names = [c["check"] for c in report["checks"]]
-    assert {"write_kv", "decode_attention float32", "decode_attention bfloat16", "copy_blocks / swap_blocks"} <= set(
-        names
-    )
+    assert {
+        "write_kv",
+        "decode_attention float32",
+        "decode_attention bfloat16",
+        "copy_blocks / swap_blocks",
+        "argmax",
+    } <= set(names)
     table_at = proc.stdout.index("pagedllm conformance — backend cpu")
     for name in names:
         assert 0 <= proc.stdout.find(f"  {name}: PASS (") < table_at, f"{name} was not printed as it finished"
@@ -57,6 +61,7 @@ ALL_DTYPES = ("float32", "bfloat16", "float16")
         ("broken-split-k-combine", {f"decode_attention {d}" for d in ALL_DTYPES}, "long contexts"),
         ("broken-reused-chunk-buffer", {f"decode_attention {d}" for d in ALL_DTYPES}, "a batch of 96 requests"),
         ("broken-softmax-without-max", {f"large_scores {d}" for d in ALL_DTYPES}, "off by inf"),
+        ("broken-argmax-last-of-ties", {"argmax"}, "want"),
     ],
 )
 def test_broken_backends_fail_on_the_right_rows(plugins_installed, backend, rows, clue):

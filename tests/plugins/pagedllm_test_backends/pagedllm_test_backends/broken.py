@@ -132,6 +132,16 @@ class ReusedChunkBuffer(CpuAttentionOps):
         return torch.cat(views)
 
 
+class ArgmaxLastOfTies(CpuAttentionOps):
+    """A hand-written argmax that keeps the last of equal largest values (>= where > belongs):
+    right on random logits, wrong wherever two tie."""
+
+    name = "broken-argmax-last-of-ties"
+
+    def argmax(self, scores):
+        return scores.shape[-1] - 1 - scores.flip(-1).argmax(dim=-1)
+
+
 class SoftmaxWithoutMax(CpuAttentionOps):
     """exp(score) / sum(exp(score)) in float32 without subtracting the max first: fine for
     scores of a few units, inf/inf = NaN once a score passes ~88."""
