@@ -92,9 +92,9 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         lib = ctypes.CDLL(_build(cxx))
     except (OSError, RuntimeError) as e:
         return None, f"building {', '.join(map(os.path.basename, SOURCES))}: {e}"
-    attention = [_p, _p, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _p, ctypes.c_int] + [
-        ctypes.c_int
-    ]
+    # q, k, v, tables, table stride, row table, row context, rows, heads, KV heads, head size,
+    # block size, scale, out, threads, dot products
+    attention = [_p, _p, _p, _p, _i64, _p, _p, *[_i64] * 5, ctypes.c_float, _p, ctypes.c_int, ctypes.c_int]
     signatures = {
         **{f"pagedllm_paged_attention_{suffix}": attention for suffix in ATTENTION_SUFFIX.values()},
         "pagedllm_set_prefetch": [ctypes.c_int],

@@ -1,5 +1,6 @@
-// Attention over paged K/V (float32, bfloat16 or float16 blocks, float32 arithmetic), read in
-// place from the blocks (no gather); RMSNorm and the gated MLP's activation in float32.
+// Attention over paged K/V (float32, bfloat16 or float16 blocks, float32 arithmetic, or on
+// bfloat16 blocks AVX-512 BF16's dot products where asked), read in place from the blocks (no
+// gather); RMSNorm, the rotary embedding, the gated MLP's activation and argmax in float32.
 //
 // Built with -fopenmp; inside a torch process the dynamic loader resolves libgomp to the copy
 // torch already loaded, so both share one thread pool.
@@ -353,7 +354,7 @@ void block_scores_dot(const bf16* q, const bf16* k, int64_t n, int64_t num_heads
 
 // acc[h] += sum_t p[h][t] * v_t, two tokens per dot product: rows t and t+1 interleaved value
 // by value (unpacklo/hi), against the pair (p_t, p_t+1). The interleaving leaves the sums in
-// the order d = 8L + i (lo) and 8L + 4 + i (hi) of lane L, i < 4; UNINTERLEAVE puts it back.
+// the order d = 8L + i (lo) and 8L + 4 + i (hi) of lane L, i < 4; `uninterleave` puts it back.
 template <int64_t HS>
 void block_values_dot(const float* p, const bf16* v, int64_t n, int64_t num_heads, int64_t group,
                       int64_t token_stride, int64_t block_size, float* acc, bf16* p16, Prefetcher& pf) {
@@ -577,7 +578,7 @@ void pagedllm_rotary_f32(const float* x, int64_t row_stride, const float* cos, c
 }
 
 // The index of x[0:n]'s largest value, the first of equal ones; the first NaN's where there is
-// one (torch.argmax's answer, which here takes ~10x as long: it compares one value at a time).
+// one (torch.argmax's answer, which takes ~6x as long here: it compares one value at a time).
 int64_t argmax_of(const float* x, int64_t n) {
   int64_t i = 1, at = 0;
   float best = x[0];
