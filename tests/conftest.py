@@ -60,3 +60,21 @@ def plugins_installed(tmp_path_factory):
         del os.environ["PYTHONPATH"]
     else:
         os.environ["PYTHONPATH"] = old
+
+
+@pytest.fixture
+def float32_arithmetic(monkeypatch):
+    """PAGEDLLM_CPU_BF16_MATMUL=0 in this process: the widening linear kernels and float32
+    attention arithmetic, whatever the CPU (the cached choices are cleared on both sides)."""
+    from pagedllm.backends.cpu.ops import bfloat16_dot_products
+    from pagedllm.backends.cpu.packed_linear import BF16_MATMUL_ENV, native_bfloat16_matmul
+
+    def clear():
+        native_bfloat16_matmul.cache_clear()
+        bfloat16_dot_products.cache_clear()
+
+    monkeypatch.setenv(BF16_MATMUL_ENV, "0")
+    clear()
+    yield
+    monkeypatch.undo()
+    clear()

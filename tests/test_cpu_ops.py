@@ -9,7 +9,6 @@ import torch
 
 from pagedllm.backends.cpu import CpuAttentionOps, native
 from pagedllm.backends.cpu.ops import bfloat16_dot_products
-from pagedllm.backends.cpu.packed_linear import BF16_MATMUL_ENV
 from pagedllm.conformance.op_cases import context_lengths, make_case
 
 OPS = CpuAttentionOps()
@@ -70,16 +69,6 @@ def test_16_bit_ops_within_tolerance(dtype, attention_path):
     assert out.dtype == dtype and (out.double() - case.expected).abs().max() <= ATOL[torch.bfloat16]
     out = OPS.decode_attention(dec.query, dec.kv_cache, dec.decode_metadata(), dec.scale)
     assert out.dtype == dtype and (out.double() - dec.expected).abs().max() <= ATOL[torch.bfloat16]
-
-
-@pytest.fixture
-def float32_arithmetic(monkeypatch):
-    """PAGEDLLM_CPU_BF16_MATMUL=0: no bfloat16 dot products in attention."""
-    monkeypatch.setenv(BF16_MATMUL_ENV, "0")
-    bfloat16_dot_products.cache_clear()
-    yield
-    monkeypatch.undo()
-    bfloat16_dot_products.cache_clear()
 
 
 @pytest.mark.skipif(native.unavailable_reason() is not None, reason="compiled kernels unavailable")

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from pagedllm.backends.cpu import native
-from pagedllm.backends.cpu.ops import bfloat16_dot_products
-from pagedllm.backends.cpu.packed_linear import BF16_MATMUL_ENV, native_bfloat16_matmul
+from pagedllm.backends.cpu.packed_linear import native_bfloat16_matmul
 from pagedllm.backends.runner import SeqInput
 from pagedllm.entrypoints.tiny_models import ARCHITECTURES, load_hf
 
@@ -98,19 +97,14 @@ def test_bfloat16_without_kernels_is_bit_identical_to_transformers_eager(tiny_mo
 @pytest.mark.skipif(native.unavailable_reason() is not None, reason="compiled kernels unavailable")
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_bfloat16_on_the_widening_kernels_is_closer_to_float32_than_transformers_bfloat16(
-    tiny_model, arch, monkeypatch
+    tiny_model, arch, float32_arithmetic
 ):
     """The widening kernels compute a bfloat16 model in float32 on its bfloat16 weights,
     rounding only the KV cache: against the same weights run in float32 by transformers, its
     logits must be near, and nearer than transformers' own bfloat16 computation (measured:
     about half its error or less), its greedy tokens equal. (The default on CPUs without
     bfloat16 arithmetic; PAGEDLLM_CPU_BF16_MATMUL=0 on the others.)"""
-    monkeypatch.setenv(BF16_MATMUL_ENV, "0")
-    native_bfloat16_matmul.cache_clear(), bfloat16_dot_products.cache_clear()
-    try:
-        errors = bfloat16_errors_against_float32(tiny_model(arch), same_greedy=True)
-    finally:
-        native_bfloat16_matmul.cache_clear(), bfloat16_dot_products.cache_clear()
+    errors = bfloat16_errors_against_float32(tiny_model(arch), same_greedy=True)
     for ours_err, hf16_err in errors:
         assert ours_err <= 0.1 and ours_err <= 0.6 * hf16_err, (ours_err, hf16_err)
 

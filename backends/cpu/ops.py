@@ -18,7 +18,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
-import os
 
 import torch
 
@@ -27,7 +26,7 @@ from pagedllm.core.utils import cdiv
 from ..attention import AttentionOps, DecodeMetadata, PrefillMetadata, prefill_token_rows
 from . import native
 from .model_kernels import compute_in_float32, use_fused_kernels
-from .packed_linear import BF16_MATMUL_ENV, pack_linear_layers
+from .packed_linear import bfloat16_arithmetic_allowed, pack_linear_layers
 from .quantized_linear import cpu_quantized_linear
 
 DECODE_GROUPS = 4  # at most this many context-length groups per decode batch
@@ -81,7 +80,7 @@ def bfloat16_dot_products() -> bool:
     query and the probabilities rounded to bfloat16 first as transformers' bfloat16 attention
     rounds them (1.4-1.6x faster on K/V in cache, docs/bench/README.md): where it was built for
     them, unless PAGEDLLM_CPU_BF16_MATMUL=0, which keeps float32 arithmetic throughout."""
-    if os.environ.get(BF16_MATMUL_ENV, "1") == "0" or native.unavailable_reason() is not None:
+    if not bfloat16_arithmetic_allowed() or native.unavailable_reason() is not None:
         return False
     return native.bfloat16_dot_products()
 

@@ -50,6 +50,12 @@ def packing_available(dtype: torch.dtype = torch.float32) -> bool:
 BF16_MATMUL_ENV = "PAGEDLLM_CPU_BF16_MATMUL"
 
 
+def bfloat16_arithmetic_allowed() -> bool:
+    """False under PAGEDLLM_CPU_BF16_MATMUL=0: bfloat16 models then compute in float32 on their
+    bfloat16 weights and KV blocks, in linear layers and in attention alike."""
+    return os.environ.get(BF16_MATMUL_ENV, "1") != "0"
+
+
 @functools.cache
 def native_bfloat16_matmul() -> bool:
     """Whether bfloat16 linear layers go to oneDNN's bfloat16 GEMM: where this CPU multiplies
@@ -58,7 +64,7 @@ def native_bfloat16_matmul() -> bool:
     kernel of half_linear.cpp (docs/bench/README.md), at the price of rounding each layer's
     input and output to bfloat16, as transformers does; elsewhere oneDNN emulates bfloat16
     arithmetic and the widening kernel (float32 arithmetic on bfloat16 weights) wins."""
-    if os.environ.get(BF16_MATMUL_ENV, "1") == "0":
+    if not bfloat16_arithmetic_allowed():
         return False
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"}) and packing_available(torch.bfloat16)
 
