@@ -105,8 +105,12 @@ class ModelRunner:
         if self.decode_graphs is not None and self.decode_graphs.fits(seqs):
             return self.model.compute_logits(self.decode_graphs.run(seqs))
         batch = prepare_batch(seqs, self.block_size, self.device)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.ops)
-        return self.model.compute_logits(hidden[batch.logits_indices])
+        if batch.meta.prefill is None:  # every row is some request's last token
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.ops)
+            return self.model.compute_logits(hidden[batch.logits_indices])
+        keep = batch.logits_indices
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.ops, keep)
+        return self.model.compute_logits(hidden)
 
 
 def allocate_kv_caches(model, num_blocks: int, block_size: int, dtype=None, device="cpu") -> torch.Tensor:

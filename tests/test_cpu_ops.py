@@ -186,16 +186,33 @@ def test_half_linear_widens_every_value_exactly(dtype):
     assert torch.equal(out, w.float().T)
 
 
-def test_write_kv_touches_exactly_the_chosen_slots():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_write_kv_touches_exactly_the_chosen_slots(dtype, attention_path):
+    """K and V as the decoder hands them over: columns of the fused projection (each token's
+    heads contiguous, rows strided), float32 activations into a pool of the model's dtype; the
+    last slot included, and 300 tokens (the compiled copy's threaded size)."""
+    for num_tokens, slots in ((5, [39, 4, 5, 22, 9]), (300, torch.randperm(400)[:300].tolist())):
+        kv = torch.zeros(2, 100, 4, 2, 8, dtype=dtype)
+        qkv = torch.randn(num_tokens, 64)  # four query heads, two KV heads of 8
+        key, value = qkv[:, 32:48].view(num_tokens, 2, 8), qkv[:, 48:].view(num_tokens, 2, 8)
+        slots = torch.tensor(slots)
+        OPS.write_kv(key, value, kv, slots)
+        flat_k, flat_v = kv[0].view(-1, 2, 8), kv[1].view(-1, 2, 8)
+        assert torch.equal(flat_k[slots], key.to(dtype)) and torch.equal(flat_v[slots], value.to(dtype))
+        others = torch.ones(400, dtype=torch.bool)
+        others[slots] = False
+        assert not flat_k[others].any() and not flat_v[others].any()
+
+
+@pytest.mark.skipif(native.unavailable_reason() is not None, reason="compiled kernels unavailable")
+def test_compiled_write_kv_refuses_a_slot_outside_the_pool_and_writes_nothing():
     kv = torch.zeros(2, 10, 4, 2, 8)
-    key, value = torch.randn(5, 2, 8), torch.randn(5, 2, 8)
-    slots = torch.tensor([37, 4, 5, 22, 9])
-    OPS.write_kv(key, value, kv, slots)
-    flat_k, flat_v = kv[0].view(-1, 2, 8), kv[1].view(-1, 2, 8)
-    assert torch.equal(flat_k[slots], key) and torch.equal(flat_v[slots], value)
-    others = torch.ones(40, dtype=torch.bool)
-    others[slots] = False
-    assert not flat_k[others].any() and not flat_v[others].any()
+    key = torch.randn(3, 2, 8)
+    with pytest.raises(IndexError, match=r"1 slot\(s\) outside the cache's 40 slots"):
+        native.write_kv(key, key, kv, torch.tensor([3, 40, 5]))
+    assert not kv.any()
+    with pytest.raises(ValueError, match="rows of the cache's dtype"):
+        native.write_kv(key.bfloat16(), key.bfloat16(), kv, torch.tensor([3, 4, 5]))
 
 
 def test_copy_and_swap_blocks():
@@ -247,6 +264,28 @@ def test_fused_rms_norm_and_silu_and_mul_match_torch():
         torch.testing.assert_close(native.silu_and_mul(gate_up), silu_and_mul(gate_up), rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="float32"):
         native.silu_and_mul(x.bfloat16())
+
+
+@pytest.mark.skipif(native.unavailable_reason() is not None, reason="compiled kernels unavailable")
+def test_fused_residual_add_and_rms_norm_match_torch():
+    """The residual connection and the next norm in one pass: the residual stream becomes the
+    sum in place, and the norm of the sum is what RMSNorm(x + residual) gives."""
+    from pagedllm.backends.cpu.model_kernels import FusedRMSNorm
+    from pagedllm.backends.models.decoder import RMSNorm
+
+    gen = torch.Generator().manual_seed(1)
+    for rows, size in ((1, 64), (7, 256), (300, 704), (3, 37)):
+        norm = RMSNorm(size, 1e-6)
+        norm.weight.data = torch.randn(size, generator=gen)
+        x, residual = torch.randn(rows, size, generator=gen), torch.randn(rows, size, generator=gen) * 3
+        want, want_sum = norm(x, residual.clone())
+        stream = residual.clone()
+        got, got_sum = FusedRMSNorm(norm)(x, stream)
+        assert got_sum is stream and torch.equal(stream, residual + x)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got_sum, want_sum, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="residual must be a contiguous float32"):
+        native.add_rms_norm(x, residual.t(), norm.weight, 1e-6)
 
 
 @pytest.mark.skipif(native.unavailable_reason() is not None, reason="compiled kernels unavailable")

@@ -135,3 +135,27 @@ def bfloat16_errors_against_float32(path: str, same_greedy: bool = False) -> lis
         exact, rounded = last_logits(hf32, prompt), last_logits(hf16, prompt)
         errors.append((float((logits - exact).abs().max()), float((rounded - exact).abs().max())))
     return errors
+
+
+def test_a_mixed_steps_last_layer_runs_on_the_sampled_rows_alone_and_changes_no_logit(tiny_model):
+    """Steps with a prefill take logits from one row per request, so the last layer projects and
+    runs its MLP on those rows alone; the logits are those of the whole batch's hidden states."""
+    from pagedllm.backends.runner import prepare_batch
+
+    runner = make_runner(tiny_model("llama"))
+    tables = shuffled_tables(5, 6, 256, seed=7)
+    prompts = [random_prompt(n, seed=20 + i) for i, n in enumerate((9, 30, 17, 40, 3))]
+    runner.execute([SeqInput(p[:-1], 0, t) for p, t in zip(prompts[:3], tables)])  # three will decode
+    seqs = [SeqInput(p[-1:], len(p) - 1, t) for p, t in zip(prompts[:3], tables)]
+    seqs += [SeqInput(p, 0, t) for p, t in zip(prompts[3:], tables[3:])]  # two prefill
+    seqs = [seqs[i] for i in (3, 0, 4, 2, 1)]  # requests in another order than the batch's rows
+    batch = prepare_batch(seqs, runner.block_size)
+    kv_before = runner.kv_caches.clone()
+    with torch.no_grad():
+        whole = runner.model(batch.input_ids, batch.positions, runner.kv_caches, batch.meta, runner.ops)
+        want = runner.model.compute_logits(whole[batch.logits_indices])
+    kv_whole = runner.kv_caches.clone()
+    runner.kv_caches.copy_(kv_before)
+    got = runner.execute(seqs)
+    assert torch.equal(runner.kv_caches, kv_whole)  # every token's K/V written all the same
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -60,14 +60,18 @@ class Bfloat16Linear(PackedLinear):
 
 
 class FusedRMSNorm(nn.Module):
-    """RMSNorm as one compiled pass; the weight in float32 (a copy when the model's is 16-bit)."""
+    """RMSNorm as one compiled pass, the residual add included when there is one (the residual
+    stream is updated in place: the model hands each one on and never reads the old one); the
+    weight in float32 (a copy when the model's is 16-bit)."""
 
     def __init__(self, norm: RMSNorm):
         super().__init__()
         self.weight, self.eps = norm.weight.detach().float(), norm.eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return native.rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return native.rms_norm(x, self.weight, self.eps)
+        return native.add_rms_norm(x, residual, self.weight, self.eps), residual
 
 
 class Float32Embedding(nn.Module):

@@ -101,6 +101,9 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         "pagedllm_bf16_dot_products": [],
         "pagedllm_half_linear": [ctypes.c_int, _p, _i64, _p, _i64, _i64, _p, _p, ctypes.c_int],
         "pagedllm_rms_norm_f32": [_p, _p, ctypes.c_float, _p, _i64, _i64, ctypes.c_int],
+        "pagedllm_add_rms_norm_f32": [_p, _p, _p, ctypes.c_float, _p, _i64, _i64, ctypes.c_int],
+        # key, key stride, value, value stride, slots, tokens, row bytes, K cache, V cache, slots, threads
+        "pagedllm_write_kv": [_p, _i64, _p, _i64, _p, _i64, _i64, _p, _p, _i64, ctypes.c_int],
         "pagedllm_silu_and_mul_f32": [_p, _p, _i64, _i64, ctypes.c_int],
         "pagedllm_argmax_rows_f32": [_p, _i64, _i64, _i64, _p, ctypes.c_int],
         "pagedllm_rotary_f32": [_p, _i64, _p, _p, _p, _i64, _i64, _i64, ctypes.c_int],
@@ -126,6 +129,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = None, argtypes
     lib.pagedllm_bf16_dot_products.restype = ctypes.c_int
+    lib.pagedllm_write_kv.restype = ctypes.c_int64
     return lib, None
 
 
@@ -160,6 +164,68 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         torch.get_num_threads(),
     )
     return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual += x (in place, float32 contiguous), then RMSNorm of the sum: one pass."""
+    x, weight = _float32("x", x), _float32("weight", weight)
+    if residual.dtype != torch.float32 or not residual.is_contiguous() or residual.shape != x.shape:
+        raise ValueError(f"residual must be a contiguous float32 tensor shaped like x {tuple(x.shape)}")
+    out = torch.empty_like(x)
+    _library().pagedllm_add_rms_norm_f32(
+        x.data_ptr(),
+        residual.data_ptr(),
+        weight.data_ptr(),
+        eps,
+        out.data_ptr(),
+        x.numel() // x.shape[-1],
+        x.shape[-1],
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def fits_write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether write_kv takes these: key and value [T, KVH, D] of the cache's dtype, each row's
+    heads contiguous (the columns of a fused projection will do), one contiguous layer's cache."""
+    head_size = key.shape[-1]
+    rows_fit = all(
+        t.dim() == 3
+        and t.dtype == kv_cache.dtype
+        and t.shape == key.shape
+        and t.stride(2) == 1
+        and t.stride(1) == head_size
+        for t in (key, value)
+    )
+    return rows_fit and kv_cache.is_contiguous() and kv_cache.shape[-2:] == key.shape[1:]
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Token t's key and value into slot slot_mapping[t] of one layer's cache [2, num_blocks,
+    block_size, KVH, D], as fits_write_kv describes them."""
+    if not fits_write_kv(key, value, kv_cache):
+        raise ValueError("write_kv: key and value must be [T, KVH, D] rows of the cache's dtype, the cache contiguous")
+    num_tokens, num_kv_heads, head_size = key.shape
+    row = num_kv_heads * head_size
+    slots = slot_mapping.to(torch.int64).contiguous()
+    if slots.shape != (num_tokens,):
+        raise ValueError(f"slot_mapping must hold one slot per token ({num_tokens}), got {tuple(slots.shape)}")
+    size = key.element_size()
+    bad = _library().pagedllm_write_kv(
+        key.data_ptr(),
+        key.stride(0) * size,
+        value.data_ptr(),
+        value.stride(0) * size,
+        slots.data_ptr(),
+        num_tokens,
+        row * size,
+        kv_cache[0].data_ptr(),
+        kv_cache[1].data_ptr(),
+        kv_cache[0].numel() // row,
+        torch.get_num_threads(),
+    )
+    if bad:
+        raise IndexError(f"write_kv: {bad} slot(s) outside the cache's {kv_cache[0].numel() // row} slots")
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

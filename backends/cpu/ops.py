@@ -125,9 +125,14 @@ class CpuAttentionOps(AttentionOps):
         return super().argmax(scores)
 
     def write_kv(self, key, value, kv_cache, slot_mapping):
+        key, value = key.to(kv_cache.dtype), value.to(kv_cache.dtype)
+        if native.unavailable_reason() is None and native.fits_write_kv(key, value, kv_cache):
+            # index_copy_ takes several times as long for the few hundred rows of a decode step
+            native.write_kv(key, value, kv_cache, slot_mapping)
+            return
         num_kv_heads, head_size = key.shape[1], key.shape[2]
-        kv_cache[0].view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-        kv_cache[1].view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+        kv_cache[0].view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, key)
+        kv_cache[1].view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, value)
 
     def decode_attention(self, query, kv_cache, meta: DecodeMetadata, scale):
         """The torch path sorts requests by context length and attends in a few groups, so

@@ -22,7 +22,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """The norm of x; given the residual stream, the norm of x + residual and that sum (the
+        new residual stream), so a backend can do the add and the norm in one pass."""
+        if residual is not None:
+            x = x + residual
+            return self._norm(x), x
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -62,7 +70,7 @@ class DecoderLayer(nn.Module):
         self.act = silu_and_mul  # a backend may swap in fused kernels for these two (prepare_model)
         self.rotate = rotate
 
-    def attention(self, x, cos_sin, kv_cache, meta: AttentionMetadata, ops: AttentionOps):
+    def attention(self, x, cos_sin, kv_cache, meta: AttentionMetadata, ops: AttentionOps, keep_rows=None):
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         q_size, kv_size, _ = self.split
@@ -88,12 +96,22 @@ class DecoderLayer(nn.Module):
                     ops.prefill_attention(q[nd:], kv_cache, meta.prefill, self.scale),
                 )
             )
-        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, -1)))
+        out = out.reshape(num_tokens, -1)
+        return self.tp.all_reduce(self.o_proj(out if keep_rows is None else out[keep_rows]))
 
-    def forward(self, x, cos_sin, kv_cache, meta, ops):
-        x = x + self.attention(self.input_layernorm(x), cos_sin, kv_cache, meta, ops)
-        mlp = self.down_proj(self.act(self.gate_up_proj(self.post_attention_layernorm(x))))
-        return x + self.tp.all_reduce(mlp)
+    def forward(self, x, residual, cos_sin, kv_cache, meta, ops, keep_rows=None):
+        """x: the previous layer's output, residual: the residual stream before it (None at the
+        first layer, where x is the embedding). Returns this layer's output and the residual
+        stream before it: the caller adds the two (the next layer's norm does, fused). With
+        keep_rows, every token's K/V is still written, but the output and the residual stream
+        are those rows' alone."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.attention(h, cos_sin, kv_cache, meta, ops, keep_rows)
+        h, residual = self.post_attention_layernorm(h, residual if keep_rows is None else residual[keep_rows])
+        return self.tp.all_reduce(self.down_proj(self.act(self.gate_up_proj(h)))), residual
 
 
 class CausalLM(nn.Module):
@@ -123,13 +141,20 @@ class CausalLM(nn.Module):
         kv_caches: torch.Tensor,
         meta: AttentionMetadata,
         ops: AttentionOps,
+        keep_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm; kv_caches: [L, 2, N, bs, KVH, D]."""
+        """Hidden states [T, hidden] after the final norm; kv_caches: [L, 2, N, bs, KVH, D].
+        keep_rows: only those rows' hidden states, in that order. The last layer then runs its
+        output projection and MLP on those rows alone (the rows a step takes logits from: one
+        per request, where a prefill has hundreds): the other rows' K/V, all that later steps
+        read of them, are written by then."""
         x = self.embed_tokens(input_ids)
         cos_sin = self.rope.cos_sin(positions, x.dtype)
+        residual = None
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos_sin, kv_caches[i], meta, ops)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos_sin, kv_caches[i], meta, ops, keep_rows if i == last else None)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Float32 logits over the vocabulary (its padding cut off) on rank 0; None on the others."""

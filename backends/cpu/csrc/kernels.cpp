@@ -556,6 +556,61 @@ void pagedllm_rms_norm_f32(const float* x, const float* weight, float eps, float
   }
 }
 
+// residual[r] += x[r], then out[r] = RMSNorm(residual[r]) as above: the residual connection and
+// the next norm in one pass (two torch ops and a temporary less per layer).
+void pagedllm_add_rms_norm_f32(const float* x, float* residual, const float* weight, float eps, float* out,
+                               int64_t rows, int64_t size, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * size >= 16384)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * size;
+    float* res = residual + r * size;
+    float* o = out + r * size;
+    float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+    for (int64_t i = 0; i < size; ++i) {
+      res[i] += xr[i];
+      squares += res[i] * res[i];
+    }
+    const float inv = 1.f / std::sqrt(squares / static_cast<float>(size) + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < size; ++i) o[i] = weight[i] * (res[i] * inv);
+  }
+}
+
+// A row into the cache, with non-temporal stores where it is made of aligned 32-byte pieces: a
+// slot's lines are seldom in cache, and a plain store first reads each of them from memory.
+inline void copy_row(char* dst, const char* src, int64_t bytes) {
+#ifdef PAGEDLLM_AVX2
+  if (bytes % 32 == 0 && reinterpret_cast<uintptr_t>(dst) % 32 == 0) {
+    for (int64_t i = 0; i < bytes; i += 32)
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i),
+                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+    return;
+  }
+#endif
+  std::memcpy(dst, src, bytes);
+}
+
+// The step's new K and V rows into their cache slots: token t's row (row_bytes, at key + t *
+// key_stride and value + t * value_stride) to slot slots[t] of k_cache / v_cache. Returns the
+// number of slots outside [0, num_slots); when there are any, nothing is written.
+int64_t pagedllm_write_kv(const char* key, int64_t key_stride, const char* value, int64_t value_stride,
+                          const int64_t* slots, int64_t num_tokens, int64_t row_bytes, char* k_cache, char* v_cache,
+                          int64_t num_slots, int num_threads) {
+  int64_t bad = 0;
+  for (int64_t t = 0; t < num_tokens; ++t) bad += slots[t] < 0 || slots[t] >= num_slots;
+  if (bad) return bad;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_tokens >= 256)
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    copy_row(k_cache + slots[t] * row_bytes, key + t * key_stride, row_bytes);
+    copy_row(v_cache + slots[t] * row_bytes, value + t * value_stride, row_bytes);
+  }
+#ifdef PAGEDLLM_AVX2
+  _mm_sfence();
+#endif
+  return 0;
+}
+
 // Rotary embedding (transformers' rotate_half form) of rows of `heads` vectors of `size` floats:
 // x row t at x + t * row_stride, its heads contiguous; cos/sin [rows, size]; out [rows, heads,
 // size] contiguous. out = x * cos + rotate_half(x) * sin, one pass instead of five torch ops.
