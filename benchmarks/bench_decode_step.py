@@ -23,30 +23,13 @@ from pagedllm.backends.models.loader import load_model
 from pagedllm.backends.runner import ModelRunner, SeqInput, allocate_kv_caches
 from pagedllm.core.utils import cdiv
 
+from .small_llama import small_llama_dir
+
 
 def scratch_dir() -> str:
     """A temporary folder for a generated model, removed when the script exits."""
     path = tempfile.mkdtemp(prefix="pagedllm-bench-")
     atexit.register(shutil.rmtree, path, ignore_errors=True)
-    return path
-
-
-def small_llama_dir(path: str, dtype: str) -> str:
-    """The 19M-parameter random Llama of the project's figures: hidden 256, 4 layers, 8 heads,
-    4 KV heads, vocab 32000."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=32000,
-        hidden_size=256,
-        intermediate_size=1024,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=2048,
-    )
-    LlamaForCausalLM(cfg).to(getattr(torch, dtype)).save_pretrained(path)
     return path
 
 

@@ -18,7 +18,8 @@ import os
 import random
 import time
 
-from .bench_decode_step import scratch_dir, small_llama_dir
+from .bench_decode_step import scratch_dir
+from .small_llama import small_llama_dir
 from .workload import PEERS, synthetic_lengths, synthetic_prompts
 
 

@@ -159,3 +159,17 @@ def test_peak_flops_per_cycle_follows_the_vector_units_width():
     assert nominal_flops_per_cycle(avx512, "GenuineIntel", 6) == 64
     assert nominal_flops_per_cycle({"fma", "avx2"}, "AuthenticAMD", 23) == 32
     assert nominal_flops_per_cycle({"avx"}, "GenuineIntel", 6) == 16
+
+
+def test_the_19m_models_word_tokenizer_covers_its_vocabulary(tmp_path):
+    """vLLM refuses token ids past its tokenizer's vocabulary: the tokenizer saved beside the
+    benchmark's 19M Llama has one word per id, and transformers reads it back as saved."""
+    from transformers import AutoTokenizer
+
+    from pagedllm.benchmarks.small_llama import save_word_tokenizer
+
+    save_word_tokenizer(str(tmp_path), vocab_size=500)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    assert len(tok) == 500 and tok.eos_token_id == 2
+    assert tok("w3 w499 w77").input_ids == [3, 499, 77]
+    assert tok.decode([3, 499, 77]) == "w3 w499 w77"
