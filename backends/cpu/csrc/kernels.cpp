@@ -426,10 +426,10 @@ void attend_block(const float* qs, const T* k_block, const T* v_block, int64_t n
 // per request; a prefill chunk of a request one row per new token, each with its causal limit.
 // q, out: [num_rows, num_heads, head_size] float32; k_cache, v_cache: [num_blocks, block_size,
 // num_kv_heads, head_size] of T; block_tables: [*, table_stride].
-// One work item per row: each block's token rows (all KV heads, contiguous) are read once,
-// front to back, for every query head; a single pass with an online softmax. 16-bit blocks are
-// widened to float32 into a per-thread buffer first (they stay in L1/L2 for the block's
-// computation), so the memory read is 2 bytes a value and the arithmetic is float32's.
+// Rows go to threads a few at a time, each row in one pass with an online softmax: each block's
+// token rows (all KV heads, contiguous) are read once, front to back, for every query head.
+// Where a head size has no in-place path, 16-bit blocks are widened to float32 into a
+// per-thread buffer first (they stay in L1/L2 for the block's computation).
 template <class T>
 void paged_attention(const float* q, const T* k_cache, const T* v_cache, const int32_t* block_tables,
                      int64_t table_stride, const int32_t* row_table, const int32_t* row_context, int64_t num_rows,
@@ -454,8 +454,13 @@ void paged_attention(const float* q, const T* k_cache, const T* v_cache, const i
     std::vector<bf16> q16(dot ? num_heads * head_size : 0), p16(dot ? (block_size + 15) / 16 * 16 : 0);
 #endif
     Prefetcher pf;
+    // rows are handed out a few at a time, so that a row's last block can prefetch the next
+    // row's first (without it a row starts on a cold block: 8% of decode attention's time at
+    // 160-token contexts, a third at 37)
+    const int64_t chunk = std::clamp<int64_t>(num_rows / (4 * std::max(num_threads, 1)), 1, 8);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t row = 0; row < num_rows; ++row) {
+    for (int64_t first = 0; first < num_rows; first += chunk)
+    for (int64_t row = first, last = std::min(num_rows, first + chunk); row < last; ++row) {
       const int64_t ctx = row_context[row];
       const int32_t* table = block_tables + row_table[row] * table_stride;
       const float* qs = q + row * num_heads * head_size;
@@ -473,6 +478,10 @@ void paged_attention(const float* q, const T* k_cache, const T* v_cache, const i
           const int64_t next = table[start / block_size + 1] * block_stride;
           const int64_t rows = std::min(block_size, ctx - start - block_size);
           // steps: one per 8 tokens (or per token) in the scores, one per token in the values
+          pf.start(k_cache + next, v_cache + next, rows * token_stride * sizeof(T), num_heads * (n + (n + 7) / 8));
+        } else if (row + 1 < last && row_context[row + 1] > 0) {
+          const int64_t next = block_tables[row_table[row + 1] * table_stride] * block_stride;
+          const int64_t rows = std::min<int64_t>(block_size, row_context[row + 1]);
           pf.start(k_cache + next, v_cache + next, rows * token_stride * sizeof(T), num_heads * (n + (n + 7) / 8));
         } else {
           pf.stop();
