@@ -149,40 +149,40 @@ def test_argmax_rows_answers_as_torch():
 
 
 @pytest.mark.skipif(native.unavailable_reason() is not None, reason="compiled kernels unavailable")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_linear_against_float64(dtype):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_panel_linear_against_float64(dtype):
     """Shapes off every tile edge (rows not a multiple of 6, outputs not of the 16 of a panel,
     inputs over one 256-wide slice), with and without bias, against the float64 product of the
-    same 16-bit weights."""
+    same weights."""
     gen = torch.Generator().manual_seed(1)
     for m, n, k in ((1, 37, 64), (5, 8, 1000), (16, 100, 37), (67, 50, 1536), (3, 1, 7)):
         x = torch.randn(m, k, generator=gen)
         w = torch.randn(n, k, generator=gen).to(dtype)
         for bias in (None, torch.randn(n, generator=gen)):
             expected = x.double() @ w.double().T + (0 if bias is None else bias.double())
-            got = native.half_linear(x, native.pack_half_weight(w), n, bias)
+            got = native.panel_linear(x, native.pack_panel_weight(w), n, bias)
             assert got.dtype == torch.float32 and got.shape == (m, n)
             assert (got.double() - expected).abs().max() <= 1e-6 * k**0.5 * 10, (m, n, k)
-    with pytest.raises(ValueError, match="bfloat16 or float16"):
-        native.pack_half_weight(w.float())
-    with pytest.raises(ValueError, match="pack_half_weight"):
-        native.half_linear(x, w, n, None)
+    with pytest.raises(ValueError, match="bfloat16, float16 or float32"):
+        native.pack_panel_weight(w.double())
+    with pytest.raises(ValueError, match="pack_panel_weight"):
+        native.panel_linear(x, w, n, None)
     with pytest.raises(ValueError, match="features"):
-        native.half_linear(x[:, :-1], native.pack_half_weight(w), n, None)
+        native.panel_linear(x[:, :-1], native.pack_panel_weight(w), n, None)
     with pytest.raises(ValueError, match="panels"):
-        native.half_linear(x, native.pack_half_weight(w), n + 16, None)
+        native.panel_linear(x, native.pack_panel_weight(w), n + 16, None)
 
 
 @pytest.mark.skipif(native.unavailable_reason() is not None, reason="compiled kernels unavailable")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_linear_widens_every_value_exactly(dtype):
+def test_panel_linear_widens_every_value_exactly(dtype):
     """x = identity: out = W^T exactly, for the extremes of each format (float16's subnormals,
     its largest value, bfloat16's smallest normals), through a padded panel (6 outputs of 16)."""
     info = torch.finfo(dtype)
     specials = torch.tensor([info.max, -info.max, info.tiny, -info.tiny, info.tiny * info.eps, 0.0, -0.0, 1.0])
     k = 37
     w = torch.cat((specials, torch.randn(k * 6 - len(specials)))).view(6, k).to(dtype)
-    out = native.half_linear(torch.eye(k), native.pack_half_weight(w), 6, None)
+    out = native.panel_linear(torch.eye(k), native.pack_panel_weight(w), 6, None)
     assert torch.equal(out, w.float().T)
 
 
@@ -247,7 +247,7 @@ def test_compiled_kernels_build_here_and_can_be_turned_off(tmp_path):
     assert list((tmp_path / "cpu_kernels").glob("kernels_*.so"))
     assert reason(PAGEDLLM_CPU_KERNELS="0") == "PAGEDLLM_CPU_KERNELS=0"
     failed = reason(CXX="false", PAGEDLLM_CACHE=str(tmp_path / "other"))
-    assert failed.startswith("building kernels.cpp, half_linear.cpp, quantized_linear.cpp: false failed"), failed
+    assert failed.startswith("building kernels.cpp, panel_linear.cpp, quantized_linear.cpp: false failed"), failed
 
 
 @pytest.mark.skipif(native.unavailable_reason() is not None, reason="compiled kernels unavailable")
@@ -308,7 +308,13 @@ def test_fused_rotary_matches_torch():
 def test_prepare_model_puts_each_dtype_on_its_kernels(tiny_model, dtype):
     from torch import nn
 
-    from pagedllm.backends.cpu.model_kernels import Bfloat16Linear, Float32Embedding, FusedRMSNorm, HalfLinear
+    from pagedllm.backends.cpu.model_kernels import (
+        Bfloat16Linear,
+        Float32Embedding,
+        FusedRMSNorm,
+        PanelLinear,
+        panel_float32_linear,
+    )
     from pagedllm.backends.cpu.packed_linear import PackedLinear, native_bfloat16_matmul, packing_available
     from pagedllm.backends.models.loader import load_model
 
@@ -316,15 +322,19 @@ def test_prepare_model_puts_each_dtype_on_its_kernels(tiny_model, dtype):
     CpuAttentionOps().prepare_model(model)
     assert isinstance(model.norm, FusedRMSNorm) and model.norm.weight.dtype == torch.float32
     assert all(layer.act is native.silu_and_mul and layer.rotate is native.rotate for layer in model.layers)
-    linears = [m for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear, HalfLinear, Bfloat16Linear))]
+    linears = [m for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear, PanelLinear, Bfloat16Linear))]
     if dtype == "float32":
-        want = PackedLinear if packing_available(torch.float32) else nn.Linear
-        assert all(type(m) is want for m in linears)
+        # the panel kernel on AVX2 CPUs without AVX-512, oneDNN's packed GEMM elsewhere
+        if panel_float32_linear():
+            want = PanelLinear
+        else:
+            want = PackedLinear if packing_available(torch.float32) else nn.Linear
+        assert linears and all(type(m) is want for m in linears)
     else:
         # 16-bit weights read in place (bfloat16 ones by oneDNN where the CPU multiplies
         # bfloat16), activations in float32
         on_onednn = dtype == "bfloat16" and native_bfloat16_matmul()
-        want = Bfloat16Linear if on_onednn else HalfLinear
+        want = Bfloat16Linear if on_onednn else PanelLinear
         assert linears and all(type(m) is want and m.packed.dtype == getattr(torch, dtype) for m in linears)
         assert isinstance(model.embed_tokens, Float32Embedding)
         assert model.embed_tokens(torch.tensor([1, 2])).dtype == torch.float32

@@ -159,3 +159,33 @@ def test_a_mixed_steps_last_layer_runs_on_the_sampled_rows_alone_and_changes_no_
     got = runner.execute(seqs)
     assert torch.equal(runner.kv_caches, kv_whole)  # every token's K/V written all the same
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("linear", ["panel", "onednn"])
+def test_float32_linear_layers_match_transformers_on_either_kernel(tiny_model, linear, monkeypatch):
+    """float32 layers run the panel kernel on AVX2 CPUs and oneDNN's packed GEMM on AVX-512
+    ones (model_kernels.panel_float32_linear): both forced here, a batch of prefills and decode
+    steps against transformers' logits."""
+    from pagedllm.backends.cpu import model_kernels, ops
+    from pagedllm.backends.cpu.packed_linear import PackedLinear, packing_available
+
+    if linear == "panel" and native.unavailable_reason() is not None:
+        pytest.skip("compiled kernels unavailable")
+    if linear == "onednn" and not packing_available(torch.float32):
+        pytest.skip("oneDNN does not pack float32 weights here")
+    monkeypatch.setattr(ops, "panel_float32_linear", lambda: linear == "panel")
+    path = tiny_model("llama")
+    hf = load_hf(path)
+    runner = make_runner(path, "float32")
+    want = model_kernels.PanelLinear if linear == "panel" else PackedLinear
+    assert type(runner.model.layers[0].qkv_proj) is want and type(runner.model.lm_head) is want
+    prompts = [random_prompt(n, seed=40 + i) for i, n in enumerate((5, 33, 12))]
+    tables = shuffled_tables(3, 4, 256, seed=9)
+    logits = runner.execute([SeqInput(p, 0, t) for p, t in zip(prompts, tables)])
+    for _ in range(4):
+        with torch.no_grad():
+            expected = torch.stack([hf(torch.tensor([p])).logits[0, -1] for p in prompts])
+        assert (logits - expected).abs().max() <= ATOL
+        for p, row in zip(prompts, logits):
+            p.append(int(row.argmax()))
+        logits = runner.execute([SeqInput(p[-1:], len(p) - 1, t) for p, t in zip(prompts, tables)])

@@ -1,9 +1,11 @@
-"""Models onto the compiled kernels. float32: RMSNorm and silu-and-multiply fused (the linear
-layers are oneDNN's, packed_linear.py). 16-bit: weights and KV blocks stay in bfloat16 or float16
+"""Models onto the compiled kernels. float32: RMSNorm and silu-and-multiply fused; the linear
+layers on the panel kernel (PanelLinear) where the CPU has AVX2 but not AVX-512, on oneDNN's
+packed GEMM (packed_linear.py) where it has AVX-512 (panel_float32_linear says why). 16-bit:
+weights and KV blocks stay in bfloat16 or float16
 (their memory and their memory traffic), the activations between the ops are float32. Linear
 layers: on CPUs without 16-bit arithmetic torch's own 16-bit path widens and rounds at every op
 (its bfloat16 GEMM is 5-10x slower than float32 from 16 rows on), so there each weight is
-widened in registers where it is used (HalfLinear) and nothing is rounded back to 16 bits except
+widened in registers where it is used (PanelLinear) and nothing is rounded back to 16 bits except
 what the KV cache stores; where the CPU multiplies bfloat16 (AVX-512 BF16, AMX), bfloat16 layers
 run oneDNN's bfloat16 GEMM instead (Bfloat16Linear), their inputs rounded to bfloat16 as
 transformers rounds them.
@@ -26,20 +28,20 @@ from .packed_linear import PackedLinear, native_bfloat16_matmul, packed_linear
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
-class HalfLinear(nn.Module):
-    """nn.Linear with its 16-bit weight packed for the kernel (native.pack_half_weight: the same
-    bytes, reordered once; a second copy only for an LM head tied to the embedding, which keeps
-    its rows); float32 in, float32 out."""
+class PanelLinear(nn.Module):
+    """nn.Linear with its 16-bit or float32 weight packed for the panel kernel
+    (native.pack_panel_weight: the same bytes, reordered once; a second copy only for an LM head
+    tied to the embedding, which keeps its rows); float32 in, float32 out."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("packed", native.pack_half_weight(linear.weight))
+        self.register_buffer("packed", native.pack_panel_weight(linear.weight))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()
-        out = native.half_linear(rows, self.packed, self.out_features, self.bias)
+        out = native.panel_linear(rows, self.packed, self.out_features, self.bias)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -85,6 +87,35 @@ class Float32Embedding(nn.Module):
         return self.inner(input_ids).float()
 
 
+def panel_float32_linear() -> bool:
+    """Whether float32 linear layers run on the panel kernel rather than oneDNN's packed GEMM:
+    where the kernels are built and the CPU has AVX2 with FMA but not AVX-512. There its 6 x 16
+    AVX2 tile beat oneDNN at every shape measured (Zen 3: 1.2-3x at 1-16 rows, where oneDNN
+    spends 30-70 us a call on any layer, 5-20% at 64-1,860 rows; docs/bench/README.md); with
+    AVX-512, oneDNN's 512-bit kernels are the ones to beat and were not measured against it."""
+    flags = native.cpu_flags()
+    return native.unavailable_reason() is None and {"avx2", "fma"} <= flags and "avx512f" not in flags
+
+
+def plain_linears(model: nn.Module, dtypes) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, attribute, layer) of every plain nn.Linear in `model` with weights of `dtypes`
+    (quantized layers are other classes)."""
+    return [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear and child.weight.dtype in dtypes
+    ]
+
+
+def use_panel_linear(model: nn.Module) -> int:
+    """Every float32 nn.Linear of `model` onto the panel kernel (PanelLinear); returns how many."""
+    targets = plain_linears(model, (torch.float32,))
+    for parent, name, child in targets:
+        setattr(parent, name, PanelLinear(child))
+    return len(targets)
+
+
 def use_fused_kernels(model: nn.Module) -> None:
     """RMSNorm, the MLP's silu-and-multiply and the rotary embedding as one compiled pass each,
     instead of 5-7, 2 and 5 elementwise torch ops (a fifth of a float32 prefill step's time went
@@ -102,15 +133,10 @@ def compute_in_float32(model: nn.Module) -> int:
     bfloat16 GEMM where the CPU has bfloat16 arithmetic) and its activations into float32
     (embedding output, norms, MLP activation); returns how many layers were replaced.
     Layers that are not plain nn.Linear (quantized ones) take float32 inputs as they are."""
-    targets = [
-        (parent, name, child)
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if type(child) is nn.Linear and child.weight.dtype in HALF_DTYPES
-    ]
+    targets = plain_linears(model, HALF_DTYPES)
     for parent, name, child in targets:
         on_onednn = child.weight.dtype == torch.bfloat16 and native_bfloat16_matmul()
-        setattr(parent, name, Bfloat16Linear(child) if on_onednn else HalfLinear(child))
+        setattr(parent, name, Bfloat16Linear(child) if on_onednn else PanelLinear(child))
     model.embed_tokens = Float32Embedding(model.embed_tokens)
     use_fused_kernels(model)
     return len(targets)

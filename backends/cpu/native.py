@@ -1,5 +1,6 @@
 """The cpu backend's compiled kernels (csrc/): paged attention over float32, bfloat16 or float16
-blocks, RMSNorm, the gated MLP's activation, linear layers with 16-bit weights, and quantized
+blocks, RMSNorm, the gated MLP's activation, linear layers on panel-packed weights (16-bit or
+float32), and quantized
 linear layers (int8, int4, nf4 weights). All compute in float32.
 
 Plain C++ with OpenMP, no torch headers: it builds with the system compiler in about a second
@@ -25,13 +26,13 @@ import torch
 from pagedllm.core.cache_dir import cache_root
 
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-SOURCES = tuple(os.path.join(_CSRC, name) for name in ("kernels.cpp", "half_linear.cpp", "quantized_linear.cpp"))
+SOURCES = tuple(os.path.join(_CSRC, name) for name in ("kernels.cpp", "panel_linear.cpp", "quantized_linear.cpp"))
 HEADERS = (os.path.join(_CSRC, "half.h"),)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 DISABLE_ENV = "PAGEDLLM_CPU_KERNELS"
 
 ATTENTION_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
-HALF_KINDS = {torch.bfloat16: 0, torch.float16: 1}
+PANEL_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 _p = ctypes.c_void_p
 _i64 = ctypes.c_int64
@@ -99,7 +100,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         **{f"pagedllm_paged_attention_{suffix}": attention for suffix in ATTENTION_SUFFIX.values()},
         "pagedllm_set_prefetch": [ctypes.c_int],
         "pagedllm_bf16_dot_products": [],
-        "pagedllm_half_linear": [ctypes.c_int, _p, _i64, _p, _i64, _i64, _p, _p, ctypes.c_int],
+        "pagedllm_panel_linear": [ctypes.c_int, _p, _i64, _p, _i64, _i64, _p, _p, ctypes.c_int],
         "pagedllm_rms_norm_f32": [_p, _p, ctypes.c_float, _p, _i64, _i64, ctypes.c_int],
         "pagedllm_add_rms_norm_f32": [_p, _p, _p, ctypes.c_float, _p, _i64, _i64, ctypes.c_int],
         # key, key stride, value, value stride, slots, tokens, row bytes, K cache, V cache, slots, threads
@@ -331,23 +332,25 @@ def bfloat16_dot_products() -> bool:
     return bool(_library().pagedllm_bf16_dot_products())
 
 
-HALF_PANEL = 16  # output features per panel of a packed 16-bit weight (csrc/half_linear.cpp)
+PANEL = 16  # output features per panel of a packed weight (csrc/panel_linear.cpp)
 
 
-def pack_half_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A [N, K] bfloat16/float16 weight in half_linear's layout: [ceil(N / 16), K, 16], panel p
-    holding rows 16p..16p+15 transposed, the last zero-padded; in bfloat16 each 16-wide row
-    interleaved, columns 0 8 1 9 ... 7 15 (csrc/half_linear.cpp's panel_row). Same dtype, same
-    bytes (+ padding)."""
-    if weight.dtype not in HALF_KINDS or weight.dim() != 2:
-        raise ValueError(f"weight must be a 2-d bfloat16 or float16 matrix, got {weight.dtype} {tuple(weight.shape)}")
+def pack_panel_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A [N, K] bfloat16, float16 or float32 weight in panel_linear's layout: [ceil(N / 16), K,
+    16], panel p holding rows 16p..16p+15 transposed, the last zero-padded; in bfloat16 each
+    16-wide row interleaved, columns 0 8 1 9 ... 7 15 (csrc/panel_linear.cpp's panel_row). Same
+    dtype, same bytes (+ padding)."""
+    if weight.dtype not in PANEL_KINDS or weight.dim() != 2:
+        raise ValueError(
+            f"weight must be a 2-d bfloat16, float16 or float32 matrix, got {weight.dtype} {tuple(weight.shape)}"
+        )
     n, k = weight.shape
-    panels = -(-n // HALF_PANEL)
-    padded = torch.zeros(panels * HALF_PANEL, k, dtype=weight.dtype)
+    panels = -(-n // PANEL)
+    padded = torch.zeros(panels * PANEL, k, dtype=weight.dtype)
     padded[:n] = weight.detach()
     if weight.dtype == torch.bfloat16:
-        padded = padded.view(panels, 2, HALF_PANEL // 2, k).transpose(1, 2)
-    return padded.reshape(panels, HALF_PANEL, k).transpose(1, 2).contiguous()
+        padded = padded.view(panels, 2, PANEL // 2, k).transpose(1, 2)
+    return padded.reshape(panels, PANEL, k).transpose(1, 2).contiguous()
 
 
 def set_prefetch(on: bool) -> None:
@@ -355,12 +358,12 @@ def set_prefetch(on: bool) -> None:
     _library().pagedllm_set_prefetch(int(on))
 
 
-def half_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] float32 times W^T, W [out_features, K] 16-bit packed by pack_half_weight and
-    read in place, plus bias (float32): [M, out_features] float32."""
-    if packed.dtype not in HALF_KINDS or packed.dim() != 3 or packed.shape[2] != HALF_PANEL:
-        raise ValueError("the weight must come from pack_half_weight (bfloat16 or float16)")
-    if not -(-out_features // HALF_PANEL) == packed.shape[0]:
+def panel_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] float32 times W^T, W [out_features, K] packed by pack_panel_weight and read in
+    place, plus bias (float32): [M, out_features] float32."""
+    if packed.dtype not in PANEL_KINDS or packed.dim() != 3 or packed.shape[2] != PANEL:
+        raise ValueError("the weight must come from pack_panel_weight")
+    if not -(-out_features // PANEL) == packed.shape[0]:
         raise ValueError(f"out_features {out_features} does not fit a packed weight of {packed.shape[0]} panels")
     x = _float32("x", x)
     if bias is not None:
@@ -369,8 +372,8 @@ def half_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: 
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x has {x.shape[-1]} features, the weight {k}")
     out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
-    _library().pagedllm_half_linear(
-        HALF_KINDS[packed.dtype],
+    _library().pagedllm_panel_linear(
+        PANEL_KINDS[packed.dtype],
         x.data_ptr(),
         x.shape[0],
         packed.contiguous().data_ptr(),

@@ -25,7 +25,7 @@ from pagedllm.core.utils import cdiv
 
 from ..attention import AttentionOps, DecodeMetadata, PrefillMetadata, prefill_token_rows
 from . import native
-from .model_kernels import compute_in_float32, use_fused_kernels
+from .model_kernels import compute_in_float32, panel_float32_linear, use_fused_kernels, use_panel_linear
 from .packed_linear import bfloat16_arithmetic_allowed, pack_linear_layers
 from .quantized_linear import cpu_quantized_linear
 
@@ -109,7 +109,10 @@ class CpuAttentionOps(AttentionOps):
         if native.unavailable_reason() is not None:
             pack_linear_layers(model)
         elif model.config.dtype == torch.float32:
-            pack_linear_layers(model)
+            if panel_float32_linear():
+                use_panel_linear(model)
+            else:
+                pack_linear_layers(model)
             use_fused_kernels(model)
         else:
             compute_in_float32(model)

@@ -61,7 +61,7 @@ def native_bfloat16_matmul() -> bool:
     """Whether bfloat16 linear layers go to oneDNN's bfloat16 GEMM: where this CPU multiplies
     bfloat16 in hardware (AVX-512 BF16 or AMX) and oneDNN packs bfloat16 weights for it, unless
     PAGEDLLM_CPU_BF16_MATMUL=0. There it runs ~2x oneDNN's float32 GEMM and ~3.5x the widening
-    kernel of half_linear.cpp (docs/bench/README.md), at the price of rounding each layer's
+    kernel of panel_linear.cpp (docs/bench/README.md), at the price of rounding each layer's
     input and output to bfloat16, as transformers does; elsewhere oneDNN emulates bfloat16
     arithmetic and the widening kernel (float32 arithmetic on bfloat16 weights) wins."""
     if not bfloat16_arithmetic_allowed():

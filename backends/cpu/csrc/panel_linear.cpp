@@ -1,9 +1,11 @@
-// Linear layers with 16-bit weights read in place: out = x W^T (+ bias), x and out float32,
-// W bfloat16 or float16. Each weight is widened in registers where it is used, so a 16-bit
-// model moves 2 bytes a weight (decoding is bound by that) and computes in float32 (the CPUs
-// this project runs on have no 16-bit arithmetic short of AVX-512 BF16).
+// Linear layers on weights packed in panels: out = x W^T (+ bias), x and out float32, W
+// bfloat16, float16 or float32. A 16-bit weight is widened in registers where it is used, so a
+// 16-bit model moves 2 bytes a weight (decoding is bound by that) and computes in float32 (the
+// CPUs this project runs on have no 16-bit arithmetic short of AVX-512 BF16). float32 weights
+// take the same tile: on AVX2 CPUs it beats oneDNN's packed float32 GEMM at every shape measured
+// (docs/bench/README.md), most of all at the few rows of a small decode batch.
 //
-// W comes packed in panels of PANEL output features (native.pack_half_weight, once at load):
+// W comes packed in panels of PANEL output features (native.pack_panel_weight, once at load):
 // panel p holds W[p*PANEL : (p+1)*PANEL, :] transposed, [k][PANEL], the last one zero-padded,
 // bfloat16 rows interleaved (panel_row). A 6 x 16 register tile of out (12 accumulators) takes, per input channel, one
 // 16-wide row of the panel (2 vector loads) and 6 broadcast values of x: 8 loads for 12 FMAs
@@ -40,6 +42,7 @@ inline void panel_row(const bf16* p, __m256& lo, __m256& hi) {
 #ifdef PAGEDLLM_F16C
 inline void panel_row(const f16* p, __m256& lo, __m256& hi) { lo = pagedllm::load8(p), hi = pagedllm::load8(p + 8); }
 #endif
+inline void panel_row(const float* p, __m256& lo, __m256& hi) { lo = _mm256_loadu_ps(p), hi = _mm256_loadu_ps(p + 8); }
 #endif
 
 // The column of element j of a packed panel row (see panel_row).
@@ -87,7 +90,7 @@ inline void tile(const float* x, int64_t x_stride, const T* panel, int64_t len, 
 }
 
 template <class T>
-void half_linear(const float* x, int64_t m, const T* packed, int64_t n, int64_t k, const float* bias, float* out,
+void panel_linear(const float* x, int64_t m, const T* packed, int64_t n, int64_t k, const float* bias, float* out,
                  int num_threads) {
   const int64_t panels = (n + PANEL - 1) / PANEL;
 #pragma omp parallel num_threads(num_threads)
@@ -133,13 +136,15 @@ void half_linear(const float* x, int64_t m, const T* packed, int64_t n, int64_t 
 extern "C" {
 
 // out [m, n] float32 = x [m, k] float32 . W^T (+ bias [n] float32); W packed as above,
-// [ceil(n / 16), k, 16]; kind 0: bfloat16, 1: float16.
-void pagedllm_half_linear(int kind, const float* x, int64_t m, const void* packed, int64_t n, int64_t k,
+// [ceil(n / 16), k, 16]; kind 0: bfloat16, 1: float16, 2: float32.
+void pagedllm_panel_linear(int kind, const float* x, int64_t m, const void* packed, int64_t n, int64_t k,
                           const float* bias, float* out, int num_threads) {
   if (kind == 0)
-    half_linear(x, m, static_cast<const bf16*>(packed), n, k, bias, out, num_threads);
+    panel_linear(x, m, static_cast<const bf16*>(packed), n, k, bias, out, num_threads);
+  else if (kind == 2)
+    panel_linear(x, m, static_cast<const float*>(packed), n, k, bias, out, num_threads);
   else
-    half_linear(x, m, static_cast<const f16*>(packed), n, k, bias, out, num_threads);
+    panel_linear(x, m, static_cast<const f16*>(packed), n, k, bias, out, num_threads);
 }
 
 }  // extern "C"
