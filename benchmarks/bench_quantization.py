@@ -46,7 +46,8 @@ def make_runner(model_dir: str, dtype: str, mode: str | None, num_blocks: int) -
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes the weights take as the backend holds them: parameters and buffers (tied ones
-    once, the rotary tables not counted), and weights oneDNN packed (PackedLinear)."""
+    once, the rotary tables not counted), and weights oneDNN packed (PackedLinear: not a buffer;
+    the panel kernel's packed weights are buffers, counted with them)."""
     seen, total = set(), 0
     for name, module in model.named_modules():
         if name == "rope":
@@ -56,7 +57,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
             if t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
                 total += t.numel() * t.element_size()
-        if hasattr(module, "packed"):  # an opaque oneDNN tensor: count the weight it holds
+        if hasattr(module, "packed") and "packed" not in module._buffers:  # an opaque oneDNN tensor
             total += module.in_features * module.out_features * model.config.dtype.itemsize
     return total
 
