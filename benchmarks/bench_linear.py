@@ -9,6 +9,7 @@ Run: python -m pagedllm.benchmarks.bench_linear [--rows 1,8,64,180,1860] [--shap
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -53,7 +54,11 @@ def main(argv=None):
             x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
             onednn, panel = pack_weight(w), native.pack_panel_weight(w)
             a, b = alternated(
-                (lambda: packed_linear(x, onednn, None), lambda: native.panel_linear(x, panel, n, None)), args.calls
+                (
+                    functools.partial(packed_linear, x, onednn, None),
+                    functools.partial(native.panel_linear, x, panel, n, None),
+                ),
+                args.calls,
             )
             flops = 2 * m * k * n
             print(
