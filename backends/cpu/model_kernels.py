@@ -1,8 +1,8 @@
 """Models onto the compiled kernels. float32: RMSNorm and silu-and-multiply fused; the linear
 layers on the panel kernel (PanelLinear) where the CPU has AVX2 but not AVX-512, on oneDNN's
 packed GEMM (packed_linear.py) where it has AVX-512 (panel_float32_linear says why). 16-bit:
-weights and KV blocks stay in bfloat16 or float16
-(their memory and their memory traffic), the activations between the ops are float32. Linear
+weights and KV blocks stay in bfloat16 or float16 (their memory and their memory traffic),
+the activations between the ops are float32. Linear
 layers: on CPUs without 16-bit arithmetic torch's own 16-bit path widens and rounds at every op
 (its bfloat16 GEMM is 5-10x slower than float32 from 16 rows on), so there each weight is
 widened in registers where it is used (PanelLinear) and nothing is rounded back to 16 bits except
@@ -90,9 +90,10 @@ class Float32Embedding(nn.Module):
 def panel_float32_linear() -> bool:
     """Whether float32 linear layers run on the panel kernel rather than oneDNN's packed GEMM:
     where the kernels are built and the CPU has AVX2 with FMA but not AVX-512. There its 6 x 16
-    AVX2 tile beat oneDNN at every shape measured (Zen 3: 1.2-3x at 1-16 rows, where oneDNN
-    spends 30-70 us a call on any layer, 5-20% at 64-1,860 rows; docs/bench/README.md); with
-    AVX-512, oneDNN's 512-bit kernels are the ones to beat and were not measured against it."""
+    AVX2 tile beat or matched oneDNN at every shape measured (Zen 3, benchmarks/bench_linear.py:
+    1.25-2.0x at one row, where oneDNN spends 30-70 us a call on any layer, 1.0-1.4x at 8-1,860
+    rows); with AVX-512, oneDNN's 512-bit kernels ran twice the panel kernel's rate on the Zen 5
+    (on 16-bit weights; docs/bench/README.md), so they stay."""
     flags = native.cpu_flags()
     return native.unavailable_reason() is None and {"avx2", "fma"} <= flags and "avx512f" not in flags
 

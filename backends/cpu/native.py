@@ -1,7 +1,6 @@
 """The cpu backend's compiled kernels (csrc/): paged attention over float32, bfloat16 or float16
 blocks, RMSNorm, the gated MLP's activation, linear layers on panel-packed weights (16-bit or
-float32), and quantized
-linear layers (int8, int4, nf4 weights). All compute in float32.
+float32), and quantized linear layers (int8, int4, nf4 weights). All compute in float32.
 
 Plain C++ with OpenMP, no torch headers: it builds with the system compiler in about a second
 on first use, is cached under ~/.cache/pagedllm/cpu_kernels keyed by the source, the compiler

@@ -91,7 +91,7 @@ inline void tile(const float* x, int64_t x_stride, const T* panel, int64_t len, 
 
 template <class T>
 void panel_linear(const float* x, int64_t m, const T* packed, int64_t n, int64_t k, const float* bias, float* out,
-                 int num_threads) {
+                  int num_threads) {
   const int64_t panels = (n + PANEL - 1) / PANEL;
 #pragma omp parallel num_threads(num_threads)
   for (int64_t k0 = 0; k0 < k; k0 += K_BLOCK) {
@@ -138,7 +138,7 @@ extern "C" {
 // out [m, n] float32 = x [m, k] float32 . W^T (+ bias [n] float32); W packed as above,
 // [ceil(n / 16), k, 16]; kind 0: bfloat16, 1: float16, 2: float32.
 void pagedllm_panel_linear(int kind, const float* x, int64_t m, const void* packed, int64_t n, int64_t k,
-                          const float* bias, float* out, int num_threads) {
+                           const float* bias, float* out, int num_threads) {
   if (kind == 0)
     panel_linear(x, m, static_cast<const bf16*>(packed), n, k, bias, out, num_threads);
   else if (kind == 2)
