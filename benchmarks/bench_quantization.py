@@ -24,6 +24,7 @@ import time
 import torch
 
 from pagedllm.backends.cpu import CpuAttentionOps
+from pagedllm.backends.cpu.packed_linear import PackedLinear
 from pagedllm.backends.models.loader import load_model
 from pagedllm.backends.runner import ModelRunner, SeqInput, allocate_kv_caches, prepare_batch
 from pagedllm.core.quantization import ON_THE_FLY
@@ -57,7 +58,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
             if t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
                 total += t.numel() * t.element_size()
-        if hasattr(module, "packed") and "packed" not in module._buffers:  # an opaque oneDNN tensor
+        if isinstance(module, PackedLinear):  # an opaque oneDNN tensor: count the weight it holds
             total += module.in_features * module.out_features * model.config.dtype.itemsize
     return total
 

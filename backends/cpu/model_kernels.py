@@ -23,7 +23,7 @@ from torch import nn
 from ..models.decoder import DecoderLayer, RMSNorm
 from ..models.parallel import VocabParallelEmbedding
 from . import native
-from .packed_linear import PackedLinear, native_bfloat16_matmul, packed_linear
+from .packed_linear import PackedLinear, native_bfloat16_matmul, packed_linear, plain_linears
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -96,17 +96,6 @@ def panel_float32_linear() -> bool:
     (on 16-bit weights; docs/bench/README.md), so they stay."""
     flags = native.cpu_flags()
     return native.unavailable_reason() is None and {"avx2", "fma"} <= flags and "avx512f" not in flags
-
-
-def plain_linears(model: nn.Module, dtypes) -> list[tuple[nn.Module, str, nn.Linear]]:
-    """(parent, attribute, layer) of every plain nn.Linear in `model` with weights of `dtypes`
-    (quantized layers are other classes)."""
-    return [
-        (parent, name, child)
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if type(child) is nn.Linear and child.weight.dtype in dtypes
-    ]
 
 
 def use_panel_linear(model: nn.Module) -> int:

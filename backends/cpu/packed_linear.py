@@ -83,16 +83,23 @@ class PackedLinear(nn.Module):
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def plain_linears(model: nn.Module, dtypes) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, attribute, layer) of every plain nn.Linear in `model` with weights of `dtypes`
+    (quantized layers are other classes)."""
+    return [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear and child.weight.dtype in dtypes
+    ]
+
+
 def pack_linear_layers(model: nn.Module) -> int:
     """Replace every float32/bfloat16 CPU nn.Linear in `model` by a PackedLinear; returns how many."""
     targets = [
         (parent, name, child)
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if type(child) is nn.Linear
-        and child.weight.device.type == "cpu"
-        and child.weight.dtype in PACKED_DTYPES
-        and packing_available(child.weight.dtype)
+        for parent, name, child in plain_linears(model, PACKED_DTYPES)
+        if child.weight.device.type == "cpu" and packing_available(child.weight.dtype)
     ]
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child))

@@ -474,15 +474,16 @@ void paged_attention(const float* q, const T* k_cache, const T* v_cache, const i
         const int64_t n = std::min(block_size, ctx - start);
         const T* k_block = k_cache + table[start / block_size] * block_stride;
         const T* v_block = v_cache + table[start / block_size] * block_stride;
+        // prefetch steps: one per 8 tokens (or per token) in the scores, one per token in the values
+        const int64_t steps = num_heads * (n + (n + 7) / 8);
         if (start + block_size < ctx) {
           const int64_t next = table[start / block_size + 1] * block_stride;
           const int64_t rows = std::min(block_size, ctx - start - block_size);
-          // steps: one per 8 tokens (or per token) in the scores, one per token in the values
-          pf.start(k_cache + next, v_cache + next, rows * token_stride * sizeof(T), num_heads * (n + (n + 7) / 8));
+          pf.start(k_cache + next, v_cache + next, rows * token_stride * sizeof(T), steps);
         } else if (row + 1 < last && row_context[row + 1] > 0) {
           const int64_t next = block_tables[row_table[row + 1] * table_stride] * block_stride;
           const int64_t rows = std::min<int64_t>(block_size, row_context[row + 1]);
-          pf.start(k_cache + next, v_cache + next, rows * token_stride * sizeof(T), num_heads * (n + (n + 7) / 8));
+          pf.start(k_cache + next, v_cache + next, rows * token_stride * sizeof(T), steps);
         } else {
           pf.stop();
         }
