@@ -2,7 +2,7 @@
 
 # Absolute imports: pytest imports this file as the root package of the checkout, under the
 # checkout folder's name, when it collects tests/.
-from pagedllm.core.errors import InvalidParameter
+from pagedllm.core.errors import InvalidParameter, RequestFailed
 from pagedllm.core.sampling_params import BeamSearchParams, SamplingParams
 
 __version__ = "0.1.0"
@@ -11,6 +11,7 @@ __all__ = [
     "SamplingParams",
     "BeamSearchParams",
     "InvalidParameter",
+    "RequestFailed",
     "RequestOutput",
     "CompletionOutput",
     "BeamSearchOutput",

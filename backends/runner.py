@@ -1,4 +1,5 @@
-"""Model runner: one step's requests in, the logits of each request's last scheduled token out."""
+"""Model runner: one step's requests in, the logits of each request's last scheduled token out
+(and, for prompt logprobs, the hidden states of other tokens asked for)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ class StepBatch:
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # row of each request's last token, in the caller's order
+    first_rows: np.ndarray  # row of each request's first token, in the caller's order
 
 
 def prepare_batch(seqs: list[SeqInput], block_size: int, device="cpu") -> StepBatch:
@@ -51,7 +53,10 @@ def prepare_batch(seqs: list[SeqInput], block_size: int, device="cpu") -> StepBa
     slots = slot_mapping(tables, seq_of_token, positions, block_size)
     input_ids = np.fromiter((t for i in order for t in seqs[i].token_ids), dtype=np.int64, count=num_tokens)
     logits_rows = np.empty(len(seqs), dtype=np.int64)
-    logits_rows[np.array(order, dtype=np.int64)] = ends - 1
+    order_idx = np.array(order, dtype=np.int64)
+    logits_rows[order_idx] = ends - 1
+    first_rows = np.empty(len(seqs), dtype=np.int64)
+    first_rows[order_idx] = ends - q_lens
 
     nd = len(decodes)
     tables_t = torch.from_numpy(tables).to(device)
@@ -85,6 +90,7 @@ def prepare_batch(seqs: list[SeqInput], block_size: int, device="cpu") -> StepBa
         torch.from_numpy(positions).to(device),
         meta,
         torch.from_numpy(logits_rows).to(device),
+        first_rows,
     )
 
 
@@ -102,15 +108,32 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, seqs: list[SeqInput]) -> torch.Tensor:
         """Float32 logits [len(seqs), vocab], row i for seqs[i]'s last token."""
-        if self.decode_graphs is not None and self.decode_graphs.fits(seqs):
-            return self.model.compute_logits(self.decode_graphs.run(seqs))
+        return self.execute_with_hidden(seqs)[0]
+
+    @torch.inference_mode()
+    def execute_with_hidden(
+        self, seqs: list[SeqInput], wanted: dict[int, int] | None = None
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """As `execute`, and for each `wanted` {seq index: count}, the final hidden states of
+        that sequence's first `count` tokens of this step ([count, hidden]; see
+        CausalLM.compute_logits), for prompt logprobs."""
+        if not wanted and self.decode_graphs is not None and self.decode_graphs.fits(seqs):
+            return self.model.compute_logits(self.decode_graphs.run(seqs)), {}
         batch = prepare_batch(seqs, self.block_size, self.device)
-        if batch.meta.prefill is None:  # every row is some request's last token
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.ops)
-            return self.model.compute_logits(hidden[batch.logits_indices])
         keep = batch.logits_indices
+        if wanted:
+            extra = [np.arange(batch.first_rows[i], batch.first_rows[i] + n) for i, n in wanted.items()]
+            keep = torch.cat([keep, torch.from_numpy(np.concatenate(extra)).to(self.device)])
+        if batch.meta.prefill is None and not wanted:  # every row is some request's last token
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.ops)
+            return self.model.compute_logits(hidden[keep]), {}
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.ops, keep)
-        return self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden[: len(seqs)])
+        rest, at = {}, len(seqs)
+        for i, n in (wanted or {}).items():
+            rest[i] = hidden[at : at + n]
+            at += n
+        return logits, rest
 
 
 def allocate_kv_caches(model, num_blocks: int, block_size: int, dtype=None, device="cpu") -> torch.Tensor:

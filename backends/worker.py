@@ -19,7 +19,6 @@ import signal
 import socket
 import sys
 import time
-import traceback
 
 import numpy as np
 import torch
@@ -36,6 +35,7 @@ from pagedllm.core.protocol import (
     Heartbeat,
     InitCache,
     KVSpec,
+    PromptLogprobs,
     Shutdown,
     Step,
     StepResult,
@@ -61,6 +61,7 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 logger = logging.getLogger("pagedllm.backends")
 POLL_MS = 100
 CORE_SILENT_S = 30  # idle and nothing from the core (it sends heartbeats) this long: it is gone
+PROMPT_LOGPROB_ROWS = 256  # prompt positions whose logits are made at once
 WORKER_JOIN_TIMEOUT_S = 300
 
 
@@ -193,8 +194,18 @@ class Worker:
         self.ops.swap_blocks(kv, self.swap, plan.swap_out)
         self.ops.swap_blocks(self.swap, kv, plan.swap_in)
         self.ops.copy_blocks(kv, plan.block_copies)
+        if not chunks:  # a step that only preempts, swaps or ends requests
+            if not self.tp.is_first:
+                return None
+            return StepResult(step_id=plan.step_id, sampled_token_ids=np.empty(0, dtype=np.int64))
         t0 = time.perf_counter()
-        logits = self.runner.execute([SeqInput(c.token_ids, c.start, c.state.block_ids) for c in chunks])
+        seqs = [SeqInput(c.token_ids, c.start, c.state.block_ids) for c in chunks]
+        wanted = prompt_positions(chunks)
+        if wanted:
+            logits, hidden = self.runner.execute_with_hidden(seqs, wanted)
+            prompt_lps = self._prompt_logprobs(chunks, hidden)
+        else:
+            logits, prompt_lps = self.runner.execute(seqs), None
         rows = [i for i, c in enumerate(chunks) if c.state.samples]
         sampled = np.full(len(chunks), -1, dtype=np.int64)
         logprobs = None
@@ -210,8 +221,30 @@ class Worker:
         if not self.tp.is_first:
             return None
         return StepResult(
-            step_id=plan.step_id, sampled_token_ids=sampled, logprobs=logprobs, forward_seconds=time.perf_counter() - t0
+            step_id=plan.step_id,
+            sampled_token_ids=sampled,
+            logprobs=logprobs,
+            forward_seconds=time.perf_counter() - t0,
+            prompt_logprobs=prompt_lps,
         )
+
+    def _prompt_logprobs(self, chunks, hidden: dict[int, torch.Tensor]) -> dict[str, PromptLogprobs] | None:
+        """For each chunk in `hidden`, the logprob of each next prompt token given the tokens
+        before it, with the top `prompt_logprobs`. Logits are made a slice of rows at a time (a
+        long prompt's whole [tokens, vocab] would not fit); every rank takes part, rank 0 answers."""
+        out = {}
+        for i, h in hidden.items():
+            chunk = chunks[i]
+            state = chunk.state
+            targets = torch.tensor(state.token_ids[chunk.start + 1 : chunk.start + 1 + len(h)], dtype=torch.long)
+            entries = []
+            for lo in range(0, len(h), PROMPT_LOGPROB_ROWS):
+                logits = self.model.compute_logits(h[lo : lo + PROMPT_LOGPROB_ROWS])
+                if logits is not None:
+                    k = state.params.prompt_logprobs
+                    entries += token_logprobs(logits.cpu(), targets[lo : lo + len(logits)], k)
+            out[chunk.request_id] = PromptLogprobs(chunk.start + 1, entries)
+        return out if self.tp.is_first else None
 
     def _sample(self, logits, rows: list[int], batch: list, num_chunks: int):
         if len(rows) < num_chunks:
@@ -229,6 +262,30 @@ class Worker:
                 logprobs = logprobs or {}
                 logprobs[chunk.request_id] = TokenLogprobs(lp.token_logprob, lp.rank, lp.top_token_ids, lp.top_logprobs)
         return out.token_ids, logprobs
+
+
+def prompt_positions(chunks) -> dict[int, int]:
+    """{chunk index: how many of its first tokens predict a prompt token} for the chunks of
+    requests that asked for prompt logprobs."""
+    wanted = {}
+    for i, c in enumerate(chunks):
+        if c.state.params.prompt_logprobs is not None:
+            n = min(c.start + c.num_tokens, c.state.num_prompt_tokens - 1) - c.start
+            if n > 0:
+                wanted[i] = n
+    return wanted
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> list[TokenLogprobs]:
+    """Per row: the log-probability and rank of its target token, and the top k."""
+    lps = torch.log_softmax(logits.float(), dim=-1)
+    target_lps = lps.gather(1, targets[:, None])
+    ranks = ((lps > target_lps).sum(dim=1) + 1).tolist()
+    top = lps.topk(k, dim=-1) if k else None
+    top_ids = top.indices.tolist() if k else [[] for _ in ranks]
+    top_lps = top.values.tolist() if k else [[] for _ in ranks]
+    values = target_lps[:, 0].tolist()
+    return [TokenLogprobs(lp, r, ids, vals) for lp, r, ids, vals in zip(values, ranks, top_ids, top_lps)]
 
 
 def join_group(
@@ -273,8 +330,10 @@ def main(argv=None) -> int:
         serve(worker, link, parent)
     except CoreGone:
         pass
-    except Exception as e:  # noqa: BLE001 - the core must learn why
-        link.send(WorkerFailed(rank=args.rank, reason=f"{e}\n{traceback.format_exc()}"))
+    except Exception as e:  # the core must learn why
+        # the traceback is logged here; the core (and through it, clients) get the one line
+        logger.exception("worker %d failed", args.rank)
+        link.send(WorkerFailed(rank=args.rank, reason=f"{type(e).__name__}: {e}"))
         code = 1
     finally:
         link.close()

@@ -35,6 +35,7 @@ class Hypothesis:
     token_ids: list[int]  # generated tokens only
     cum_logprob: float  # sum of the tokens' log-probabilities
     score: float  # cum_logprob / len ** length_penalty
+    finish_reason: str = "stop"  # "stop": it ended with EOS; "length": it reached max_tokens
 
 
 @dataclass
@@ -89,8 +90,9 @@ class BeamGroup:
             for i in range(min(width, len(top))):
                 if hits[i]:
                     score, b, tok = top[i]
+                    reason = "stop" if tok in self.eos_token_ids else "length"
                     self.finished.append(
-                        Hypothesis(histories[b] + [tok], float(score), float(np.float32(score / penalty)))
+                        Hypothesis(histories[b] + [tok], float(score), float(np.float32(score / penalty)), reason)
                     )
             self.finished.sort(key=lambda h: -h.score)  # stable: earlier hypotheses win ties
             del self.finished[width:]
@@ -179,14 +181,20 @@ class BeamSearches:
         if group not in self._reported:
             self._reported.append(group)
 
-    def advance(self, fork, finish) -> list:
+    def advance(self, fork, finish, fail) -> list:
         """Let each group that got candidates choose its continuations: fork beams chosen more
         than once (`fork(parent_id, child_id)` -> Request), drop beams not chosen and end
-        searches that are done (`finish(request, status)`). Returns the outputs of ended searches."""
+        searches that are done (`finish(request, status)`). A search whose step raises is
+        ended by `fail(group_id, error)` alone. Returns the outputs of ended searches."""
         outputs = []
         groups, self._reported = self._reported, []
         for group in groups:
-            out = self._advance(group, fork, finish)
+            try:
+                out = self._advance(group, fork, finish)
+            except Exception as e:  # noqa: BLE001 - this search's failure is its own (fail() logs it)
+                self._candidates.pop(group.group_id, None)
+                fail(group.group_id, e)
+                continue
             if out is not None:
                 outputs.append(out)
         return outputs
@@ -202,7 +210,7 @@ class BeamSearches:
             del self.groups[group.group_id]
             for member in members:
                 finish(member, RequestStatus.FINISHED_STOPPED)
-            beams = [BeamResult(h.token_ids, h.cum_logprob, h.score) for h in group.results()]
+            beams = [BeamResult(h.token_ids, h.cum_logprob, h.score, h.finish_reason) for h in group.results()]
             return RequestOutputDelta(group.group_id, [], "stop", None, beams=beams)
         by_parent: dict[int, list] = {}
         for cont in step.running:
@@ -231,12 +239,20 @@ class BeamSearches:
         return appended
 
 
-def check_beams_fit(width: int, num_tokens: int, block_size: int, num_usable_blocks: int, max_num_seqs: int) -> None:
-    """A group runs all its beams at once, so they must fit the sequence cap; and after a
-    recompute preemption the beams share nothing, so all of them must fit the pool alone."""
+def check_beams_fit(
+    width: int, num_tokens: int, block_size: int, num_usable_blocks: int, max_num_seqs: int, max_batched_tokens: int
+) -> None:
+    """A group runs all its beams at once, so they must fit the sequence cap and one step's
+    token budget; and after a recompute preemption the beams share nothing, so all of them must
+    fit the pool alone."""
     if width > max_num_seqs:
         raise InvalidParameter(
             "beam_width", f"must be <= max_num_seqs ({max_num_seqs}): all beams of a search run together; got {width}"
+        )
+    if width > max_batched_tokens:
+        raise InvalidParameter(
+            "beam_width",
+            f"must be <= max_num_batched_tokens ({max_batched_tokens}): all beams decode in one step; got {width}",
         )
     need = width * cdiv(num_tokens, block_size)
     if need > num_usable_blocks:

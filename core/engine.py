@@ -80,6 +80,7 @@ class EngineCore:
         self._batch_sizes: list[int] = []
         self._batch_tokens: list[int] = []
         self.stopping = False
+        self._empty_plans = 0  # plans in a row that had nothing for the workers
         # sent and not yet applied, oldest first: one, or two under async scheduling
         self.in_flight: deque[SchedulerOutput] = deque()
         self._inits: list[InitCache] = []  # per rank, sent again to a replacement worker
@@ -238,7 +239,8 @@ class EngineCore:
         while not self.stopping:
             if not in_flight:
                 busy = sched.has_unfinished_requests()
-                self._take_frontend_messages(0 if busy else POLL_MS)
+                # a second empty plan in a row: nothing can run until a request ends or arrives
+                self._take_frontend_messages(0 if busy and self._empty_plans < 2 else POLL_MS)
                 if not busy:
                     self._flush_outputs()  # e.g. aborts that emptied the engine, with fresh stats
                     self._check_peers()
@@ -258,6 +260,7 @@ class EngineCore:
             result = self._wait_result(plan)
             in_flight.popleft()
             outputs = sched.update(plan, sampled_by_request(plan, result), result.logprobs)
+            self._report_failures()
             self.steps += 1
             self._batch_sizes.append(len(plan.num_scheduled_tokens))
             self._batch_tokens.append(plan.total_num_scheduled_tokens)
@@ -277,8 +280,10 @@ class EngineCore:
         self._step_mark = time.perf_counter()  # what came before (idle, or applying results) is not this step's
         plan = self.scheduler.schedule()
         if plan.is_empty:
+            self._empty_plans += 1
             self._flush_outputs()
             return
+        self._empty_plans = 0
         self._broadcast(plan)
 
     def _send_step_ahead(self) -> None:
@@ -300,16 +305,22 @@ class EngineCore:
         return result
 
     def _collect(self, outputs: list[RequestOutputDelta], result: StepResult) -> None:
-        """The scheduler's outputs, with the worker's logprobs and the prefix-cache hit added."""
+        """The scheduler's outputs, with the worker's logprobs (prompt logprobs too, also of a
+        prefill chunk that sampled nothing) and the prefix-cache hit added."""
         logprobs = result.logprobs or {}
+        prompt_logprobs = dict(result.prompt_logprobs or {})
         requests = self.scheduler.requests
         for out in outputs:
             lp = logprobs.get(out.request_id)
             if lp is not None and out.beams is None:
                 out.logprobs = [lp]
+            out.prompt_logprobs = prompt_logprobs.pop(out.request_id, None)
             req = requests.get(out.request_id)
             if req is not None:
                 out.num_cached_tokens = req.num_cached_tokens
+        for rid, lps in prompt_logprobs.items():
+            if rid in requests:
+                outputs.append(RequestOutputDelta(rid, [], prompt_logprobs=lps))
         self.pending.extend(outputs)
 
     def _flush_outputs(self) -> None:
@@ -338,17 +349,33 @@ class EngineCore:
             return
         while sock.poll(0):
             msg = sock.recv()
+            self._empty_plans = 0
             if isinstance(msg, AddRequests):
                 for request in msg.requests:
-                    try:
-                        self.scheduler.add_request(request)
-                    except InvalidParameter as e:
-                        self._to_frontend(RequestRejected(request.request_id, e.field, str(e)))
+                    self._add_request(request)
             elif isinstance(msg, AbortRequests):
                 self.pending.extend(self.scheduler.abort_requests(msg.request_ids))
             elif isinstance(msg, Shutdown):
                 self.stopping = True
                 return
+
+    def _add_request(self, request) -> None:
+        """Admit one request; one that cannot be taken is refused alone, with the reason."""
+        try:
+            self.scheduler.add_request(request)
+        except InvalidParameter as e:
+            self._to_frontend(RequestRejected(request.request_id, e.field, str(e)))
+        except Exception as e:  # noqa: BLE001 - a bug met by this request must not end the engine (logged)
+            self.scheduler.fail_request(request.request_id, e)
+            self._report_failures(also=request.request_id)
+
+    def _report_failures(self, also: str | None = None) -> None:
+        """Tell the frontend which requests the scheduler ended because handling them raised."""
+        failures = self.scheduler.take_failures()
+        if also is not None and all(rid != also for rid, _ in failures):
+            failures.append((also, "the engine failed while admitting this request; the server log has why"))
+        for rid, message in failures:
+            self._to_frontend(RequestRejected(rid, None, message, internal=True))
 
     # --- shutdown -------------------------------------------------------------------------
     def close(self) -> None:

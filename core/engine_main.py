@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import logging
 import signal
 import sys
-import traceback
 
 from .local_workers import LocalWorkers
 
@@ -41,8 +41,10 @@ def main(argv=None) -> int:
     except EngineFailure as e:
         core.report_death(str(e))
         code = 1
-    except Exception as e:  # noqa: BLE001 - report anything to the frontend before dying
-        core.report_death(f"engine core crashed: {e!r}\n{traceback.format_exc()}")
+    except Exception as e:  # report anything to the frontend before dying
+        # the traceback goes to the log; the frontend (and its clients) get the one line
+        logging.getLogger("pagedllm.core").exception("engine core crashed")
+        core.report_death(f"engine core crashed: {e!r}")
         code = 1
     finally:
         core.close()

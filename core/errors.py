@@ -9,6 +9,16 @@ class InvalidParameter(ValueError):
         self.field = field
 
 
+class RequestFailed(RuntimeError):
+    """The engine ended one request because handling it raised (a bug, not the client's fault:
+    HTTP 500); every other request goes on. The engine's log has the traceback."""
+
+
+def rejection_error(field: str | None, message: str, internal: bool) -> Exception:
+    """The exception a frontend raises for the core's RequestRejected."""
+    return RequestFailed(message) if internal else InvalidParameter(field or "request", message)
+
+
 class EngineFailure(RuntimeError):
     """The engine core cannot go on (a worker or the frontend is gone); the message says why."""
 

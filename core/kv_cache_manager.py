@@ -62,16 +62,20 @@ class KVCacheManager:
             mean_table_run=sum(len(t) / n for t, n in zip(tables.values(), runs_of)) / len(tables) if tables else 0.0,
         )
 
-    def num_exclusive_blocks(self, request: Request) -> int:
-        """Blocks that freeing the request would return to the pool (nobody else holds them)."""
-        return sum(1 for b in self.tables.get(request.request_id, ()) if b.ref_cnt == 1)
+    def blocks_released_by(self, requests: list[Request]) -> set[int]:
+        """Ids of the blocks that ending all of `requests` would leave unreferenced: those no
+        other request holds."""
+        held = Counter(b.block_id for r in requests for b in self.tables.get(r.request_id, ()))
+        pool = self.pool.blocks
+        return {i for i, n in held.items() if pool[i].ref_cnt == n}
 
-    def blocks_to_start(self, computed_blocks: list[KVBlock], num_tokens: int) -> int:
+    def blocks_to_start(self, computed_blocks: list[KVBlock], num_tokens: int, released: set[int] = frozenset()) -> int:
         """Free blocks a request not yet started takes to hold its first `num_tokens` tokens,
         `computed_blocks` (prefix hits) among them: the fresh ones, and the hits that are free
-        (cached, referenced by nobody) and would be revived."""
+        (cached, referenced by nobody, or only by requests whose blocks are `released`) and
+        would be revived."""
         fresh = max(0, self.num_blocks_for(num_tokens) - len(computed_blocks))
-        return fresh + sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        return fresh + sum(1 for b in computed_blocks if b.ref_cnt == 0 or b.block_id in released)
 
     @property
     def num_free_swap_blocks(self) -> int:
@@ -86,8 +90,8 @@ class KVCacheManager:
         """Longest run of cached full blocks that prefixes the request's tokens. The last
         token is never taken from the cache: its logits have to be computed. The caller records
         the lookup in the pool's stats once the request is admitted."""
-        if not self.enable_caching:
-            return [], 0
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0  # prompt logprobs come from computing the prompt: no prefix hits, as in vLLM
         bs = self.block_size
         max_blocks = (request.num_tokens - 1) // bs
         tokens = request.all_token_ids

@@ -41,13 +41,25 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
 
     @property
     def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0
+        """Nothing for the workers to do: no token, and nothing for them to drop, copy or append
+        (a step that only preempts, swaps out or ends requests must still reach them)."""
+        return not (
+            self.total_num_scheduled_tokens
+            or self.new_requests
+            or self.finished_request_ids
+            or self.preempted_request_ids
+            or self.swap_out
+            or self.swap_in
+            or self.block_copies
+            or self.appended_token_ids
+        )
 
 
 class BeamResult(msgspec.Struct, array_like=True):
     token_ids: list[int]  # generated tokens
     cum_logprob: float
     score: float  # cum_logprob / len ** length_penalty
+    finish_reason: str = "stop"  # "stop" (EOS) or "length" (max_tokens)
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -55,6 +67,15 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
     rank: int
     top_token_ids: list[int]
     top_logprobs: list[float]
+
+
+class PromptLogprobs(msgspec.Struct, array_like=True):
+    """Prompt tokens' logprobs from one step: entry j is of prompt token start + j, given the
+    tokens before it (position 0 has none). A recomputed prompt (after a preemption) reports
+    positions again; the frontend keeps the first."""
+
+    start: int
+    entries: list[TokenLogprobs]
 
 
 class RequestOutputDelta(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -69,6 +90,7 @@ class RequestOutputDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0
     beams: list[BeamResult] | None = None  # a finished beam search: best first
     queued_seconds: float | None = None  # on a request's first token: arrival to first scheduled
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class Fragmentation(msgspec.Struct):

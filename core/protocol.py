@@ -17,7 +17,7 @@ import msgspec
 import numpy as np
 
 from .config import EngineConfig
-from .outputs import RequestOutputDelta, SchedulerOutput, SchedulerStats, TokenLogprobs
+from .outputs import PromptLogprobs, RequestOutputDelta, SchedulerOutput, SchedulerStats, TokenLogprobs
 from .request import EngineRequest
 
 _NDARRAY_EXT = 1
@@ -68,9 +68,13 @@ class EngineOutputs(msgspec.Struct, tag="outputs"):
 
 
 class RequestRejected(msgspec.Struct, tag="rejected"):
+    """A request refused (a parameter the core checks) or ended by an error in the engine
+    (`internal`: the client is not at fault; the core logged why)."""
+
     request_id: str
-    field: str
+    field: str | None
     message: str
+    internal: bool = False
 
 
 class EngineDead(msgspec.Struct, tag="dead"):
@@ -157,6 +161,7 @@ class StepResult(msgspec.Struct, tag="result"):
     sampled_token_ids: np.ndarray
     logprobs: dict[str, TokenLogprobs] | None = None
     forward_seconds: float = 0.0
+    prompt_logprobs: dict[str, PromptLogprobs] | None = None  # of requests that asked, by request id
 
 
 class WorkerFailed(msgspec.Struct, tag="failed"):

@@ -108,7 +108,8 @@ class Request:
         self.stop_reason: int | None = None  # the stop token that ended it, if any
         # n > 1: the prompt is computed once, up to its last token, then the request forks
         # into n that share those blocks and each compute the last token and sample on
-        self.forks_pending = sampling_params.n - 1
+        # (a beam search's n is how many of its beams are returned: the search forks itself)
+        self.forks_pending = 0 if sampling_params.beam_width else sampling_params.n - 1
         self.beam_group = None  # core.beam_search.BeamGroup of a beam-search request
         self.queued_seconds: float | None = None  # arrival to first scheduled, set on first admission
 

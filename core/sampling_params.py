@@ -8,6 +8,16 @@ import msgspec
 
 from .errors import InvalidParameter
 
+# below this a temperature is greedy decoding, as in vLLM: dividing logits by 1e-38 overflows
+GREEDY_TEMPERATURE = 1e-5
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+TOKEN_ID_MAX = 2**31 - 1
+# |length_penalty| at most this: a beam's score, cum_logprob / len ** length_penalty, is then a
+# finite float32 for any length up to 2**20 tokens (at most 2**25 nats: 2**100 * 2**25 < 2**128)
+MAX_LENGTH_PENALTY = 5.0
+MAX_BEAM_WIDTH = 10
+MAX_LOGPROBS = 20
+
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     n: int = 1
@@ -25,6 +35,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # per prompt token: its logprob and this many most likely
     priority: int = 0  # lower runs first under the `priority` policy, as in vLLM
     beam_width: int = 0  # > 0: beam search with this many beams (see LLM.beam_search)
     length_penalty: float = 1.0  # beam search: hypotheses score sum_logprobs / len ** length_penalty
@@ -34,8 +45,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             self.stop = [self.stop]
         _check_int("n", self.n, lo=1)
         _check_float("temperature", self.temperature, lo=0.0)
+        if self.temperature < GREEDY_TEMPERATURE:
+            self.temperature = 0.0
         _check_float("top_p", self.top_p, lo=0.0, lo_open=True, hi=1.0)
-        _check_int("top_k", self.top_k, lo=-1)
+        _check_int("top_k", self.top_k, lo=-1, hi=INT64_MAX)
         _check_float("min_p", self.min_p, lo=0.0, hi=1.0)
         _check_float("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
         _check_float("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
@@ -43,22 +56,32 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if self.seed is not None:
             _check_int("seed", self.seed, lo=-(2**63), hi=2**64 - 1)
         if self.max_tokens is not None:
-            _check_int("max_tokens", self.max_tokens, lo=1)
-        _check_int("min_tokens", self.min_tokens, lo=0)
+            _check_int("max_tokens", self.max_tokens, lo=1, hi=INT64_MAX)
+        _check_int("min_tokens", self.min_tokens, lo=0, hi=INT64_MAX)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidParameter("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         for token_id in self.stop_token_ids or ():
-            _check_int("stop_token_ids", token_id, lo=0)
+            _check_int("stop_token_ids", token_id, lo=0, hi=TOKEN_ID_MAX)
         for s in self.stop or ():
             if not isinstance(s, str) or not s:
                 raise InvalidParameter("stop", f"each stop string must be a non-empty string, got {s!r}")
         if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, lo=0, hi=20)
-        _check_int("priority", self.priority)
-        _check_int("beam_width", self.beam_width, lo=0, hi=10)
-        _check_float("length_penalty", self.length_penalty)
-        if self.beam_width and self.n != 1:
-            raise InvalidParameter("n", f"must be 1 with beam search (beam_width {self.beam_width}), got {self.n}")
+            _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_LOGPROBS)
+            if self.beam_width:
+                raise InvalidParameter("prompt_logprobs", "is not supported with beam search")
+        _check_int("priority", self.priority, lo=INT64_MIN, hi=INT64_MAX)
+        _check_int("beam_width", self.beam_width, lo=0, hi=MAX_BEAM_WIDTH)
+        _check_length_penalty(self.length_penalty)
+        if self.beam_width and self.n > self.beam_width:
+            raise InvalidParameter(
+                "n", f"beam search returns at most its beams: must be <= {self.beam_width}, got {self.n}"
+            )
+
+
+def _check_length_penalty(value) -> None:
+    _check_float("length_penalty", value, lo=-MAX_LENGTH_PENALTY, hi=MAX_LENGTH_PENALTY)
 
 
 def _check_int(field: str, value, lo: int | None = None, hi: int | None = None) -> None:
@@ -89,9 +112,9 @@ class BeamSearchParams(msgspec.Struct, kw_only=True):
     length_penalty: float = 1.0
 
     def __post_init__(self):
-        _check_int("beam_width", self.beam_width, lo=1, hi=10)
-        _check_int("max_tokens", self.max_tokens, lo=1)
-        _check_float("length_penalty", self.length_penalty)
+        _check_int("beam_width", self.beam_width, lo=1, hi=MAX_BEAM_WIDTH)
+        _check_int("max_tokens", self.max_tokens, lo=1, hi=INT64_MAX)
+        _check_length_penalty(self.length_penalty)
         if self.temperature != 0.0:
             raise InvalidParameter("temperature", f"beam search is deterministic: must be 0, got {self.temperature}")
 

@@ -17,6 +17,7 @@ requests start in one priority order."""
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 
 import msgspec
@@ -32,6 +33,7 @@ from .sampling_params import SamplingParams
 from .step_builder import StepBuilder, WorkerView
 
 RUNNING = RequestStatus.RUNNING
+logger = logging.getLogger("pagedllm.core")
 
 
 class Scheduler:
@@ -57,6 +59,9 @@ class Scheduler:
         self._step_ids = itertools.count()
         self.num_preemptions = 0
         self.num_priority_preemptions = 0  # steps in which a waiting request preempted for itself
+        # requests ended by an error in their own handling, since the last take_failures():
+        # (request id as the frontend knows it, what to tell the client)
+        self._failures: list[tuple[str, str]] = []
         self._fragmentation, self._fragmentation_at = None, -1e9
 
     # --- requests in and out --------------------------------------------------------------
@@ -81,7 +86,12 @@ class Scheduler:
         max_tokens = min(params.max_tokens or room, room)
         if params.beam_width:
             check_beams_fit(
-                params.beam_width, len(prompt) + max_tokens, self.block_size, self.kv.pool.num_usable, max_seqs
+                params.beam_width,
+                len(prompt) + max_tokens,
+                self.block_size,
+                self.kv.pool.num_usable,
+                max_seqs,
+                self.config.max_num_batched_tokens,
             )
             params = msgspec.structs.replace(params, logprobs=2 * params.beam_width)
             engine_request = msgspec.structs.replace(engine_request, sampling_params=params)
@@ -94,19 +104,44 @@ class Scheduler:
 
     def abort_requests(self, request_ids) -> list[RequestOutputDelta]:
         """Abort now: blocks are freed before the next step. Unknown ids are ignored (the
-        request may have just finished); a beam is aborted with its whole search."""
+        request may have just finished); a beam is aborted with its whole search, and a request
+        with n > 1 that has not forked yet ends its samples not yet forked too."""
         outputs = []
         for rid in request_ids:
-            member = self.requests.get(rid)
-            if member is not None and member.beam_group is not None:
-                rid = member.beam_group.group_id
-            group = self.beams.pop(rid)
-            ended = group.members if group is not None else [r for r in (self.requests.get(rid),) if r]
-            for request in ended:
-                self._remove(request, RequestStatus.FINISHED_ABORTED)
-            if ended:
-                outputs.append(RequestOutputDelta(rid, [], "abort"))
+            ended = self._end(rid)
+            outputs += [RequestOutputDelta(eid, [], "abort") for eid in ended]
         return outputs
+
+    def _end(self, rid: str) -> list[str]:
+        """Abort the request `rid` names (a beam's whole search); the ids that ended, as the
+        frontend knows them: the search's, or the request's and those of its unforked samples."""
+        member = self.requests.get(rid)
+        if member is not None and member.beam_group is not None:
+            rid = member.beam_group.group_id
+        group = self.beams.pop(rid)
+        if group is not None:  # every beam, also one forked in the middle of a failed update
+            ended = [r for r in self.requests.values() if r.beam_group is group]
+        else:
+            ended = [r for r in (self.requests.get(rid),) if r]
+        for request in ended:
+            self._remove(request, RequestStatus.FINISHED_ABORTED)
+        if not ended:
+            return []
+        unforked = ended[0].forks_pending if group is None else 0
+        return [rid] + [child_request_id(rid, i) for i in range(1, unforked + 1)]
+
+    def fail_request(self, rid: str, error: BaseException) -> None:
+        """An error while handling one request: that request ends (its blocks freed), the
+        frontend is told through take_failures(), and every other request goes on."""
+        logger.error("request %r failed in the engine core and was ended", rid, exc_info=error)
+        ended = self._end(rid)
+        if ended:
+            message = f"the engine failed while handling this request ({type(error).__name__}); the server log has why"
+            self._failures.append((ended[0], message))
+
+    def take_failures(self) -> list[tuple[str, str]]:
+        failures, self._failures = self._failures, []
+        return failures
 
     def _remove(self, request: Request, status: RequestStatus) -> None:
         """Take a request out of whichever queue holds it and end it."""
@@ -145,6 +180,29 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    # --- sequence slots (max_num_seqs) ----------------------------------------------------
+    def _seats_taken(self, running: list[Request]) -> int:
+        """Sequences that `running` hold, or will once they fork: the samples of n > 1 not yet
+        forked, and each started beam search's beams up to its width."""
+        seats = len(running)
+        groups = set()
+        for r in running:
+            seats += r.forks_pending
+            if r.beam_group is not None:
+                groups.add(r.beam_group)
+        return seats + sum(g.width - len(g.members) for g in groups)
+
+    @staticmethod
+    def _seats_needed(request: Request, running_groups) -> int:
+        """The sequences that starting `request` adds (see _seats_taken)."""
+        group = request.beam_group
+        if group is not None and group not in running_groups:
+            return 1 + group.width - len(group.members)
+        return 1 + request.forks_pending
+
+    def _running_groups(self) -> set:
+        return {r.beam_group for r in self.running if r.beam_group is not None} if self.beams else set()
 
     # --- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -270,14 +328,13 @@ class Scheduler:
         if not self.waiting or not self._waiting_goes_first():
             return
         head = self.waiting.peek()
-        computed_blocks, num_hit = self.kv.get_computed_blocks(head)
-        num_new = min(head.fork_point - num_hit, step.budget)
-        need_blocks = self.kv.blocks_to_start(computed_blocks, num_hit + num_new)
+        hits, num_hit = self.kv.get_computed_blocks(head)
+        num_tokens = num_hit + min(head.fork_point - num_hit, step.budget)
         lower = [r for r in self.running if r.priority > head.priority]
-        if not lower or not self._can_start(head, need_blocks, lower):
+        if not lower or not self._can_start(head, hits, num_tokens, lower):
             return  # not even preempting all of them would let it start: preempt none
         preempted = False
-        while not self._can_start(head, need_blocks):
+        while not self._can_start(head, hits, num_tokens):
             victims = [r for r in self.running if r.status == RUNNING and r.priority > head.priority]
             if not victims:
                 break
@@ -288,18 +345,22 @@ class Scheduler:
             step.preempted = False  # preempted so that `head` starts now: let it
             self.num_priority_preemptions += 1
 
-    def _can_start(self, request: Request, need_blocks: int, without: list[Request] = ()) -> bool:
-        """Whether `request` could start now, after this step's decodes take their new blocks;
-        `without`: as if these running requests were preempted (their own blocks freed)."""
+    def _can_start(self, request: Request, hits: list, num_tokens: int, without: list[Request] = ()) -> bool:
+        """Whether `request`, with prefix hits `hits`, could start its first `num_tokens` now,
+        after this step's decodes take their new blocks; `without`: as if these running
+        requests were preempted. A hit that only they hold is freed and then revived: it counts
+        on both sides."""
         kv = self.kv
         gone = {r.request_id for r in without}
         running = [r for r in self.running if r.request_id not in gone]
-        if len(running) + 1 + request.forks_pending > self.config.max_num_seqs:
+        groups = {r.beam_group for r in running if r.beam_group is not None}
+        if self._seats_taken(running) + self._seats_needed(request, groups) > self.config.max_num_seqs:
             return False
+        released = kv.blocks_released_by(without) if without else set()
+        need = kv.blocks_to_start(hits, num_tokens, released)
         # each running request's next token (a decode's whole step; a prefill chunk grows itself)
         decodes_need = sum(kv.num_blocks_for(r.num_computed_tokens + 1) > kv.num_blocks_of(r) for r in running)
-        freed = sum(kv.num_exclusive_blocks(r) for r in without)
-        return need_blocks + decodes_need <= kv.pool.num_free + freed
+        return need + decodes_need <= kv.pool.num_free + len(released)
 
     def _waiting_goes_first(self) -> bool:
         """Swapped requests start before waiting ones, except under the priority policy, where
@@ -309,10 +370,17 @@ class Scheduler:
         return self.by_priority and self.waiting.key(self.waiting.peek()) < self.swapped.key(self.swapped.peek())
 
     def _schedule_swapped(self, step: StepBuilder) -> None:
-        while self.swapped and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
+        if not self.swapped:
+            return
+        groups = self._running_groups()
+        seats = self._seats_taken(self.running)
+        while self.swapped and step.budget > 0:
             if self.waiting and self._waiting_goes_first():
                 break
             request = self.swapped.peek()
+            needed = self._seats_needed(request, groups)
+            if seats + needed > self.config.max_num_seqs:
+                break
             num_new = min(request.fork_point - request.num_computed_tokens, step.budget)
             if self.kv.num_blocks_for(request.num_computed_tokens + num_new) > self.kv.pool.num_free:
                 break
@@ -321,18 +389,23 @@ class Scheduler:
             delta = self.kv.allocate_slots(request, num_new)
             request.status = RUNNING
             self.running.append(request)
+            seats += needed
+            if request.beam_group is not None:
+                groups.add(request.beam_group)
             step.add(request, num_new, delta)
 
     def _schedule_waiting(self, step: StepBuilder) -> None:
         """Waiting requests, with their prefix-cache hits, while budget, sequences and blocks allow."""
+        if not self.waiting:
+            return
         max_seqs = self.config.max_num_seqs
-        while (
-            self.waiting
-            and self._waiting_goes_first()
-            and step.budget > 0
-            and len(self.running) + 1 + self.waiting.peek().forks_pending <= max_seqs
-        ):
+        groups = self._running_groups()
+        seats = self._seats_taken(self.running)
+        while self.waiting and self._waiting_goes_first() and step.budget > 0:
             request = self.waiting.peek()
+            needed = self._seats_needed(request, groups)
+            if seats + needed > max_seqs:
+                break
             computed_blocks, num_hit = self.kv.get_computed_blocks(request)
             num_new = min(request.fork_point - num_hit, step.budget)
             delta = self.kv.allocate_slots(request, num_new, computed_blocks)
@@ -347,6 +420,9 @@ class Scheduler:
             request.num_computed_tokens = num_hit
             request.status = RUNNING
             self.running.append(request)
+            seats += needed
+            if request.beam_group is not None:
+                groups.add(request.beam_group)
             if num_new == 0:  # n > 1 and nothing to compute before forking
                 self._fork_samples(request)
             else:
@@ -365,15 +441,18 @@ class Scheduler:
             request = requests.get(rid)
             if request is None or request.status != RUNNING:
                 continue
-            if request.num_computed_tokens < len(request.all_token_ids):
-                if request.forks_pending and request.num_computed_tokens == request.fork_point:
-                    self._fork_samples(request)
-            elif request.beam_group is not None:
-                self.beams.report(request, logprobs[rid])
-            else:
-                outputs.append(self._append_token(request, sampled_token_ids[rid]))
+            try:
+                if request.num_computed_tokens < len(request.all_token_ids):
+                    if request.forks_pending and request.num_computed_tokens == request.fork_point:
+                        self._fork_samples(request)
+                elif request.beam_group is not None:
+                    self.beams.report(request, logprobs[rid])
+                else:
+                    outputs.append(self._append_token(request, sampled_token_ids[rid]))
+            except Exception as e:  # noqa: BLE001 - one request's failure is its own (fail_request logs it)
+                self.fail_request(rid, e)
         if self.beams:
-            outputs += self.beams.advance(self.fork_request, self._finish)
+            outputs += self.beams.advance(self.fork_request, self._finish, self.fail_request)
         if len(self.running) != len(self.requests) - len(self.waiting) - len(self.swapped):
             self.running = [r for r in self.running if r.status == RUNNING]
         return outputs

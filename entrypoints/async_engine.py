@@ -18,7 +18,7 @@ import itertools
 import threading
 import time
 
-from pagedllm.core.errors import InvalidParameter
+from pagedllm.core.errors import rejection_error
 from pagedllm.core.protocol import EngineOutputs, EngineRecovered, EngineRecovering, RequestRejected
 from pagedllm.core.sampling_params import SamplingParams
 
@@ -132,9 +132,10 @@ class AsyncEngine:
             elif isinstance(msg, EngineRecovered):
                 self.recovering = None
             elif isinstance(msg, RequestRejected):
-                error = InvalidParameter(msg.field, msg.message)
+                error = rejection_error(msg.field, msg.message, msg.internal)
                 with self._lock:
-                    stream = self._streams.get(msg.request_id)
+                    tracker = self.outputs.tracker(msg.request_id)  # also one of n samples: rid#i
+                    stream = self._streams.get(tracker.request_id) if tracker is not None else None
                 if stream is not None:
                     stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
 

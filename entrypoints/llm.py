@@ -12,7 +12,7 @@ import time
 
 import msgspec
 
-from pagedllm.core.errors import InvalidParameter
+from pagedllm.core.errors import InvalidParameter, rejection_error
 from pagedllm.core.protocol import EngineOutputs, EngineStats, RequestRejected
 from pagedllm.core.sampling_params import BeamSearchParams, SamplingParams
 
@@ -95,14 +95,13 @@ class LLM:
         return [BeamSearchOutput([self._beam_sequence(t, b, params) for b in (t.beams or [])]) for t in trackers]
 
     def _beam_sequence(self, tracker: RequestTracker, beam, params: BeamSearchParams) -> BeamSearchSequence:
-        ended = bool(beam.token_ids) and beam.token_ids[-1] in self.eos_token_ids and not params.ignore_eos
         text = self.tokenizer.decode(beam.token_ids, skip_special_tokens=True) if self.tokenizer is not None else None
         return BeamSearchSequence(
             tokens=tracker.output.prompt_token_ids + beam.token_ids,
             text=text,
             cum_logprob=beam.cum_logprob,
             score=beam.score,
-            finish_reason="stop" if ended else "length",
+            finish_reason=beam.finish_reason,
         )
 
     def chat(
@@ -140,7 +139,7 @@ class LLM:
                     if bar is not None and finished:
                         bar.update(len(finished))
                 elif isinstance(msg, RequestRejected):
-                    raise InvalidParameter(msg.field, msg.message)
+                    raise rejection_error(msg.field, msg.message, msg.internal)
         except BaseException:
             if self.engine.dead_reason is None and not self.engine.closed:
                 self.engine.abort([rid for t in trackers for rid in t.unfinished_engine_ids()])

@@ -34,6 +34,9 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+    # with SamplingParams.prompt_logprobs: per prompt token, None for the first, else its
+    # Logprob and those of the most likely tokens at that position, by token id
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from pagedllm.core.outputs import RequestOutputDelta
+from pagedllm.core.outputs import PromptLogprobs, RequestOutputDelta, TokenLogprobs
 from pagedllm.core.request import child_request_id
 from pagedllm.core.sampling_params import SamplingParams
 
@@ -62,7 +62,11 @@ class RequestTracker:
                 for i in range(params.n)
             ],
         )
-        self.engine_ids = [request_id] + [child_request_id(request_id, i) for i in range(1, params.n)]
+        if params.prompt_logprobs is not None:
+            self.output.prompt_logprobs = [None]
+        # a beam search is one engine request, whose n best beams are the completions
+        num_engine_requests = 1 if params.beam_width else params.n
+        self.engine_ids = [request_id] + [child_request_id(request_id, i) for i in range(1, num_engine_requests)]
         self._index = {rid: i for i, rid in enumerate(self.engine_ids)}
         self._detok = [
             IncrementalDetokenizer(tokenizer, prompt_token_ids) if tokenizer is not None else None
@@ -90,28 +94,21 @@ class RequestTracker:
         string ended it before the engine knew)."""
         i = self._index[delta.request_id]
         comp = self.output.outputs[i]
+        if delta.prompt_logprobs is not None and self.output.prompt_logprobs is not None:
+            self._add_prompt_logprobs(delta.prompt_logprobs)
         if delta.beams is not None or (self.params.beam_width and delta.finish_reason is not None):
-            self.beams = delta.beams or []
-            comp.finish_reason = delta.finish_reason
-            if self.beams:  # the completion is the best beam
-                comp.token_ids = list(self.beams[0].token_ids)
-                if self.tokenizer is not None:
-                    comp.text = self.tokenizer.decode(comp.token_ids, skip_special_tokens=True)
-            self.output.finished = True
+            self._apply_beams(delta)
             return i, "", True, False
         if comp.finish_reason is not None:
             return i, "", False, False  # e.g. the abort that follows a stop string
+        if not delta.new_token_ids and delta.finish_reason is None:
+            return i, "", False, False  # prompt logprobs of a prefill chunk
         if delta.num_cached_tokens > self.output.num_cached_tokens:
             self.output.num_cached_tokens = delta.num_cached_tokens
         comp.token_ids.extend(delta.new_token_ids)
         if delta.logprobs and comp.logprobs is not None:
             for token, lp in zip(delta.new_token_ids, delta.logprobs):
-                entry = {
-                    t: Logprob(v, rank + 1, self._decode_one(t))
-                    for rank, (t, v) in enumerate(zip(lp.top_token_ids, lp.top_logprobs))
-                }
-                entry[token] = Logprob(lp.token_logprob, lp.rank, self._decode_one(token))
-                comp.logprobs.append(entry)
+                comp.logprobs.append(self._entry(token, lp))
                 comp.cumulative_logprob += lp.token_logprob
         detok = self._detok[i]
         if detok is None:  # no tokenizer: token ids only
@@ -124,7 +121,10 @@ class RequestTracker:
         if delta.finish_reason is not None:
             new_text += detok.flush()
         abort = False
-        hit = find_stop(detok.text, len(new_text), self._stops)
+        # no stop string may end the text before min_tokens (vLLM's rule, as for stop tokens)
+        hit = None
+        if len(comp.token_ids) >= self.params.min_tokens:
+            hit = find_stop(detok.text, len(new_text), self._stops)
         if hit is not None:
             comp.text = detok.text[: hit[0]]
             comp.finish_reason, comp.stop_reason = "stop", hit[1]
@@ -140,3 +140,36 @@ class RequestTracker:
         if all(c.finish_reason is not None for c in self.output.outputs):
             self.output.finished = True
         return i, chunk, done, abort
+
+    def _apply_beams(self, delta: RequestOutputDelta) -> None:
+        """A beam search ended: its n best beams are the completions (fewer if it kept fewer)."""
+        self.beams = delta.beams or []
+        outputs = self.output.outputs
+        if self.beams:
+            del outputs[len(self.beams) :]
+        for comp, beam in zip(outputs, self.beams):
+            comp.token_ids = list(beam.token_ids)
+            comp.cumulative_logprob = beam.cum_logprob
+            comp.finish_reason = beam.finish_reason if delta.finish_reason != "abort" else "abort"
+            if self.tokenizer is not None:
+                comp.text = self.tokenizer.decode(comp.token_ids, skip_special_tokens=True)
+        for comp in outputs[len(self.beams) :]:  # aborted before it ended
+            comp.finish_reason = delta.finish_reason
+        self.output.finished = True
+
+    def _add_prompt_logprobs(self, lps: PromptLogprobs) -> None:
+        """Entries for prompt positions not yet known (a recomputed prompt repeats them)."""
+        known = self.output.prompt_logprobs
+        prompt = self.output.prompt_token_ids
+        for position, lp in enumerate(lps.entries, start=lps.start):
+            if position == len(known):
+                known.append(self._entry(prompt[position], lp))
+
+    def _entry(self, token: int, lp: TokenLogprobs) -> dict:
+        """A token's Logprob and those of the most likely tokens in its place, by token id."""
+        entry = {
+            t: Logprob(v, rank + 1, self._decode_one(t))
+            for rank, (t, v) in enumerate(zip(lp.top_token_ids, lp.top_logprobs))
+        }
+        entry[token] = Logprob(lp.token_logprob, lp.rank, self._decode_one(token))
+        return entry

@@ -137,14 +137,19 @@ class FakeWorker:
 
 
 def next_step(sched: Scheduler, in_flight: list[SchedulerOutput], async_scheduling: bool):
-    """The engine core's order: with nothing in flight a step is planned by `schedule()`; under
-    async scheduling the one after it is planned ahead (`schedule_ahead`) before its results
-    are applied, whenever the scheduler can. Returns (the oldest step, to run and apply now,
-    the plans made here); `in_flight` keeps the rest."""
+    """The engine core's order: with nothing in flight a step is planned by `schedule()`, and
+    sent only if it is not empty (`is_empty`: an empty plan never reaches the workers, so
+    nothing it carried may matter); under async scheduling the one after it is planned ahead
+    (`schedule_ahead`) before its results are applied, whenever the scheduler can. Returns (the
+    oldest step, to run and apply now, or None when the plan was empty; the plans made here);
+    `in_flight` keeps the rest."""
     made = []
     if not in_flight:
-        made.append(sched.schedule())
-        in_flight.append(made[-1])
+        plan = sched.schedule()
+        made.append(plan)
+        if plan.is_empty:
+            return None, made
+        in_flight.append(plan)
     if async_scheduling:
         ahead = sched.schedule_ahead(in_flight[0])
         if ahead is not None:
@@ -168,6 +173,8 @@ def run_to_completion(
             return outputs, reasons, plans
         plan, made = next_step(sched, in_flight, async_scheduling)
         plans.extend(made)
+        if plan is None:
+            continue
         sampled = worker.execute(plan)
         for out in sched.update(plan, sampled, worker.logprobs):
             outputs.setdefault(out.request_id, []).extend(out.new_token_ids)

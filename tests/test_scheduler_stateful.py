@@ -117,8 +117,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.sched.abort_requests([rid])
         assert rid not in self.sched.requests and rid not in self.sched.beams.groups
 
-    # the engine forks only while applying results, never with a step planned ahead
-    @precondition(lambda self: not self.in_flight and any(r.beam_group is None for r in self.sched.running))
+    # the engine forks only while applying results, never with a step planned ahead, and only
+    # into sequence slots it holds for the fork
+    @precondition(
+        lambda self: (
+            not self.in_flight
+            and any(r.beam_group is None for r in self.sched.running)
+            and self.sched._seats_taken(self.sched.running) < self.sched.config.max_num_seqs
+        )
+    )
     @rule(data=st.data())
     def fork(self, data):
         parent = data.draw(st.sampled_from([r.request_id for r in self.sched.running if r.beam_group is None]))
@@ -134,7 +141,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         after it — is undone (none had begun: the harder case for the KV they meant to write),
         a fresh worker state, the pool kept (shared memory) or lost (device memory)."""
         plan, _ = next_step(self.sched, self.in_flight, self.async_scheduling)
-        failed, self.in_flight = [plan, *self.in_flight], []
+        failed, self.in_flight = [p for p in (plan, *self.in_flight) if p is not None], []
         self.sched.recover(failed, kv_lost)
         event("recovered with two steps in flight" if len(failed) == 2 else "recovered")
         self.worker.restart(kv_lost)
@@ -159,6 +166,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             self._check_plan(new)
         if self.in_flight:
             event("planned ahead")
+        if plan is None:
+            event("empty plan")
+            return
+        if not plan.total_num_scheduled_tokens:
+            event("a plan with no token that the workers must still see")
         sampled = self.worker.execute(plan)
         outputs = sched.update(plan, sampled, self.worker.logprobs)
         for out in outputs:
@@ -169,6 +181,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def invariants_hold(self):
         if hasattr(self, "sched"):
             self.sched.check_invariants()
+            assert len(self.sched.running) <= self.sched.config.max_num_seqs, "max_num_seqs exceeded"
 
     def teardown(self):
         if not hasattr(self, "sched"):
@@ -182,6 +195,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             f"livelock: {list(sched.requests.values())} groups {list(sched.beams.groups)} free {sched.kv.pool.num_free}"
         )
         sched.check_invariants()
+        plan, _ = next_step(sched, self.in_flight, self.async_scheduling)  # the last ended ids
+        if plan is not None:
+            self.worker.execute(plan)
+        assert not self.worker.state.requests, f"the worker still holds {sorted(self.worker.state.requests)}"
         pool = sched.kv.pool
         assert pool.num_used == 0, "blocks still held after every request ended"
         assert all(b.ref_cnt == 0 for b in pool.blocks)
