@@ -325,6 +325,7 @@ def main(argv=None) -> int:
     try:
         link.send(WorkerJoin(rank=args.rank, host=socket.gethostname(), pid=os.getpid()))
         configure = link.expect(Configure, parent)
+        link.generation = configure.generation
         worker = Worker(configure.config, args.rank, (configure.master_addr, configure.master_port))
         link.send(worker.hello())
         serve(worker, link, parent)
@@ -374,8 +375,11 @@ class CoreLink:
         self.encoder = Encoder()
         self.decoder = Decoder(ToWorker)
         self.last_heard = time.monotonic()
+        self.generation = -1  # the Configure's, stamped on every message after it
 
     def send(self, message) -> None:
+        if hasattr(message, "generation"):
+            message.generation = self.generation
         frames = self.encoder.encode(message)
         self.sock.send_multipart(frames, copy=len(frames) == 1)
 

@@ -123,13 +123,23 @@ class Configure(msgspec.Struct, tag="configure"):
     # the torch.distributed rendezvous of the tensor-parallel ranks (unused when there is one)
     master_addr: str
     master_port: int
+    # which start of the workers this is (the core counts restarts): the worker stamps it on
+    # every message after this one, so that a late message of a replaced group is known as such
+    generation: int = 0
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat"):
     """The core is alive (sent while it has nothing else to say, for workers on other hosts)."""
 
 
-class WorkerHello(msgspec.Struct, tag="hello"):
+class FromWorkerMessage(msgspec.Struct):
+    """A message a configured worker sends: `generation` is its Configure's (-1: not yet
+    configured)."""
+
+    generation: int = -1
+
+
+class WorkerHello(FromWorkerMessage, tag="hello", kw_only=True):
     rank: int
     kv_spec: KVSpec
     max_position_embeddings: int
@@ -147,7 +157,7 @@ class InitCache(msgspec.Struct, tag="init_cache"):
     max_model_len: int
 
 
-class WorkerReady(msgspec.Struct, tag="worker_ready"):
+class WorkerReady(FromWorkerMessage, tag="worker_ready", kw_only=True):
     rank: int
 
 
@@ -155,7 +165,7 @@ class Step(msgspec.Struct, tag="step"):
     plan: SchedulerOutput
 
 
-class StepResult(msgspec.Struct, tag="result"):
+class StepResult(FromWorkerMessage, tag="result", kw_only=True):
     step_id: int
     # one per scheduled request, in the plan's order; -1 where a prefill chunk sampled nothing
     sampled_token_ids: np.ndarray
@@ -164,7 +174,7 @@ class StepResult(msgspec.Struct, tag="result"):
     prompt_logprobs: dict[str, PromptLogprobs] | None = None  # of requests that asked, by request id
 
 
-class WorkerFailed(msgspec.Struct, tag="failed"):
+class WorkerFailed(FromWorkerMessage, tag="failed", kw_only=True):
     rank: int
     reason: str
 

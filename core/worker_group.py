@@ -67,6 +67,7 @@ class WorkerGroup:
         self.joined: dict[int, WorkerJoin] = {}
         self.master_port = config.master_port or free_tcp_port(config.master_addr)
         self._last_send = time.monotonic()
+        self.generation = 0  # restarts so far: what this group's workers stamp on their messages
 
     # --- processes ------------------------------------------------------------------------
     def start(self) -> None:
@@ -91,6 +92,7 @@ class WorkerGroup:
             self.local.close()
             self.local = None
         self.joined = {}
+        self.generation += 1  # from now on, messages of the old workers still queued are dropped
         self.master_port = self.config.master_port or free_tcp_port(self.config.master_addr)
         self.start()
 
@@ -157,6 +159,9 @@ class WorkerGroup:
         identity, *frames = self.sock.recv_multipart(copy=False)
         msg = self.decoder.decode([f.buffer for f in frames])
         rank = int(identity.bytes.decode().rpartition("-")[2])
+        if self._stale(rank, msg):
+            logger.info("dropped a %s from a replaced worker %d", type(msg).__name__, rank)
+            return None
         if isinstance(msg, WorkerFailed):
             time.sleep(0.2)  # a rank that died makes the others fail: name the one that died
             self.check_alive(besides=msg.rank)
@@ -166,12 +171,21 @@ class WorkerGroup:
             return None
         return rank, msg
 
+    def _stale(self, rank: int, msg) -> bool:
+        """A message of a worker this group has replaced: stamped with an older generation, or
+        (before its Configure) a join from a process that is not the rank's current one."""
+        if isinstance(msg, WorkerJoin):
+            pids = self.local.pids if self.local is not None and rank in self.local_ranks else {}
+            return rank in pids and pids[rank] != msg.pid
+        generation = getattr(msg, "generation", -1)
+        return generation != -1 and generation != self.generation
+
     def _configure(self, join: WorkerJoin) -> None:
         if not 0 <= join.rank < self.size or join.rank in self.joined:
             logger.warning("ignoring a worker that joined as rank %d (pid %d on %s)", join.rank, join.pid, join.host)
             return
         self.joined[join.rank] = join
-        self.send(join.rank, Configure(self.config, self.config.master_addr, self.master_port))
+        self.send(join.rank, Configure(self.config, self.config.master_addr, self.master_port, self.generation))
 
     def gather(self, kind, timeout_s: float, idle=lambda: None) -> list:
         """One `kind` message from every rank, in rank order; `idle()` runs between polls."""

@@ -11,13 +11,14 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 import zmq
 
 from pagedllm import LLM, BeamSearchParams, InvalidParameter, SamplingParams
 from pagedllm.core.config import EngineConfig
 from pagedllm.core.ipc import free_tcp_port
-from pagedllm.core.protocol import Decoder, Step, ToWorker
+from pagedllm.core.protocol import Decoder, Encoder, Step, StepResult, ToWorker, WorkerFailed
 from pagedllm.core.worker_group import WorkerGroup, rank_identity
 from pagedllm.entrypoints.engine_args import EngineArgs
 from pagedllm.entrypoints.engine_client import EngineDeadError
@@ -193,5 +194,26 @@ def test_a_step_is_encoded_once_and_every_rank_gets_the_same_frames(monkeypatch)
     assert Decoder(ToWorker).decode(frames[0]).plan.num_scheduled_tokens == {"a": 19}
     for sock in ranks:
         sock.close(linger=0)
+    group.sock.close(linger=0)
+    ctx.term()
+
+
+def test_a_message_of_a_replaced_worker_group_is_dropped_not_taken_for_the_new_ones():
+    """After a restart, what the old ranks sent before they died may still be queued: rank 0's
+    report that its collective failed, or a step result. Stamped with the old generation, it
+    is dropped; read as the new group's answer it would end the engine (or cost a restart)."""
+    ctx = zmq.Context()
+    group = WorkerGroup(ctx, "tcp://127.0.0.1:*", EngineConfig(model="m", tensor_parallel_size=2))
+    old = ctx.socket(zmq.DEALER)
+    old.setsockopt(zmq.ROUTING_ID, rank_identity(0))
+    old.connect(group.endpoint)
+    encoder = Encoder()
+    old.send_multipart(encoder.encode(WorkerFailed(rank=0, reason="gloo: connection closed", generation=0)))
+    old.send_multipart(encoder.encode(StepResult(step_id=6, sampled_token_ids=np.zeros(1, np.int64), generation=0)))
+    time.sleep(0.3)  # both are queued at the core
+    group.generation = 1  # as restart() counts it
+    old.send_multipart(encoder.encode(StepResult(step_id=7, sampled_token_ids=np.zeros(1, np.int64), generation=1)))
+    assert group.wait_result(StepResult).step_id == 7
+    old.close(linger=0)
     group.sock.close(linger=0)
     ctx.term()

@@ -11,6 +11,7 @@ import signal
 import threading
 import time
 
+import msgspec
 import openai
 import pytest
 
@@ -26,24 +27,27 @@ class Killer(threading.Thread):
     """SIGKILLs the engine core's worker `times` times, each a random while after the current
     worker appeared (so some kills land mid-step, some while a replacement starts)."""
 
-    def __init__(self, core_pid: int, times: int, seed: int = 0, delay=(0.2, 0.7)):
+    def __init__(self, core_pid: int, times: int, seed: int = 0, delay=(0.2, 0.7), youngest: bool = False):
+        """youngest: kill the worker started last (under tensor parallelism, the last rank)."""
         super().__init__(daemon=True)
         self.core_pid, self.times, self.rng, self.delay = core_pid, times, random.Random(seed), delay
+        self.youngest = youngest
         self.killed: list[tuple[int, float]] = []  # (pid, when)
         self.stop = threading.Event()
 
     def run(self) -> None:
         last = None
         while len(self.killed) < self.times and not self.stop.is_set():
-            workers = [p for p in workers_of(self.core_pid) if p != last]
+            workers = sorted(p for p in workers_of(self.core_pid) if p != last)
             if not workers:
                 time.sleep(0.02)
                 continue
+            victim = workers[-1] if self.youngest else workers[0]
             time.sleep(self.rng.uniform(*self.delay))
-            if is_running(workers[0]):
-                os.kill(workers[0], signal.SIGKILL)
-                self.killed.append((workers[0], time.monotonic()))
-                last = workers[0]
+            if is_running(victim):
+                os.kill(victim, signal.SIGKILL)
+                self.killed.append((victim, time.monotonic()))
+                last = victim
 
 
 def workload(seed: int = 3):
@@ -99,6 +103,35 @@ def test_five_worker_kills_change_no_token(tiny_model, mode):
     assert stats.worker_restarts == 5
     assert all(got == expected for got in runs)
     assert stats.recovered_tokens > 0, "the shared pool should have spared some recomputation"
+    assert not children_of(core) and not segments_of(core)
+
+
+def test_tensor_parallel_ranks_are_replaced_and_change_no_token(tiny_model):
+    """Rank 1 killed twice under tensor parallelism with restarts allowed: rank 0 fails in its
+    collective and says so, and that report (or a result) of the replaced group may still be
+    queued when the new group answers; it must be told apart, not taken for the new group's."""
+    path = tiny_model("llama")
+    prompts, params = workload()
+    prompts = prompts[:10]  # n = 2 and a beam search among them
+    params = [msgspec.structs.replace(p, max_tokens=min(p.max_tokens, 48)) for p in params[:10]]
+    engine = dict(
+        tensor_parallel_size=2, num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=96, skip_tokenizer_init=True
+    )
+    with LLM(path, **engine, max_worker_restarts=4) as llm:
+        expected = tokens_of(llm.generate(prompts, params, use_tqdm=False))  # before any kill
+        core = llm.engine.pid
+        killer = Killer(core, times=2, youngest=True)
+        killer.start()
+        runs = []
+        while len(killer.killed) < 2 and len(runs) < 4:
+            runs.append(tokens_of(llm.generate(prompts, params, use_tqdm=False)))
+        killer.stop.set()
+        killer.join()
+        llm.generate([[5]], SamplingParams(max_tokens=1), use_tqdm=False)
+        stats = llm.last_stats
+    assert len(killer.killed) == 2
+    assert stats.worker_restarts == 2, "a stale message of a replaced group cost a restart"
+    assert all(got == expected for got in runs)
     assert not children_of(core) and not segments_of(core)
 
 
