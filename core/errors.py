@@ -1,5 +1,7 @@
 """Errors the engine reports to its callers."""
 
+from __future__ import annotations
+
 
 class InvalidParameter(ValueError):
     """A request parameter is out of range; `field` names it so servers can report it."""
@@ -7,6 +9,11 @@ class InvalidParameter(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.detail = message
+
+    def renamed(self, field: str) -> InvalidParameter:
+        """The same refusal naming the field as a protocol calls it."""
+        return self if field == self.field else InvalidParameter(field, self.detail)
 
 
 class RequestFailed(RuntimeError):

@@ -171,6 +171,14 @@ class AsyncEngine:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
 
     # --- requests -------------------------------------------------------------------------
+    def prepare(self, prompt, truncation: tuple[int, str] | None = None) -> dict:
+        """A prompt tokenized (and cut to `truncation`: (tokens to keep, side)), as a dict that
+        add_request takes without tokenizing again."""
+        (item,) = self.inputs.prompts([prompt])
+        if truncation is not None:
+            item = self.inputs.truncate(item, *truncation)
+        return {"prompt": item[0], "prompt_token_ids": item[1]}
+
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> RequestStream:
         """Check and submit a request now (raising InvalidParameter or EngineOverloaded here, before
         any response is started); iterate the returned stream for its outputs."""
@@ -219,6 +227,10 @@ class AsyncEngine:
             self.abort(*tracker.unfinished_engine_ids())
         if self.metrics is not None:
             self.metrics.observe_request(tracker.timing, tracker.output)
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
 
     def stop_accepting(self) -> None:
         """From now on add_request raises EngineShuttingDown; running requests go on."""

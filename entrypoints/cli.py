@@ -124,6 +124,12 @@ def add_limit_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-n", type=int, default=d.max_n, help="n, and best_of / beam width (also <= --max-num-seqs)")
     g.add_argument("--max-logprobs", type=int, default=d.max_logprobs)
     g.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings)
+    g.add_argument(
+        "--max-logprob-entries",
+        type=int,
+        default=d.max_logprob_entries,
+        help="logprob entries the server may hold for one request: prompts x n x max_tokens x (logprobs + 1)",
+    )
 
 
 def engine_kwargs(args) -> dict:
@@ -350,6 +356,7 @@ def cmd_serve(args) -> int:
         max_n=args.max_n,
         max_logprobs=args.max_logprobs,
         max_stop_strings=args.max_stop_strings,
+        max_logprob_entries=args.max_logprob_entries,
     )
     options = ServeOptions(
         host=args.host,

@@ -47,6 +47,16 @@ class InputProcessor:
             raise InvalidParameter("prompts", "text prompts need a tokenizer (skip_tokenizer_init is set)")
         return text, self.tokenizer.encode(text)
 
+    def truncate(self, prompt: Prompt, keep: int, side: str = "left") -> Prompt:
+        """The prompt cut to its last (side "left") or first ("right") `keep` tokens; -1 keeps
+        max_model_len. A prompt that was cut has the text of the tokens kept."""
+        ids = prompt[1]
+        keep = self.max_model_len if keep == -1 else keep
+        if len(ids) <= keep:
+            return prompt
+        ids = ids[len(ids) - keep :] if side == "left" else ids[:keep]
+        return (self.tokenizer.decode(ids) if self.tokenizer is not None else None), ids
+
     def tracker(self, prompt: Prompt, params: SamplingParams, request_id: str) -> RequestTracker:
         """The frontend's state for one request, after checking it fits this model."""
         text, ids = prompt
@@ -86,14 +96,21 @@ class InputProcessor:
     def render_chat(
         self, conversation: list[dict], chat_template: str | None = None, add_generation_prompt: bool = True
     ) -> dict:
-        """A conversation as a prompt dict (text and token ids), through the tokenizer's template."""
+        """A conversation as a prompt dict (text and token ids), through the tokenizer's template.
+        A conversation the template refuses (its raise_exception, e.g. "roles must alternate")
+        is an InvalidParameter with the template's message."""
+        from jinja2 import TemplateError
+
         if self.tokenizer is None:
             raise InvalidParameter("messages", "chat needs a tokenizer (skip_tokenizer_init is set)")
         if getattr(self.tokenizer, "chat_template", None) is None and chat_template is None:
             raise InvalidParameter("messages", "the model's tokenizer has no chat template")
-        text = self.tokenizer.apply_chat_template(
-            conversation, tokenize=False, chat_template=chat_template, add_generation_prompt=add_generation_prompt
-        )
+        try:
+            text = self.tokenizer.apply_chat_template(
+                conversation, tokenize=False, chat_template=chat_template, add_generation_prompt=add_generation_prompt
+            )
+        except TemplateError as e:
+            raise InvalidParameter("messages", f"the chat template refused the conversation: {e}") from None
         return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
 
 

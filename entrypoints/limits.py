@@ -23,9 +23,11 @@ class ServerLimits:
     max_n: int = 64  # completions of one prompt, and beams of one search (best_of)
     max_logprobs: int = 20  # top log-probabilities per token
     max_stop_strings: int = 16
+    # logprob entries one request may make the frontend hold (~200 bytes each: 1,000,000 is ~0.2 GB)
+    max_logprob_entries: int = 1_000_000
 
     def __post_init__(self):
-        for field in ("max_request_bytes", "max_prompts", "max_n", "max_stop_strings"):
+        for field in ("max_request_bytes", "max_prompts", "max_n", "max_stop_strings", "max_logprob_entries"):
             if getattr(self, field) < 1:
                 raise ValueError(f"--{field.replace('_', '-')}: must be >= 1, got {getattr(self, field)}")
         if self.max_logprobs < 0:
@@ -44,20 +46,18 @@ class ServerLimits:
                 field, f"{num_prompts} prompts in one request; at most {self.max_prompts} (--max-prompts)"
             )
 
-    def check(
-        self, params: SamplingParams, n_field: str = "n", width_field: str = "best_of", logprobs_field: str = "logprobs"
-    ) -> None:
-        """The fields are named as the protocol at hand names them."""
+    def check(self, params: SamplingParams, wire=lambda field: field) -> None:
+        """`wire` names an engine field as the protocol at hand names it."""
         if params.n > self.max_n:
-            raise InvalidParameter(n_field, f"must be <= {self.max_n} (--max-n), got {params.n}")
+            raise InvalidParameter(wire("n"), f"must be <= {self.max_n} (--max-n), got {params.n}")
         if params.beam_width > self.max_n:
             raise InvalidParameter(
-                width_field, f"beam width must be <= {self.max_n} (--max-n), got {params.beam_width}"
+                wire("beam_width"), f"beam width must be <= {self.max_n} (--max-n), got {params.beam_width}"
             )
-        if params.logprobs is not None and params.logprobs > self.max_logprobs:
-            raise InvalidParameter(
-                logprobs_field, f"must be <= {self.max_logprobs} (--max-logprobs), got {params.logprobs}"
-            )
+        for field in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, field)
+            if value is not None and value > self.max_logprobs:
+                raise InvalidParameter(wire(field), f"must be <= {self.max_logprobs} (--max-logprobs), got {value}")
         stops = params.stop or ()
         if len(stops) > self.max_stop_strings:
             raise InvalidParameter(
@@ -65,3 +65,26 @@ class ServerLimits:
             )
         if any(len(s) > MAX_STOP_STRING_CHARS for s in stops):
             raise InvalidParameter("stop", f"each stop string has at most {MAX_STOP_STRING_CHARS} characters")
+
+    def check_logprob_entries(
+        self, params: SamplingParams, prompt_lens: list[int], max_model_len: int, wire=lambda field: field
+    ) -> None:
+        """The frontend holds every logprob entry of a request until it ends (a non-streamed
+        answer needs them all): at most --max-logprob-entries per request, counting each
+        token's own and its top ones, over all prompts and completions."""
+        total = 0
+        for length in prompt_lens:
+            if params.logprobs is not None:
+                room = max_model_len - length
+                tokens = min(params.max_tokens or room, room)
+                total += params.n * tokens * (params.logprobs + 1)
+            if params.prompt_logprobs is not None:
+                total += length * (params.prompt_logprobs + 1)
+        if total > self.max_logprob_entries:
+            field = "logprobs" if params.logprobs is not None else "prompt_logprobs"
+            raise InvalidParameter(
+                wire(field),
+                f"this request could hold {total} logprob entries (prompts x n x max_tokens x (logprobs + 1), "
+                f"and prompt logprobs); at most {self.max_logprob_entries} (--max-logprob-entries): "
+                "ask for fewer tokens, completions or logprobs",
+            )

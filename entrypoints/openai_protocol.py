@@ -1,22 +1,30 @@
 """Request bodies of the OpenAI-compatible API (msgspec), their translation into
 SamplingParams, and the response and error bodies. Fields are OpenAI's, plus vLLM's
-extra sampling fields (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
-stop_token_ids, use_beam_search). Unknown fields are ignored, as OpenAI's server does."""
+extra fields (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids,
+use_beam_search, length_penalty, prompt_logprobs, return_token_ids, truncate_prompt_tokens,
+truncation_side). Unknown fields are ignored, as OpenAI's server does. An error names the
+field as the client sent it (`best_of`, `top_logprobs`, `max_completion_tokens`), not the
+engine's name for it."""
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
 from pagedllm.core.errors import InvalidParameter, validation_error_parts
 from pagedllm.core.sampling_params import SamplingParams
 
+from .json_paths import path_at, path_nested_deeper_than
+
+MAX_JSON_DEPTH_SHOWN = 32  # where a too-deep body is reported: the first value this deep
+
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage on every chunk
 
 
 class _SamplingFields(msgspec.Struct, kw_only=True):
@@ -42,8 +50,40 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    prompt_logprobs: int | None = None
+    return_token_ids: bool = False
+    truncate_prompt_tokens: int | None = None  # keep this many prompt tokens (-1: max_model_len)
+    truncation_side: Literal["left", "right"] = "left"  # left: drop the start, keep the end
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    # the engine's field names as this request names them (see wire_field)
+    _MAX_TOKENS_FIELD = "max_tokens"
+    _LOGPROBS_FIELD = "logprobs"
+
+    def wire_field(self, field: str) -> str:
+        """An engine field (SamplingParams') as this request names it."""
+        if field == "beam_width":
+            return "best_of" if self.best_of is not None else "n"
+        if field == "max_tokens":
+            return self._MAX_TOKENS_FIELD
+        if field == "logprobs":
+            return self._LOGPROBS_FIELD
+        return field
+
+    def check(self) -> None:
+        """Refusals that need no engine."""
+        if self.stream_options is not None and not self.stream:
+            raise InvalidParameter("stream_options", "is only allowed when stream is true")
+        t = self.truncate_prompt_tokens
+        if t is not None and (isinstance(t, bool) or not (t == -1 or t >= 1)):
+            raise InvalidParameter("truncate_prompt_tokens", f"must be -1 (max_model_len) or >= 1, got {t}")
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None):
+        try:
+            return self._sampling_params(max_tokens, logprobs, prompt_logprobs)
+        except InvalidParameter as e:
+            raise e.renamed(self.wire_field(e.field)) from None
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None):
         if self.logit_bias:
             raise InvalidParameter("logit_bias", "is not supported")
         if self.best_of is not None and self.best_of != self.n and not self.use_beam_search:
@@ -52,11 +92,12 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
             )
         if self.use_beam_search:
             width = self.best_of if self.best_of is not None else self.n
-            if self.n != 1:
-                raise InvalidParameter("n", f"beam search returns the best beam: must be 1, got {self.n}")
+            if isinstance(width, int) and not isinstance(width, bool) and width < 1:
+                raise InvalidParameter("beam_width", f"beam search needs at least one beam, got {width}")
             if self.stream:
                 raise InvalidParameter("stream", "beam search results cannot be streamed")
             return SamplingParams(
+                n=self.n,
                 temperature=0.0,
                 max_tokens=max_tokens,
                 beam_width=width,
@@ -80,11 +121,23 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    @property
+    def truncation(self) -> tuple[int, str] | None:
+        """(tokens to keep, "left" or "right"), or None."""
+        if self.truncate_prompt_tokens is None:
+            return None
+        return self.truncate_prompt_tokens, self.truncation_side
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -108,12 +161,20 @@ class CompletionRequest(_SamplingFields, kw_only=True):
                 raise InvalidParameter(f"prompt[{i}]", "must be a string or a non-empty list of token ids")
         return list(p)
 
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt scored, nothing generated."""
+        return self.echo and self.max_tokens == 0
+
     def to_sampling_params(self) -> SamplingParams:
-        if self.echo:
-            raise InvalidParameter("echo", "is not supported")
+        self.check()
         if self.suffix:
             raise InvalidParameter("suffix", "is not supported")
-        return self.sampling_params(self.max_tokens, self.logprobs)
+        max_tokens = 1 if self.echo_only else self.max_tokens  # the one token is not returned
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:  # the prompt's tokens come with logprobs too
+            prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
+        return self.sampling_params(max_tokens, self.logprobs, prompt_logprobs)
 
 
 def _is_token_id(x) -> bool:
@@ -139,13 +200,22 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
 
+    _LOGPROBS_FIELD = "top_logprobs"
+
+    def wire_field(self, field: str) -> str:
+        if field == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return super().wire_field(field)
+
     def conversation(self) -> list[dict]:
+        """The messages as the chat template takes them. Any role is passed on (a model's
+        template may know roles of its own, and refuses what it does not: a 400)."""
         if not self.messages:
             raise InvalidParameter("messages", "must contain at least one message")
         conv = []
         for i, m in enumerate(self.messages):
-            if m.role not in ("system", "user", "assistant", "developer", "tool"):
-                raise InvalidParameter(f"messages[{i}].role", f"unknown role {m.role!r}")
+            if not m.role:
+                raise InvalidParameter(f"messages[{i}].role", "must not be empty")
             if isinstance(m.content, list):
                 texts = []
                 for j, part in enumerate(m.content):
@@ -157,25 +227,39 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
                 content = "".join(texts)
             else:
                 content = m.content or ""
-            conv.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+            message = {"role": "system" if m.role == "developer" else m.role, "content": content}
+            if m.name is not None:
+                message["name"] = m.name
+            conv.append(message)
         return conv
 
     def to_sampling_params(self) -> SamplingParams:
+        self.check()
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidParameter("top_logprobs", "needs logprobs set to true")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self.sampling_params(max_tokens, logprobs, self.prompt_logprobs)
 
 
 def decode_body(body: bytes, kind: type):
-    """Decode a JSON body; a malformed one raises InvalidParameter naming the offending field."""
+    """Decode a JSON body; a malformed one raises InvalidParameter naming the offending field:
+    also invalid UTF-8 anywhere (keys included, and fields the API ignores) and nesting too
+    deep to read."""
+    try:
+        body.decode("utf-8")  # msgspec does not look inside what it skips
+    except UnicodeDecodeError as e:
+        raise InvalidParameter(path_at(body, e.start) or "body", f"is not valid UTF-8 (byte {e.start})") from None
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as e:
         field, message = validation_error_parts(e)
         raise InvalidParameter(field or "body", message) from None
-    except (msgspec.DecodeError, UnicodeDecodeError) as e:
+    except msgspec.DecodeError as e:
         raise InvalidParameter("body", f"is not valid JSON: {e}") from None
+    except RecursionError:
+        where = path_nested_deeper_than(body, MAX_JSON_DEPTH_SHOWN) or "body"
+        raise InvalidParameter(where, "nests arrays or objects too deeply to be read") from None
 
 
 # --- responses ----------------------------------------------------------------------------
@@ -187,12 +271,15 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    out = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
@@ -203,14 +290,24 @@ def _ranked(entry, num_top: int):
     return sorted((lp for lp in entry.values() if lp.rank is not None), key=lambda lp: lp.rank)[:num_top]
 
 
-def completion_logprobs(entries, token_ids, offset: int, num_top: int) -> dict:
-    """The legacy completions `logprobs` object for some tokens and their Logprob dicts."""
+def completion_logprobs(entries, token_ids, offset: int, num_top: int, decode=None) -> dict:
+    """The legacy completions `logprobs` object for some tokens and their Logprob dicts: each
+    position's top_logprobs holds the sampled token and the num_top most likely (up to
+    num_top + 1 entries, as OpenAI and vLLM give them). An entry of None (a prompt's first
+    token, echoed) has no logprob; `decode(token)` gives its text."""
     tokens, token_lps, tops, offsets = [], [], [], []
     for token, entry in zip(token_ids, entries):
-        text = entry[token].decoded_token or ""
+        if entry is None:
+            text, lp, top = decode(token) if decode is not None else "", None, None
+        else:
+            text = entry[token].decoded_token or ""
+            lp = entry[token].logprob
+            top = {text: lp}
+            for ranked in _ranked(entry, num_top):
+                top.setdefault(ranked.decoded_token or "", ranked.logprob)
         tokens.append(text)
-        token_lps.append(entry[token].logprob)
-        tops.append({lp.decoded_token: lp.logprob for lp in _ranked(entry, num_top)})
+        token_lps.append(lp)
+        tops.append(top)
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
@@ -227,3 +324,19 @@ def chat_logprobs(entries, token_ids, num_top: int) -> dict:
             for token, entry in zip(token_ids, entries)
         ]
     }
+
+
+def prompt_logprobs_body(entries) -> list | None:
+    """vLLM's `prompt_logprobs`: per prompt token, null for the first, else by token id its
+    logprob, rank and text."""
+    if entries is None:
+        return None
+    return [
+        None
+        if entry is None
+        else {
+            str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for t, lp in entry.items()
+        }
+        for entry in entries
+    ]

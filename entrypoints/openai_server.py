@@ -1,41 +1,53 @@
 """The OpenAI-compatible HTTP API on starlette (run by uvicorn): /v1/completions,
-/v1/chat/completions (streamed as server-sent events when asked), /v1/models, /health and
-/metrics. A client that goes away has its requests aborted, which frees their blocks."""
+/v1/chat/completions (streamed as server-sent events when asked), /v1/models, /version,
+/health and /metrics. A client that goes away has its requests aborted, which frees their
+blocks. No request can fail the server: an error is a JSON error body naming the field, and
+an unexpected one is logged here and answered with a 500 that carries no traceback."""
 
 from __future__ import annotations
 
 import asyncio
 import hmac
 import json
+import logging
 
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from pagedllm.core.errors import InvalidParameter
+from pagedllm import __version__
+from pagedllm.core.errors import InvalidParameter, RequestFailed
 
-from .async_engine import AsyncEngine, EngineOverloaded, RequestStream
+from .async_engine import AsyncEngine, EngineOverloaded, EngineShuttingDown, RequestStream
 from .engine_client import EngineDeadError
 from .limits import RequestTooLarge, ServerLimits
 from .metrics import CONTENT_TYPE, EngineMetrics
-from .openai_protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    chat_logprobs,
-    completion_logprobs,
-    decode_body,
-    error_body,
-    new_id,
-    now,
-    usage,
-)
+from .openai_protocol import ChatCompletionRequest, CompletionRequest, decode_body, error_body, new_id, now
+from .openai_responses import ChatResponses, CompletionResponses
+
+logger = logging.getLogger("pagedllm.entrypoints")
+CLIENT_CLOSED = 499  # nginx's code for a client that left before the answer: nobody reads it
 
 
 def error_response(
     status: int, message: str, kind: str, param: str | None = None, code: str | None = None
 ) -> JSONResponse:
     return JSONResponse(error_body(message, kind, param, code), status_code=status)
+
+
+def failure_parts(error: Exception) -> tuple[str, str, str | None, str | None]:
+    """(message, type, param, code) of an error a request met in the engine."""
+    if isinstance(error, InvalidParameter):
+        return str(error), "invalid_request_error", error.field, None
+    if isinstance(error, RequestFailed):
+        return str(error), "server_error", None, "request_failed"
+    return str(error), "server_error", None, "engine_dead"
+
+
+def failure_response(error: Exception) -> JSONResponse:
+    status = 400 if isinstance(error, InvalidParameter) else 500
+    return error_response(status, *failure_parts(error))
 
 
 class EventStream(Response):
@@ -69,8 +81,12 @@ class EventStream(Response):
             try:
                 async for chunk in self.chunks:
                     await send({"type": "http.response.body", "body": _event(chunk), "more_body": True})
-            except InvalidParameter as e:  # refused by the engine core once the stream had started
-                error = error_body(str(e), "invalid_request_error", e.field, None)
+            except (InvalidParameter, RequestFailed, EngineDeadError) as e:  # once the stream had started
+                error = error_body(*failure_parts(e))
+                await send({"type": "http.response.body", "body": _event(error), "more_body": True})
+            except Exception:
+                logger.exception("a streamed response failed")
+                error = error_body("internal error (the server log has why)", "server_error", None, "internal_error")
                 await send({"type": "http.response.body", "body": _event(error), "more_body": True})
             await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
         except asyncio.CancelledError:
@@ -155,16 +171,21 @@ class OpenAIServer:
         api_key: str | None = None,
         metrics: EngineMetrics | None = None,
         limits: ServerLimits | None = None,
+        health_checks=(),
     ):
+        """health_checks: callables that return why the server is unhealthy, or None (e.g. a
+        ZMQ entrypoint beside it that stopped)."""
         self.engine = engine
         self.model_name = model_name
         self.api_key = api_key
         self.metrics = metrics
         self.limits = limits or ServerLimits()
+        self.health_checks = list(health_checks)
         self.app = Starlette(
             routes=[
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.render_metrics, methods=["GET"]),
+                Route("/version", self.version, methods=["GET"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -172,6 +193,7 @@ class OpenAIServer:
         )
         self.app.add_exception_handler(404, self._not_found)
         self.app.add_exception_handler(405, self._not_allowed)
+        self.app.add_exception_handler(Exception, self._internal_error)
 
     # --- plain routes -----------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
@@ -180,12 +202,19 @@ class OpenAIServer:
             return Response(reason, status_code=503)
         if self.engine.recovering is not None:  # requests pause meanwhile; none fails
             return Response(f"recovering: {self.engine.recovering}", status_code=503)
+        for check in self.health_checks:
+            problem = check()
+            if problem is not None:
+                return Response(problem, status_code=503)
         return Response(status_code=200)
 
     async def render_metrics(self, request: Request) -> Response:
         if self.metrics is None:
             return Response("metrics are off", status_code=404)
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": __version__})
 
     async def models(self, request: Request) -> Response:
         if (denied := self._check_key(request)) is not None:
@@ -216,6 +245,10 @@ class OpenAIServer:
             code="method_not_allowed",
         )
 
+    async def _internal_error(self, request: Request, exc: Exception) -> Response:
+        logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return error_response(500, "internal error (the server log has why)", "server_error", code="internal_error")
+
     def _check_key(self, request: Request) -> Response | None:
         if self.api_key is None:
             return None
@@ -231,19 +264,25 @@ class OpenAIServer:
 
     # --- generation -------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
-        return await self._generate(
-            request, CompletionRequest, self._completion_prompts, self._completion_body, self._completion_chunks
-        )
+        return await self._generate(request, CompletionRequest)
 
     async def chat_completions(self, request: Request) -> Response:
-        return await self._generate(
-            request, ChatCompletionRequest, self._chat_prompts, self._chat_body, self._chat_chunks
-        )
+        return await self._generate(request, ChatCompletionRequest)
 
-    async def _generate(self, request: Request, kind, prompts_of, body_of, chunks_of) -> Response:
+    async def _generate(self, request: Request, kind) -> Response:
         if (denied := self._check_key(request)) is not None:
             return denied
+        media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if media_type != "application/json":
+            return error_response(
+                415,
+                f"the body must be JSON (Content-Type: application/json), got {media_type or 'no Content-Type'!r}",
+                "invalid_request_error",
+                code="unsupported_media_type",
+            )
+        is_chat = kind is ChatCompletionRequest
         streams: list[RequestStream] = []
+        req = None
         try:
             req = decode_body(await read_body(request, self.limits), kind)
             if req.model is not None and req.model != self.model_name:
@@ -255,31 +294,40 @@ class OpenAIServer:
                     "model_not_found",
                 )
             params = req.to_sampling_params()
-            is_chat = kind is ChatCompletionRequest
-            self.limits.check(params, logprobs_field="top_logprobs" if is_chat else "logprobs")
-            prompts = prompts_of(req)
+            self.limits.check(params, req.wire_field)
+            prompts = self._prompts(req, is_chat)
             self.limits.check_prompts(len(prompts))
-            for prompt in prompts:
+            prepared = [self.engine.prepare(p, req.truncation) for p in prompts]
+            lens = [len(p["prompt_token_ids"]) for p in prepared]
+            self.limits.check_logprob_entries(params, lens, self.engine.max_model_len, req.wire_field)
+            for prompt in prepared:
                 streams.append(self.engine.add_request(prompt, params))
+        except ClientDisconnect:  # it left while sending the body: nobody to answer
+            return Response(status_code=CLIENT_CLOSED)
         except RequestTooLarge as e:
             return error_response(413, str(e), "invalid_request_error", code="request_too_large")
         except InvalidParameter as e:
             for s in streams:
                 s.close()
+            if req is not None:
+                e = e.renamed(req.wire_field(e.field))
             return error_response(400, str(e), "invalid_request_error", e.field)
         except EngineOverloaded as e:
             for s in streams:
                 s.close()
-            return error_response(503, str(e), "server_error", code="overloaded")
+            code = "shutting_down" if isinstance(e, EngineShuttingDown) else "overloaded"
+            return error_response(503, str(e), "server_error", code=code)
         except EngineDeadError as e:
             return error_response(500, str(e), "server_error", code="engine_dead")
-        meta = {
-            "id": new_id("chatcmpl" if kind is ChatCompletionRequest else "cmpl"),
-            "created": now(),
-            "model": self.model_name,
-        }
+        meta = {"id": new_id("chatcmpl" if is_chat else "cmpl"), "created": now(), "model": self.model_name}
+        if is_chat:
+            responses = ChatResponses(req, params, meta)
+        else:
+            responses = CompletionResponses(req, params, meta, self.engine.tokenizer)
         if req.stream:
-            return EventStream(chunks_of(req, params, streams, meta))
+            updates = merged(streams)
+            first = streams[0].tracker.output.prompt_token_ids
+            return EventStream(responses.chunks(updates, first) if is_chat else responses.chunks(updates, len(streams)))
         # not streamed: wait for the end, unless the client leaves first
         work = asyncio.ensure_future(self._collect(streams))
         watcher = asyncio.ensure_future(until_disconnect(request))
@@ -290,14 +338,19 @@ class OpenAIServer:
         if not work.done():  # the client left: stop (which aborts the requests), answer nobody
             work.cancel()
             await asyncio.gather(work, return_exceptions=True)
-            return Response(status_code=499)
+            return Response(status_code=CLIENT_CLOSED)
         try:
             outputs = work.result()
-        except InvalidParameter as e:  # refused by the engine core
-            return error_response(400, str(e), "invalid_request_error", e.field)
-        except EngineDeadError as e:
-            return error_response(500, str(e), "server_error", code="engine_dead")
-        return JSONResponse(body_of(req, params, outputs, meta))
+        except (InvalidParameter, RequestFailed, EngineDeadError) as e:  # refused or failed in the engine core
+            if isinstance(e, InvalidParameter):
+                e = e.renamed(req.wire_field(e.field))
+            return failure_response(e)
+        return JSONResponse(responses.body(outputs))
+
+    def _prompts(self, req, is_chat: bool) -> list:
+        if is_chat:
+            return [self.engine.render_chat(req.conversation(), add_generation_prompt=req.add_generation_prompt)]
+        return req.prompts()
 
     @staticmethod
     async def _collect(streams: list[RequestStream]):
@@ -305,106 +358,3 @@ class OpenAIServer:
         async for i, out in merged(streams):
             last[i] = out.output
         return last
-
-    # --- completions ------------------------------------------------------------------------
-    def _completion_prompts(self, req: CompletionRequest) -> list:
-        return req.prompts()
-
-    def _completion_body(self, req: CompletionRequest, params, outputs, meta) -> dict:
-        choices = []
-        for p, out in enumerate(outputs):
-            for comp in out.outputs:
-                choices.append(
-                    {
-                        "index": p * params.n + comp.index,
-                        "text": comp.text,
-                        "logprobs": completion_logprobs(comp.logprobs, comp.token_ids, 0, req.logprobs)
-                        if comp.logprobs is not None
-                        else None,
-                        "finish_reason": comp.finish_reason,
-                        "stop_reason": comp.stop_reason,
-                    }
-                )
-        return {**meta, "object": "text_completion", "choices": choices, "usage": self._usage(outputs)}
-
-    async def _completion_chunks(self, req: CompletionRequest, params, streams, meta):
-        sent_lp = {}  # choice index -> logprob entries already sent
-        offsets = {}
-        last = [None] * len(streams)
-        async for p, out in merged(streams):
-            last[p] = out.output
-            if not out.delta_text and out.finish_reason is None:
-                continue
-            index = p * params.n + out.index
-            comp = out.output.outputs[out.index]
-            logprobs = None
-            if comp.logprobs is not None:
-                start = sent_lp.get(index, 0)
-                logprobs = completion_logprobs(
-                    comp.logprobs[start:], comp.token_ids[start:], offsets.get(index, 0), req.logprobs
-                )
-                sent_lp[index] = len(comp.logprobs)
-                offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
-            yield {
-                **meta,
-                "object": "text_completion",
-                "choices": [
-                    {"index": index, "text": out.delta_text, "logprobs": logprobs, "finish_reason": out.finish_reason}
-                ],
-            }
-        if req.include_usage:
-            yield {**meta, "object": "text_completion", "choices": [], "usage": self._usage(last)}
-
-    # --- chat -------------------------------------------------------------------------------
-    def _chat_prompts(self, req: ChatCompletionRequest) -> list:
-        return [self.engine.render_chat(req.conversation(), add_generation_prompt=req.add_generation_prompt)]
-
-    def _chat_body(self, req: ChatCompletionRequest, params, outputs, meta) -> dict:
-        out = outputs[0]
-        choices = [
-            {
-                "index": comp.index,
-                "message": {"role": "assistant", "content": comp.text},
-                "logprobs": chat_logprobs(comp.logprobs, comp.token_ids, req.top_logprobs or 0)
-                if comp.logprobs is not None
-                else None,
-                "finish_reason": comp.finish_reason,
-                "stop_reason": comp.stop_reason,
-            }
-            for comp in out.outputs
-        ]
-        return {**meta, "object": "chat.completion", "choices": choices, "usage": self._usage(outputs)}
-
-    async def _chat_chunks(self, req: ChatCompletionRequest, params, streams, meta):
-        def chunk(index, delta, finish_reason=None, logprobs=None):
-            return {
-                **meta,
-                "object": "chat.completion.chunk",
-                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
-            }
-
-        for i in range(params.n):
-            yield chunk(i, {"role": "assistant", "content": ""})
-        sent_lp = {}
-        last = None
-        async for _, out in merged(streams):
-            last = out.output
-            if not out.delta_text and out.finish_reason is None:
-                continue
-            comp = out.output.outputs[out.index]
-            logprobs = None
-            if comp.logprobs is not None:
-                start = sent_lp.get(out.index, 0)
-                logprobs = chat_logprobs(comp.logprobs[start:], comp.token_ids[start:], req.top_logprobs or 0)
-                sent_lp[out.index] = len(comp.logprobs)
-            yield chunk(out.index, {"content": out.delta_text} if out.delta_text else {}, out.finish_reason, logprobs)
-        if req.include_usage:
-            yield {**meta, "object": "chat.completion.chunk", "choices": [], "usage": self._usage([last])}
-
-    # --- shared -----------------------------------------------------------------------------
-    @staticmethod
-    def _usage(outputs) -> dict:
-        outputs = [o for o in outputs if o is not None]
-        return usage(
-            sum(len(o.prompt_token_ids) for o in outputs), sum(len(c.token_ids) for o in outputs for c in o.outputs)
-        )

@@ -2,9 +2,10 @@
 both on one asyncio loop in this process.
 
 SIGTERM (what systemd, Docker and Kubernetes send) or Ctrl-C drains the server: it stops
-taking requests, lets the running ones finish for up to `shutdown_timeout` seconds, aborts the
-rest (their clients get finish_reason "abort"), stops the engine and exits 0. A second signal
-aborts at once."""
+taking requests (it still listens: new HTTP requests get 503, ZMQ ones an error with code 503,
+and /health says 503), lets the running ones finish for up to `shutdown_timeout` seconds,
+aborts the rest (their clients get finish_reason "abort"), stops the engine and exits 0. A
+second signal aborts at once."""
 
 from __future__ import annotations
 
@@ -93,7 +94,13 @@ class _Server(uvicorn.Server):
 
 
 async def _serve(engine: AsyncEngine, name: str, options: ServeOptions, metrics: EngineMetrics) -> None:
-    app = OpenAIServer(engine, name, options.api_key, metrics, options.limits).app
+    zmq_server = None
+    if options.zmq_endpoint:
+        zmq_server = ZmqServer(engine, options.zmq_endpoint, name, options.zmq_curve, options.limits)
+    checks = [lambda: None if engine.accepting else "shutting down: finishing the running requests"]
+    if zmq_server is not None:
+        checks.append(lambda: zmq_server.dead_reason)
+    app = OpenAIServer(engine, name, options.api_key, metrics, options.limits, checks).app
     server = _Server(
         uvicorn.Config(
             app,
@@ -106,9 +113,6 @@ async def _serve(engine: AsyncEngine, name: str, options: ServeOptions, metrics:
             access_log=False,
         )
     )
-    zmq_server = None
-    if options.zmq_endpoint:
-        zmq_server = ZmqServer(engine, options.zmq_endpoint, name, options.zmq_curve, options.limits)
     zmq_task = asyncio.create_task(zmq_server.serve()) if zmq_server else None
     drain = _Drain(engine, server, zmq_server, options.shutdown_timeout)
     loop = asyncio.get_running_loop()
@@ -154,8 +158,7 @@ class _Drain:
         self.task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
-        self.engine.stop_accepting()
-        self.server.should_exit = True  # uvicorn stops listening and waits for open responses
+        self.engine.stop_accepting()  # new requests are answered 503 while the others finish
         clock = asyncio.get_running_loop().time
         deadline = clock() + self.timeout_s
         while self.engine.num_open_requests and clock() < deadline:
@@ -166,6 +169,7 @@ class _Drain:
         deadline = clock() + 10
         while self.zmq_server is not None and self.zmq_server.tasks and clock() < deadline:
             await asyncio.sleep(0.05)  # the aborted requests' finals go out
+        self.server.should_exit = True  # uvicorn stops listening and waits for open responses
 
     async def finished(self) -> None:
         if self.task is not None:

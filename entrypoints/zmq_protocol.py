@@ -58,12 +58,17 @@ class Completion(msgspec.Struct):
 class Usage(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache
 
 
 class Final(msgspec.Struct, tag="final"):
     request_id: str
     completions: list[Completion]
     usage: Usage
+    # with params.prompt_logprobs: per prompt token (None for the first) its logprob, and the
+    # prompt_logprobs most likely (token id, logprob) in its place
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class Error(msgspec.Struct, tag="error"):
@@ -94,7 +99,7 @@ def readable_request_id(frame: bytes) -> str | None:
     """The string `request_id` of a frame that is a msgpack map, whatever else is wrong with it."""
     try:
         obj = msgspec.msgpack.decode(frame)
-    except (msgspec.DecodeError, UnicodeDecodeError):
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
         return None
     rid = obj.get("request_id") if isinstance(obj, dict) else None
     return rid if isinstance(rid, str) else None

@@ -1,8 +1,9 @@
 """The ZMQ entrypoint: a ROUTER socket that many DEALER clients talk to at once
 (protocol: entrypoints/zmq_protocol.py, docs/zmq-protocol.md). Request ids are the client's,
-scoped to its connection. A frame that cannot be read gets an error reply and touches no
-other request; a client that disconnects has its requests aborted when the next message to
-it cannot be routed."""
+scoped to its connection. A frame that cannot be read, or whose handling fails in any way,
+gets an error reply and touches no other request; a client that disconnects has its requests
+aborted when the next message to it cannot be routed. Should the socket loop itself end
+unexpectedly, `dead_reason` says why (and /health reports it)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from pagedllm.core.errors import InvalidParameter
+from pagedllm.core.errors import InvalidParameter, RequestFailed
 
 from .async_engine import AsyncEngine, EngineOverloaded, RequestStream
 from .engine_client import EngineDeadError
@@ -77,13 +78,24 @@ class ZmqServer:
         self.tasks: dict[tuple[bytes, str], asyncio.Task] = {}
         self._replies: set[asyncio.Task] = set()  # error replies on their way
         self._ids = itertools.count()
+        self.dead_reason: str | None = None  # why serve() ended, if not by being cancelled
 
     async def serve(self) -> None:
         """Answer clients until cancelled."""
         try:
             while True:
                 frames = await self.sock.recv_multipart()
-                self._handle(frames[0], frames[1:])
+                try:
+                    self._handle(frames[0], frames[1:])
+                except Exception:  # a bug met by one frame: that client hears of it, others go on
+                    logger.exception("a ZMQ message could not be handled")
+                    self._reply_soon(frames[0], Error(None, 500, None, "internal error (the server log has why)"))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            self.dead_reason = f"the ZMQ entrypoint stopped: {e!r}"
+            logger.exception("the ZMQ entrypoint stopped")
+            raise
         finally:
             for task in list(self.tasks.values()):
                 task.cancel()
@@ -114,6 +126,9 @@ class ZmqServer:
         except (msgspec.DecodeError, UnicodeDecodeError) as e:
             self._reply_soon(identity, Error(None, 400, None, f"not a msgpack message: {e}"))
             return
+        except RecursionError:
+            self._reply_soon(identity, Error(None, 400, None, "the message nests arrays or maps too deeply to be read"))
+            return
         if isinstance(msg, Hello):
             self._reply_soon(identity, Ready(self.model_name, self.engine.max_model_len))
         elif isinstance(msg, Abort):
@@ -132,8 +147,11 @@ class ZmqServer:
             return
         try:
             params = sampling_params(msg.params)
-            self.limits.check(params, width_field="beam_width")
-            stream = self.engine.add_request(self._prompt(msg), params, request_id=f"zmq-{next(self._ids)}")
+            self.limits.check(params, wire_field)
+            prompt = self.engine.prepare(self._prompt(msg))
+            lens = [len(prompt["prompt_token_ids"])]
+            self.limits.check_logprob_entries(params, lens, self.engine.max_model_len, wire_field)
+            stream = self.engine.add_request(prompt, params, request_id=f"zmq-{next(self._ids)}")
         except InvalidParameter as e:
             self._reply_soon(identity, Error(msg.request_id, 400, wire_field(e.field), str(e)))
             return
@@ -167,19 +185,21 @@ class ZmqServer:
                         await self._send(identity, delta)
             except asyncio.CancelledError:  # the client aborted, or the server is stopping
                 stream.close()
-                await self._send(identity, self._final(rid, output))
+                await self._send(identity, self._final(rid, output, stream.tracker.params))
                 return
-            except EngineDeadError as e:
+            except (EngineDeadError, RequestFailed) as e:
                 await self._send(identity, Error(rid, 500, None, str(e)))
                 return
             except InvalidParameter as e:  # refused by the engine core (e.g. a beam search too big for the pool)
                 await self._send(identity, Error(rid, 400, wire_field(e.field), str(e)))
                 return
-            except Exception as e:  # a bug here must not leave the client waiting
+            except ClientGone:
+                raise
+            except Exception:  # a bug here must not leave the client waiting
                 logger.exception("ZMQ request %r failed", rid)
-                await self._send(identity, Error(rid, 500, None, f"internal error: {e!r}"))
+                await self._send(identity, Error(rid, 500, None, "internal error (the server log has why)"))
                 return
-            await self._send(identity, self._final(rid, output))
+            await self._send(identity, self._final(rid, output, stream.tracker.params))
         except ClientGone:
             self._forget_client(identity)
         except asyncio.CancelledError:
@@ -190,7 +210,13 @@ class ZmqServer:
                 del self.tasks[(identity, rid)]
 
     @staticmethod
-    def _final(rid: str, output) -> Final:
+    def _final(rid: str, output, params) -> Final:
+        lps = tops = None
+        if output.prompt_logprobs is not None:
+            entries = output.prompt_logprobs[1:]
+            ids = output.prompt_token_ids[1 : 1 + len(entries)]
+            lps, tops = _token_logprobs(ids, entries, params.prompt_logprobs)
+            lps, tops = [None, *lps], [[], *tops]
         return Final(
             rid,
             [
@@ -199,7 +225,11 @@ class ZmqServer:
                 )
                 for c in output.outputs
             ],
-            Usage(len(output.prompt_token_ids), sum(len(c.token_ids) for c in output.outputs)),
+            Usage(
+                len(output.prompt_token_ids), sum(len(c.token_ids) for c in output.outputs), output.num_cached_tokens
+            ),
+            lps,
+            tops,
         )
 
     # --- sending ----------------------------------------------------------------------------
@@ -230,7 +260,7 @@ class ZmqServer:
 
 
 def _token_logprobs(token_ids: list[int], entries: list[dict], k: int) -> tuple[list[float], list[list]]:
-    """The new tokens' log-probabilities, and for each the k most likely (token id, logprob)."""
+    """The tokens' log-probabilities, and for each the k most likely (token id, logprob)."""
     sampled = [entry[t].logprob for t, entry in zip(token_ids, entries)]
     by_rank = [sorted((e.rank, t, e.logprob) for t, e in entry.items() if e.rank <= k) for entry in entries]
     return sampled, [[(t, lp) for _, t, lp in ranked] for ranked in by_rank]

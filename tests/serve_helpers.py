@@ -18,7 +18,7 @@ from proc_helpers import children_of, is_running, segments_of, wait_until
 
 
 class ServerProcess:
-    def __init__(self, model: str, *flags: str):
+    def __init__(self, model: str, *flags: str, env: dict | None = None):
         self.port = free_tcp_port()
         self.zmq_endpoint = f"tcp://127.0.0.1:{free_tcp_port()}"
         self.url = f"http://127.0.0.1:{self.port}"
@@ -39,6 +39,7 @@ class ServerProcess:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            env=env,
         )
         self.banner = self.proc.stdout.readline()
         if "serving" not in self.banner:

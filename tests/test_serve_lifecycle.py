@@ -75,6 +75,13 @@ def test_sigterm_finishes_short_requests_aborts_long_ones_and_exits_0(model):
             with pytest.raises(ZmqRequestError) as err:
                 await late.generate(prompt="too late", max_tokens=2)
         assert err.value.code == 503 and "shutting down" in str(err.value)
+        # HTTP still listens while draining: a new request gets 503, and so does /health
+        assert (await asyncio.to_thread(srv.get, "/health"))[0] == 503
+        late_http = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.APIStatusError) as http_err:
+            await late_http.completions.create(model=model, prompt="too late", max_tokens=2)
+        assert http_err.value.status_code == 503 and http_err.value.body["code"] == "shutting_down"
+        await late_http.close()
         results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=30)
         return results, sent
 

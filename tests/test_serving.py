@@ -72,7 +72,10 @@ def test_openai_client_completions_chat_streaming_and_n(server, model):
 
     two = c.completions.create(model=model, prompt="Once upon", max_tokens=8, n=2, temperature=1.0, seed=7, logprobs=2)
     assert sorted(ch.index for ch in two.choices) == [0, 1] and two.usage.completion_tokens == 16
-    assert all(len(ch.logprobs.token_logprobs) == 8 and len(ch.logprobs.top_logprobs[0]) == 2 for ch in two.choices)
+    for ch in two.choices:  # each position: the sampled token and the two most likely (keyed by text)
+        assert len(ch.logprobs.token_logprobs) == 8
+        assert all(1 <= len(top) <= 3 for top in ch.logprobs.top_logprobs)
+        assert all(t in top for t, top in zip(ch.logprobs.tokens, ch.logprobs.top_logprobs))
     again = c.completions.create(model=model, prompt="Once upon", max_tokens=8, n=2, temperature=1.0, seed=7)
     assert [ch.text for ch in again.choices] == [ch.text for ch in two.choices]  # seeded
 

@@ -1,0 +1,234 @@
+"""The bodies the OpenAI-compatible API answers with: whole responses and streamed chunks, for
+completions (with echo and prompt logprobs) and chat, built from the frontend's RequestOutputs."""
+
+from __future__ import annotations
+
+from .openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_logprobs,
+    completion_logprobs,
+    prompt_logprobs_body,
+    usage,
+)
+
+
+def usage_of(outputs, echo_only: bool = False) -> dict:
+    """Tokens over every prompt and completion so far; the prefix-cache hit as cached_tokens."""
+    outputs = [o for o in outputs if o is not None]
+    completion = 0 if echo_only else sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return usage(sum(len(o.prompt_token_ids) for o in outputs), completion, sum(o.num_cached_tokens for o in outputs))
+
+
+class CompletionResponses:
+    def __init__(self, req: CompletionRequest, params, meta: dict, tokenizer):
+        self.req, self.params, self.meta, self.tokenizer = req, params, meta, tokenizer
+
+    def _decode(self, token: int) -> str:
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else ""
+
+    def _prompt_text(self, out) -> str:
+        if out.prompt is not None:
+            return out.prompt
+        return self.tokenizer.decode(out.prompt_token_ids) if self.tokenizer is not None else ""
+
+    def _echoed(self, out, comp) -> tuple[str, list, list | None]:
+        """(text, token ids, logprob entries) of a choice: the prompt's first when echoed."""
+        req = self.req
+        text, ids = comp.text, list(comp.token_ids)
+        entries = list(comp.logprobs) if comp.logprobs is not None else None
+        if req.echo_only:
+            text, ids, entries = "", [], [] if entries is not None else None
+        if req.echo:
+            text = self._prompt_text(out) + text
+            ids = list(out.prompt_token_ids) + ids
+            if entries is not None:
+                entries = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + entries
+        return text, ids, entries
+
+    def _extras(self, out, comp_ids: list[int], first: bool) -> dict:
+        extra = {}
+        if self.req.return_token_ids:
+            extra["token_ids"] = comp_ids
+            if first:
+                extra["prompt_token_ids"] = list(out.prompt_token_ids)
+        return extra
+
+    def body(self, outputs: list) -> dict:
+        req = self.req
+        choices = []
+        for p, out in enumerate(outputs):
+            for comp in out.outputs:
+                text, ids, entries = self._echoed(out, comp)
+                logprobs = None
+                if entries is not None and req.logprobs is not None:
+                    logprobs = completion_logprobs(entries, ids, 0, req.logprobs, self._decode)
+                choices.append(
+                    {
+                        "index": p * self.params.n + comp.index,
+                        "text": text,
+                        "logprobs": logprobs,
+                        "finish_reason": "length" if req.echo_only else comp.finish_reason,
+                        "stop_reason": comp.stop_reason,
+                        "prompt_logprobs": prompt_logprobs_body(
+                            out.prompt_logprobs if req.prompt_logprobs is not None else None
+                        ),
+                        **self._extras(out, comp.token_ids if not req.echo_only else [], True),
+                    }
+                )
+        return {
+            **self.meta,
+            "object": "text_completion",
+            "choices": choices,
+            "usage": usage_of(outputs, req.echo_only),
+        }
+
+    async def chunks(self, updates, num_prompts: int):
+        """Chunks from (prompt index, StreamOutput) updates. An echoed prompt comes first, once
+        the prompt is computed (its logprobs complete)."""
+        req = self.req
+        sent_lp, offsets, started = {}, {}, set()
+        sent_ids: dict[int, int] = {}  # choice index -> token ids already sent
+        last = [None] * num_prompts
+        async for p, out in updates:
+            last[p] = out.output
+            index = p * self.params.n + out.index
+            comp = out.output.outputs[out.index]
+            first = []
+            if index not in started and _prompt_done(out.output):
+                started.add(index)
+                first.append(self._first_chunk(out.output, index))
+                offsets[index] = len(first[0]["choices"][0]["text"])
+            for chunk in first:
+                yield self._with_usage(chunk, last)
+            if req.echo_only:
+                if out.finish_reason is not None:
+                    yield self._with_usage(self._chunk(index, "", None, "length", []), last)
+                continue
+            if not out.delta_text and out.finish_reason is None:
+                continue
+            logprobs = None
+            if comp.logprobs is not None:
+                start = sent_lp.get(index, 0)
+                logprobs = completion_logprobs(
+                    comp.logprobs[start:], comp.token_ids[start:], offsets.get(index, 0), req.logprobs
+                )
+                sent_lp[index] = len(comp.logprobs)
+                offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
+            ids = comp.token_ids[sent_ids.get(index, 0) :]  # also those of updates that brought no text
+            sent_ids[index] = len(comp.token_ids)
+            chunk = self._chunk(index, out.delta_text, logprobs, out.finish_reason, ids)
+            yield self._with_usage(chunk, last)
+        if req.include_usage:
+            yield {**self.meta, "object": "text_completion", "choices": [], "usage": usage_of(last, req.echo_only)}
+
+    def _first_chunk(self, out, index: int) -> dict:
+        """Before a choice's first text: the echoed prompt, its prompt logprobs and token ids."""
+        req = self.req
+        text, logprobs = "", None
+        if req.echo:
+            text = self._prompt_text(out)
+            if req.logprobs is not None:
+                entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+                logprobs = completion_logprobs(entries, out.prompt_token_ids, 0, req.logprobs, self._decode)
+        chunk = self._chunk(index, text, logprobs, None, [])
+        choice = chunk["choices"][0]
+        if req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs_body(out.prompt_logprobs)
+        if req.return_token_ids:
+            choice["prompt_token_ids"] = list(out.prompt_token_ids)
+        return chunk
+
+    def _chunk(self, index, text, logprobs, finish_reason, token_ids) -> dict:
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        if self.req.return_token_ids:
+            choice["token_ids"] = list(token_ids)
+        return {**self.meta, "object": "text_completion", "choices": [choice]}
+
+    def _with_usage(self, chunk: dict, last: list) -> dict:
+        if self.req.continuous_usage:
+            chunk["usage"] = usage_of(last, self.req.echo_only)
+        return chunk
+
+
+def _prompt_done(output) -> bool:
+    """Whether the prompt is computed, as far as the frontend can tell: its logprobs (when
+    asked for) are all in, or a token came."""
+    if output.prompt_logprobs is not None:
+        return len(output.prompt_logprobs) >= len(output.prompt_token_ids)
+    return any(c.token_ids or c.finish_reason for c in output.outputs)
+
+
+class ChatResponses:
+    def __init__(self, req: ChatCompletionRequest, params, meta: dict):
+        self.req, self.params, self.meta = req, params, meta
+
+    def body(self, outputs: list) -> dict:
+        req = self.req
+        out = outputs[0]
+        choices = []
+        for comp in out.outputs:
+            choice = {
+                "index": comp.index,
+                "message": {"role": "assistant", "content": comp.text},
+                "logprobs": chat_logprobs(comp.logprobs, comp.token_ids, req.top_logprobs or 0)
+                if comp.logprobs is not None
+                else None,
+                "finish_reason": comp.finish_reason,
+                "stop_reason": comp.stop_reason,
+            }
+            if req.return_token_ids:
+                choice["token_ids"] = list(comp.token_ids)
+            choices.append(choice)
+        body = {
+            **self.meta,
+            "object": "chat.completion",
+            "choices": choices,
+            "usage": usage_of(outputs),
+            "prompt_logprobs": prompt_logprobs_body(out.prompt_logprobs if req.prompt_logprobs is not None else None),
+        }
+        if req.return_token_ids:
+            body["prompt_token_ids"] = list(out.prompt_token_ids)
+        return body
+
+    def _chunk(self, index, delta, finish_reason=None, logprobs=None, token_ids=None, output=None) -> dict:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        if token_ids is not None:
+            choice["token_ids"] = list(token_ids)
+        chunk = {**self.meta, "object": "chat.completion.chunk", "choices": [choice]}
+        if self.req.continuous_usage:
+            chunk["usage"] = usage_of([output])
+        return chunk
+
+    async def chunks(self, updates, prompt_token_ids: list[int]):
+        req = self.req
+        ids = req.return_token_ids
+        for i in range(self.params.n):
+            chunk = self._chunk(i, {"role": "assistant", "content": ""}, token_ids=[] if ids else None)
+            if ids and i == 0:
+                chunk["prompt_token_ids"] = list(prompt_token_ids)
+            if req.continuous_usage:
+                chunk["usage"] = usage(len(prompt_token_ids), 0)
+            yield chunk
+        sent_lp, sent_ids = {}, {}
+        last, prompt_lps_sent = None, False
+        async for _, out in updates:
+            last = out.output
+            if not out.delta_text and out.finish_reason is None:
+                continue
+            comp = out.output.outputs[out.index]
+            logprobs = None
+            if comp.logprobs is not None:
+                start = sent_lp.get(out.index, 0)
+                logprobs = chat_logprobs(comp.logprobs[start:], comp.token_ids[start:], req.top_logprobs or 0)
+                sent_lp[out.index] = len(comp.logprobs)
+            delta = {"content": out.delta_text} if out.delta_text else {}
+            new_ids = comp.token_ids[sent_ids.get(out.index, 0) :]  # also those of updates without text
+            sent_ids[out.index] = len(comp.token_ids)
+            chunk = self._chunk(out.index, delta, out.finish_reason, logprobs, new_ids if ids else None, out.output)
+            if req.prompt_logprobs is not None and not prompt_lps_sent:
+                chunk["prompt_logprobs"] = prompt_logprobs_body(out.output.prompt_logprobs)
+                prompt_lps_sent = True
+            yield chunk
+        if req.include_usage:
+            yield {**self.meta, "object": "chat.completion.chunk", "choices": [], "usage": usage_of([last])}

@@ -1,0 +1,363 @@
+"""`pagedllm serve` against hostile, careless and vLLM-minded clients: no request may stop the
+engine or an entrypoint, every refusal names the field the client sent, no traceback reaches
+a client, and the OpenAI surface that clients written for vLLM's server use.
+
+One server for the module. Its processes start with a sitecustomize that plants one bug in the
+engine core: a beam search with length_penalty 4.25 raises in its step, as an unbounded
+length_penalty once did (OverflowError) — the way to check that an error in the core's handling
+of one request fails that request alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import urllib.request
+
+import msgspec
+import openai
+import pytest
+
+from pagedllm.entrypoints.zmq_client import ZmqClient, ZmqRequestError
+from pagedllm.entrypoints.zmq_protocol import Error, Final, Ready
+
+from serve_helpers import ServerProcess
+
+MAX_MODEL_LEN = 512
+PLANTED_PENALTY = 4.25
+
+SITECUSTOMIZE = f"""
+import numpy  # noqa: F401 - before the patch, so that a torch-free process imports what it would
+from pagedllm.core import beam_search
+
+_step = beam_search.BeamGroup.step
+
+
+def _planted(self, candidates, histories):
+    if self.length_penalty == {PLANTED_PENALTY}:
+        raise OverflowError("(34, 'Numerical result out of range')")
+    return _step(self, candidates, histories)
+
+
+beam_search.BeamGroup.step = _planted
+"""
+
+# roles must alternate (a template's own refusal); any role name is taken
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if loop.index0 > 0 and m['role'] == messages[loop.index0 - 1]['role'] %}"
+    "{{ raise_exception('Conversation roles must alternate') }}{% endif %}"
+    "<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model, tmp_path_factory):
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    path = str(tmp_path_factory.mktemp("strict-template") / "model")
+    shutil.copytree(tiny_model("llama"), path)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    site = tmp_path_factory.mktemp("planted-bug")
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
+    srv = ServerProcess(
+        model, "--num-kv-blocks", "400", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "64", env=env
+    )
+    yield srv
+    srv.stop()
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def post(server, path: str, body, content_type: str = "application/json") -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(server.url + path, data=data, method="POST", headers={"Content-Type": content_type})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def assert_serving(server, model) -> None:
+    """/health is 200 and a request is answered on both surfaces."""
+    assert server.get("/health")[0] == 200
+    assert client(server).completions.create(model=model, prompt="hi", max_tokens=2).usage.completion_tokens == 2
+    with ZmqClient(server.zmq_endpoint, timeout_s=20) as zc:
+        assert zc.generate(prompt="hi", max_tokens=2).usage.completion_tokens == 2
+
+
+def no_traceback(text: str) -> None:
+    assert "Traceback" not in text and ".py" not in text, text
+
+
+# --- a request that would kill the engine or an entrypoint ---------------------------------
+@pytest.mark.parametrize("penalty", [400, 1e308, -1e308])
+def test_a_huge_length_penalty_is_refused_and_the_engine_serves_on(server, model, penalty):
+    body = {"model": model, "prompt": "hi", "max_tokens": 4, "use_beam_search": True, "best_of": 3}
+    status, reply = post(server, "/v1/completions", {**body, "length_penalty": penalty})
+    assert status == 400 and reply["error"]["param"] == "length_penalty", reply
+    with ZmqClient(server.zmq_endpoint, timeout_s=20) as zc, pytest.raises(ZmqRequestError) as e:
+        zc.generate(prompt="hi", max_tokens=4, beam_width=2, length_penalty=penalty)
+    assert e.value.code == 400 and e.value.field == "params.length_penalty"
+    assert_serving(server, model)
+
+
+def test_an_error_in_the_engine_core_fails_that_request_alone(server, model):
+    """The planted bug raises in the core while it handles one beam search: that request gets a
+    500 without a traceback, the one beside it finishes, and the engine serves on."""
+    with ZmqClient(server.zmq_endpoint, timeout_s=30) as zc:
+        beside = zc.stream(prompt_token_ids=[5, 6, 7], max_tokens=40, temperature=0.0, ignore_eos=True)
+        next(beside)
+        body = {"model": model, "prompt": "hi", "max_tokens": 4, "use_beam_search": True, "best_of": 2}
+        status, reply = post(server, "/v1/completions", {**body, "length_penalty": PLANTED_PENALTY})
+        assert status == 500 and reply["error"]["code"] == "request_failed", reply
+        no_traceback(reply["error"]["message"])
+        with pytest.raises(ZmqRequestError) as e:
+            zc.generate(prompt="hi", max_tokens=4, beam_width=2, length_penalty=PLANTED_PENALTY)
+        assert e.value.code == 500
+        no_traceback(str(e.value))
+        final = list(beside)[-1]
+        assert isinstance(final, Final) and len(final.completions[0].token_ids) == 40
+    assert_serving(server, model)
+
+
+@pytest.mark.parametrize(
+    "frame", [b"\x91" * 1000 + b"\xc0", b"\x81\xa1a" * 1000 + b"\xc0", b"\x81\xa4type" + b"\x91" * 5000 + b"\xc0"]
+)
+def test_a_nesting_bomb_frame_gets_an_error_and_the_zmq_socket_serves_on(server, model, frame):
+    with ZmqClient(server.zmq_endpoint, timeout_s=20) as zc:
+        zc.send_raw(frame)
+        reply = zc.receive_any()
+        assert isinstance(reply, Error) and reply.code == 400 and reply.message
+        assert isinstance(zc.wait_ready(), Ready)
+    assert_serving(server, model)
+
+
+@pytest.mark.parametrize(
+    "body,field",
+    [
+        (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "prompt[0][0][0]..."),
+        (b'{"prompt": "hi", "extra": ' + b'{"a":' * 100_000 + b"1" + b"}" * 100_000 + b"}", "extra.a.a.a..."),
+        (b'{"messages": [{"role": "user", "content": ' + b"[" * 100_000 + b"]" * 100_000 + b"}]}", None),
+        (b'{"prompt": "hi", "stop_token_ids": [18446744073709551616]}', "stop_token_ids"),
+        (b'{"prompt": "hi", "max_tokens": 18446744073709551616}', "max_tokens"),
+        (b'{"prompt": "hi", "top_k": -18446744073709551616}', "top_k"),
+        (b'{"prompt": "hi", "\xff\xfe": 1}', "\ufffd\ufffd"),
+        (b'{"prompt": "hi", "user": "\xc3\x28"}', "user"),
+    ],
+)
+def test_malformed_json_is_a_400_naming_the_field(server, model, body, field):
+    path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
+    status, reply = post(server, path, body)
+    assert status == 400, reply
+    expected = field or "messages[0].content[0]"  # typed: refused as a wrong type before it nests
+    assert reply["error"]["param"] == expected, reply
+    no_traceback(reply["error"]["message"])
+
+
+def test_a_chat_template_that_refuses_the_conversation_is_a_400_with_its_message(server, model):
+    c = client(server)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], max_tokens=2
+        )
+    assert e.value.body["param"] == "messages" and "Conversation roles must alternate" in e.value.body["message"]
+    # a role the template takes, though OpenAI's API does not know it
+    out = c.chat.completions.create(
+        model=model, messages=[{"role": "critic", "content": "a"}, {"role": "user", "content": "b"}], max_tokens=2
+    )
+    assert out.usage.completion_tokens == 2
+
+
+# --- errors name what the client sent ------------------------------------------------------
+@pytest.mark.parametrize(
+    "path,extra,param",
+    [
+        ("/v1/completions", {"use_beam_search": True, "best_of": 11}, "best_of"),
+        ("/v1/completions", {"use_beam_search": True, "best_of": 0}, "best_of"),
+        ("/v1/completions", {"use_beam_search": True, "n": 0}, "n"),
+        ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("/v1/chat/completions", {"max_completion_tokens": -5}, "max_completion_tokens"),
+        ("/v1/chat/completions", {"max_tokens": -5}, "max_tokens"),
+        ("/v1/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+        ("/v1/completions", {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ("/v1/completions", {"truncation_side": "middle"}, "truncation_side"),
+        ("/v1/completions", {"prompt_logprobs": 21}, "prompt_logprobs"),
+        ("/v1/completions", {"n": 64, "logprobs": 20, "max_tokens": 500}, "logprobs"),  # ~0.7M entries a prompt
+    ],
+)
+def test_refusals_name_the_field_the_client_sent(server, model, path, extra, param):
+    body = {"model": model, **extra}
+    if "chat" in path:
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    else:
+        body["prompt"] = ["a", "b"] if param == "logprobs" else "hi"
+    status, reply = post(server, path, body)
+    assert status == 400 and reply["error"]["param"] == param, reply
+
+
+def test_a_body_that_is_not_json_is_a_415(server, model):
+    status, reply = post(server, "/v1/completions", b"prompt=hi", content_type="application/x-www-form-urlencoded")
+    assert status == 415 and reply["error"]["code"] == "unsupported_media_type"
+
+
+def test_clients_that_hang_up_are_not_logged_as_errors(server, model):
+    before = len(server.output)
+    # HTTP: a body promised and never sent in full
+    with socket.create_connection(("127.0.0.1", server.port)) as conn:
+        conn.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 500\r\n\r\n{"prompt": "'
+        )
+        time.sleep(0.3)
+    # ZMQ: a streaming client that vanishes mid-stream (no abort: its connection just drops)
+    zc = ZmqClient(server.zmq_endpoint, timeout_s=20)
+    zc.send_raw(
+        msgspec.msgpack.encode(
+            {
+                "type": "generate",
+                "request_id": "gone",
+                "prompt_token_ids": [5, 6, 7],
+                "params": {"max_tokens": 200, "ignore_eos": True},
+            }
+        )
+    )
+    assert zc.receive_any().request_id == "gone"
+    zc.close()
+    time.sleep(1.0)  # the server notices when it next sends to it
+    assert_serving(server, model)
+    logged = "".join(server.output[before:])
+    assert "ERROR" not in logged and "Traceback" not in logged, logged
+
+
+# --- what clients written for vLLM's server expect ----------------------------------------
+def test_completion_logprobs_include_the_sampled_token(server, model):
+    c = client(server)
+    for k in (0, 1, 3):
+        out = c.completions.create(model=model, prompt="The quick", max_tokens=6, temperature=1.0, seed=5, logprobs=k)
+        lp = out.choices[0].logprobs
+        for token, top, value in zip(lp.tokens, lp.top_logprobs, lp.token_logprobs):
+            assert top[token] == value and len(top) <= k + 1
+        if k == 0:
+            assert all(len(top) == 1 for top in lp.top_logprobs)
+
+
+def test_beam_search_reports_length_and_returns_n_beams(server, model):
+    c = client(server)
+    out = c.completions.create(
+        model=model,
+        prompt="Once upon",
+        max_tokens=5,
+        n=2,
+        temperature=0,
+        best_of=3,
+        extra_body={"use_beam_search": True, "ignore_eos": True},
+    )
+    assert [ch.index for ch in out.choices] == [0, 1]
+    assert [ch.finish_reason for ch in out.choices] == ["length", "length"]
+    assert out.choices[0].text != out.choices[1].text and out.usage.completion_tokens == 10
+
+
+def test_prompt_logprobs_echo_and_cached_tokens(server, model):
+    c = client(server)
+    prompt = "The quick brown fox jumps over the lazy dog, twice over the lazy dog"
+    plain = c.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
+    assert plain.choices[0].model_extra["prompt_logprobs"] is None  # present, null
+    again = c.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    scored = c.completions.create(
+        model=model, prompt=prompt, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 1}
+    )
+    entries = scored.choices[0].model_extra["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == scored.usage.prompt_tokens
+    assert all(1 <= len(e) <= 2 for e in entries[1:])
+    # how evaluation harnesses score a text: echo, logprobs, nothing generated
+    echo = c.completions.create(model=model, prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    choice = echo.choices[0]
+    assert choice.text == prompt and echo.usage.completion_tokens == 0
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+    assert "".join(choice.logprobs.tokens) == prompt
+    for p, entry in enumerate(entries[1:], start=1):  # the same numbers either way
+        assert min(lp["logprob"] for lp in entry.values()) <= choice.logprobs.token_logprobs[p] + 1e-5
+    chat = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert "prompt_logprobs" in chat.model_extra and chat.model_extra["prompt_logprobs"] is None
+
+
+def test_continuous_usage_token_ids_and_truncation(server, model):
+    c = client(server)
+    chunks = list(
+        c.completions.create(
+            model=model,
+            prompt=[5, 6, 7, 8, 9, 10],
+            max_tokens=4,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+            extra_body={"return_token_ids": True, "truncate_prompt_tokens": 3, "ignore_eos": True},
+        )
+    )
+    assert all(ch.usage is not None and ch.usage.prompt_tokens == 3 for ch in chunks)
+    assert chunks[-1].usage.completion_tokens == 4
+    assert next(ch.choices[0].model_extra.get("prompt_token_ids") for ch in chunks if ch.choices) == [8, 9, 10]
+    ids = [t for ch in chunks if ch.choices for t in ch.choices[0].model_extra["token_ids"]]
+    whole = c.completions.create(
+        model=model,
+        prompt=[8, 9, 10],
+        max_tokens=4,
+        temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
+    assert whole.choices[0].model_extra["token_ids"] == ids and len(ids) == 4
+    right = c.completions.create(
+        model=model,
+        prompt=[5, 6, 7, 8, 9, 10],
+        max_tokens=1,
+        extra_body={"return_token_ids": True, "truncate_prompt_tokens": 2, "truncation_side": "right"},
+    )
+    assert right.choices[0].model_extra["prompt_token_ids"] == [5, 6]
+
+
+def test_min_tokens_holds_back_stop_strings(server, model):
+    c = client(server)
+    free = c.completions.create(
+        model=model, prompt=[5, 6, 7], max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
+    text = free.choices[0].text
+    stop = text[:2]  # would stop at once
+    held = c.completions.create(
+        model=model,
+        prompt=[5, 6, 7],
+        max_tokens=12,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True, "min_tokens": 12},
+    )
+    assert held.choices[0].finish_reason == "length" and held.choices[0].text == text
+
+
+def test_version(server):
+    status, body = server.get("/version")
+    assert status == 200 and json.loads(body)["version"]
+
+
+def test_zmq_prompt_logprobs_and_cached_tokens(server):
+    with ZmqClient(server.zmq_endpoint, timeout_s=20) as zc:
+        final = zc.generate(prompt_token_ids=list(range(5, 45)), max_tokens=2, prompt_logprobs=2)
+        assert final.prompt_logprobs[0] is None and len(final.prompt_logprobs) == 40
+        assert all(len(top) == 2 for top in final.prompt_top_logprobs[1:])
+        again = zc.generate(prompt_token_ids=list(range(5, 45)), max_tokens=2)
+        assert again.usage.cached_tokens > 0
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(final))  # plain msgpack for other languages
