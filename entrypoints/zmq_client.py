@@ -206,6 +206,11 @@ class AsyncZmqClient(_Base):
         finally:
             self._queues.pop(None, None)
 
+    def abort(self, request_id: str) -> None:
+        """Ask the server to stop a request; its stream then ends with a Final (finish_reason
+        "abort"). Best effort, as in ZmqClient.abort: a send that cannot go now is dropped."""
+        self._abort_nowait(request_id)
+
     def _abort_nowait(self, request_id: str) -> None:
         """Best effort, as in ZmqClient.abort: a send that cannot go now is dropped."""
         sent = self.sock.send(self.encoder.encode(Abort(request_id)), zmq.NOBLOCK)

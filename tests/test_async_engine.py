@@ -18,7 +18,7 @@ def offline(tiny_model):
         return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def engine(tiny_model):
     e = AsyncEngine(model=tiny_model("llama"), num_kv_blocks=256, max_model_len=256)
     yield e
@@ -71,3 +71,16 @@ def test_n_samples_and_request_ids(engine):
     last = asyncio.run(main())
     assert last.output.request_id == "mine" and len(last.output.outputs) == 2
     assert all(len(c.token_ids) == 5 for c in last.output.outputs)
+
+
+def test_aborting_n_samples_before_they_fork_ends_every_one(engine):
+    """What a draining server does (abort_all) to a request of n = 3 whose prompt is still being
+    prefilled: every one of its streams must end, none wait for samples that never forked."""
+
+    async def main():
+        stream = engine.add_request([7] * 200, SamplingParams(n=3, max_tokens=50, ignore_eos=True))
+        engine.abort_all()
+        return [out async for out in stream][-1]
+
+    last = asyncio.run(asyncio.wait_for(main(), timeout=20))
+    assert last.finished and [c.finish_reason for c in last.output.outputs] == ["abort"] * 3

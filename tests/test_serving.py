@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import socket
 import urllib.request
@@ -17,7 +18,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.entrypoints.zmq_client import AsyncZmqClient, ZmqClient, ZmqRequestError
 from pagedllm.entrypoints.zmq_protocol import Error, Final
 
-from proc_helpers import wait_until
+from proc_helpers import children_of, segments_of, wait_until
 from serve_helpers import ServerProcess
 
 MAX_MODEL_LEN = 512
@@ -123,7 +124,28 @@ async def _zmq_stream(endpoint, ids, max_tokens, leave_after=None):
         await zc.close(abort=leave_after is None)
 
 
+async def _zmq_abort(endpoint, ids, after: int, n: int = 1):
+    """A client that aborts its request after `after` deltas and reads the Final."""
+    async with AsyncZmqClient(endpoint) as zc:
+        seen, final = 0, None
+        async for msg in zc.stream(prompt_token_ids=ids, max_tokens=150, n=n, ignore_eos=True, request_id=f"a{after}"):
+            if isinstance(msg, Final):
+                final = msg
+                break
+            seen += 1
+            if seen == after:
+                zc.abort(msg.request_id)
+        return [c.finish_reason for c in final.completions]
+
+
+def _open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
 def test_64_concurrent_clients_match_offline_and_leavers_free_their_blocks(server, model):
+    """The load test: 48 streaming clients over HTTP and ZMQ, 16 that vanish mid-stream, 8 that
+    abort (some a request of n = 2); afterwards nothing is left behind: blocks, requests,
+    processes, shared-memory segments, sockets."""
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 400) for _ in range(rng.randint(4, 60))] for _ in range(48)]
     max_tokens = [rng.randint(4, 24) for _ in prompts]
@@ -135,6 +157,9 @@ def test_64_concurrent_clients_match_offline_and_leavers_free_their_blocks(serve
         )
     before = server.metrics()
     aborts_before = before.get("pagedllm:request_success_total{finished_reason=abort}", 0)
+    fds_before = _open_fds(server.proc.pid)
+    processes_before = set(children_of(server.proc.pid))
+    segments_before = {pid: segments_of(pid) for pid in server.engine_pids}
 
     async def main():
         aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
@@ -150,11 +175,17 @@ def test_64_concurrent_clients_match_offline_and_leavers_free_their_blocks(serve
                 if i % 2 == 0
                 else _zmq_stream(server.zmq_endpoint, ids, 400, leave_after=3)
             )
+        for i in range(8):  # an explicit abort mid-stream, of one completion or of two
+            ids = [rng.randrange(3, 400) for _ in range(40 if i % 2 else 300)]
+            jobs.append(_zmq_abort(server.zmq_endpoint, ids, after=2 if i % 2 else 1, n=1 if i % 2 else 2))
         results = await asyncio.gather(*jobs)
         await aclient.close()
         return results
 
     results = asyncio.run(main())
+    for reasons in results[64:]:
+        assert set(reasons) == {"abort"}, reasons
+    results = results[:64]
     for i, (got, want) in enumerate(zip(results[:48], offline)):
         if i % 2 == 0:
             assert got == want.outputs[0].text, f"HTTP client {i}"
@@ -166,9 +197,15 @@ def test_64_concurrent_clients_match_offline_and_leavers_free_their_blocks(serve
     )
     after = server.metrics()
     assert after["pagedllm:kv_cache_usage_perc"] == 0.0  # every block back (cached ones count as free)
+    assert wait_until(lambda: _open_fds(server.proc.pid) <= fds_before, timeout_s=10, interval=0.1), (
+        f"sockets left open: {_open_fds(server.proc.pid)} descriptors, {fds_before} before"
+    )
+    assert set(children_of(server.proc.pid)) == processes_before
+    assert {pid: segments_of(pid) for pid in server.engine_pids} == segments_before
     assert after["pagedllm:kv_table_mean_run_blocks"] >= 1  # tables were live while it was sampled
     assert 0 <= after["pagedllm:kv_internal_waste_perc"] < 1 and "pagedllm:kv_external_fragmentation_perc" in after
-    assert after["pagedllm:request_success_total{finished_reason=abort}"] - aborts_before == 16
+    # per completion: the 16 that vanished, 4 aborted alone, 4 aborted with n = 2
+    assert after["pagedllm:request_success_total{finished_reason=abort}"] - aborts_before == 16 + 4 + 4 * 2
     assert after["pagedllm:num_requests_waiting"] == 0
 
 
@@ -336,6 +373,118 @@ def test_200_malformed_inputs_get_clear_errors_and_the_server_keeps_serving(serv
     assert zc.generate(prompt="hello", max_tokens=3).usage.completion_tokens == 3
     assert client(server).completions.create(model=model, prompt="hello", max_tokens=3).usage.completion_tokens == 3
     zc.close()
+
+
+NUMERIC_FIELDS = [
+    "n", "best_of", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "length_penalty",
+    "truncate_prompt_tokens",
+]  # fmt: skip
+# JSON number texts (1e999 is how JSON says infinity; NaN is not JSON at all)
+EXTREME_NUMBERS = ["1e999", "-1e999", "NaN", "18446744073709551616", "-99999999999999999999999", "1e-320", "-0.0"]
+BEAM_EXTREMES = [
+    {"best_of": 1}, {"best_of": 10}, {"best_of": 11}, {"best_of": 64}, {"best_of": 65}, {"best_of": 0},
+    {"best_of": 3, "n": 3}, {"best_of": 2, "n": 3}, {"best_of": 3, "length_penalty": 5.0},
+    {"best_of": 3, "length_penalty": -5.0}, {"best_of": 3, "length_penalty": 5.0001}, {"best_of": 3, "max_tokens": 500},
+    {"best_of": 3, "length_penalty": 1e308}, {"best_of": 3, "stream": True}, {"best_of": 3, "max_tokens": 0},
+]  # fmt: skip
+
+
+def _extreme_bodies(model: str) -> list[tuple[str, bytes]]:
+    """(path, body): every numeric field at every extreme, beam searches at theirs, nesting bombs
+    and invalid UTF-8."""
+    head = f'{{"model": {json.dumps(model)}, "prompt": "hi", "max_tokens": 2'
+    out = []
+    for field in NUMERIC_FIELDS:
+        for number in EXTREME_NUMBERS:
+            out.append(("/v1/completions", f'{head}, "{field}": {number}}}'.encode()))
+    for number in EXTREME_NUMBERS:
+        out.append(("/v1/completions", f'{head}, "stop_token_ids": [{number}]}}'.encode()))
+        out.append(("/v1/completions", f'{{"prompt": [5, {number}], "max_tokens": 2}}'.encode()))
+        out.append(("/v1/chat/completions", f'{{"messages": [], "top_logprobs": {number}, "logprobs": true}}'.encode()))
+    for extra in BEAM_EXTREMES:
+        out.append(
+            (
+                "/v1/completions",
+                json.dumps({"prompt": "hi", "max_tokens": 3, "use_beam_search": True, **extra}).encode(),
+            )
+        )
+    bomb = b"[" * 50_000 + b"]" * 50_000
+    out += [
+        ("/v1/completions", b'{"prompt": ' + bomb + b"}"),
+        ("/v1/completions", b'{"prompt": "hi", "x": ' + bomb + b"}"),
+        ("/v1/completions", b'{"prompt": "hi", "x": ' + b'{"a":' * 50_000 + b"1" + b"}" * 50_000 + b"}"),
+        ("/v1/chat/completions", b'{"messages": ' + bomb + b"}"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi", "z": ' + bomb + b"}]}"),
+        ("/v1/completions", b'{"prompt": "hi", "\xff": 1}'),
+        ("/v1/completions", b'{"pro\xc3mpt": "hi"}'),
+        ("/v1/completions", b'{"prompt": "\xed\xa0\x80"}'),  # a UTF-8 encoded surrogate
+        ("/v1/chat/completions", b'{"messages": [{"role": "\xff", "content": "hi"}]}'),
+    ]  # fmt: skip
+    return out
+
+
+def _extreme_frames() -> list[bytes]:
+    enc = msgspec.msgpack.encode
+    base = {"type": "generate", "request_id": "x", "prompt": "hi", "stream": False}
+    frames = []
+    numbers = [float("inf"), float("-inf"), float("nan"), 2**64 - 1, -(2**63), 1e-320, -0.0, 10**18]
+    for field in NUMERIC_FIELDS + ["beam_width", "priority"]:
+        for number in numbers:
+            frames.append(enc({**base, "params": {"max_tokens": 2, field: number}}))
+    for width in (0, 1, 10, 11, 65, 2**63 - 1):
+        for penalty in (5.0, -5.0, 5.5, float("inf"), 1e308):
+            frames.append(enc({**base, "params": {"max_tokens": 3, "beam_width": width, "length_penalty": penalty}}))
+    frames += [
+        b"\x91" * 5000 + b"\xc0",
+        b"\x81\xa1a" * 5000 + b"\xc0",
+        b"\x84\xa4type\xa8generate\xaarequest_id\xa1x\xa6prompt\xa2hi\xa6params" + b"\x81\xa1a" * 5000 + b"\xc0",
+        enc({**base, "prompt_token_ids": [5, 2**63 - 1], "prompt": None}),
+        b"\x83\xa4type\xa8generate\xaarequest_id\xa1x\xa6prompt\xa2\xff\xfe",  # invalid UTF-8 in a string
+        b"\x83\xa4type\xa8generate\xaarequest_id\xa1x\xa2\xff\xfe\xa2hi",  # ... and in a key
+    ]  # fmt: skip
+    return frames
+
+
+def test_extremes_and_bombs_never_break_either_surface(server, model):
+    """Each input gets a 4xx naming the problem (or is served, where it is valid); after each,
+    /health answers 200 and a request is served on both surfaces."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+
+    def http(method, path, body=None):
+        conn.request(method, path, body, {"Content-Type": "application/json"} if body is not None else {})
+        r = conn.getresponse()
+        return r.status, r.read()
+
+    zc = ZmqClient(server.zmq_endpoint, timeout_s=30)
+    normal = json.dumps({"model": model, "prompt": "ok", "max_tokens": 1}).encode()
+
+    def check_serving(what):
+        assert http("GET", "/health")[0] == 200, f"unhealthy after {what!r}"
+        status, body = http("POST", "/v1/completions", normal)
+        assert status == 200, (what, body)
+        assert zc.generate(prompt="ok", max_tokens=1).usage.completion_tokens == 1, what
+
+    for path, body in _extreme_bodies(model):
+        status, reply = http("POST", path, body)
+        what = body[:100]
+        assert status == 200 or 400 <= status < 500, (status, what, reply[:300])
+        if status != 200:
+            error = json.loads(reply)["error"]
+            assert error["message"] and "Traceback" not in error["message"], (what, error)
+            assert error["param"], (what, error)
+        check_serving(what)
+    for frame in _extreme_frames():
+        zc.send_raw(frame)
+        reply = zc.receive_any()
+        assert isinstance(reply, Final) or (isinstance(reply, Error) and 400 <= reply.code < 500), (frame[:80], reply)
+        if isinstance(reply, Error):
+            assert "Traceback" not in reply.message
+        check_serving(frame[:80])
+    zc.close()
+    conn.close()
 
 
 def test_a_client_that_leaves_before_a_non_streamed_answer_has_its_request_aborted(server, model):
