@@ -3,6 +3,8 @@ check that it left no process or shared-memory segment behind."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -100,3 +102,50 @@ class ServerProcess:
         )
         for pid in self.engine_pids:
             assert not segments_of(pid), f"shared-memory segments of {pid} left behind"
+
+
+# --- the shared server of test_serving.py and test_serving_trust.py ------------------------
+# Its processes import a sitecustomize that plants a bug in the engine core, so that tests can
+# cause an error in the core's handling of one request (see test_serving_trust.py).
+SERVED_MAX_MODEL_LEN = 512
+PLANTED_PENALTY = 4.25
+
+SITECUSTOMIZE = f"""
+import numpy  # noqa: F401 - before the patch, so that a torch-free process imports what it would
+from pagedllm.core import beam_search
+
+_step = beam_search.BeamGroup.step
+
+
+def _planted(self, candidates, histories):
+    if self.length_penalty == {PLANTED_PENALTY}:
+        raise OverflowError("(34, 'Numerical result out of range')")
+    return _step(self, candidates, histories)
+
+
+beam_search.BeamGroup.step = _planted
+"""
+
+# roles must alternate (a template's own refusal, as many models' templates do); any role name is taken
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if loop.index0 > 0 and m['role'] == messages[loop.index0 - 1]['role'] %}"
+    "{{ raise_exception('Conversation roles must alternate') }}{% endif %}"
+    "<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def strict_template_model(base: str, path: str) -> str:
+    """A copy of the model folder `base` at `path` whose chat template is CHAT_TEMPLATE."""
+    from transformers import AutoTokenizer
+
+    shutil.copytree(base, path)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(path)
+    return path
+
+
+def planted_bug_env(folder) -> dict:
+    """The environment under which Python processes import the planted bug (from `folder`)."""
+    (folder / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")])))

@@ -19,21 +19,18 @@ from pagedllm.entrypoints.zmq_client import AsyncZmqClient, ZmqClient, ZmqReques
 from pagedllm.entrypoints.zmq_protocol import Error, Final
 
 from proc_helpers import children_of, segments_of, wait_until
+from serve_helpers import SERVED_MAX_MODEL_LEN as MAX_MODEL_LEN
 from serve_helpers import ServerProcess
 
-MAX_MODEL_LEN = 512
+
+@pytest.fixture(scope="module")
+def model(served):
+    return served[1]
 
 
 @pytest.fixture(scope="module")
-def model(tiny_model):
-    return tiny_model("llama")
-
-
-@pytest.fixture(scope="module")
-def server(model):
-    srv = ServerProcess(model, "--num-kv-blocks", "400", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "64")
-    yield srv
-    srv.stop()
+def server(served):  # conftest's, shared with test_serving_trust.py (the same MAX_MODEL_LEN)
+    return served[0]
 
 
 def client(server) -> openai.OpenAI:

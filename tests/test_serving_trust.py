@@ -2,15 +2,15 @@
 engine or an entrypoint, every refusal names the field the client sent, no traceback reaches
 a client, and the OpenAI surface that clients written for vLLM's server use.
 
-One server for the module. Its processes start with a sitecustomize that plants one bug in the
-engine core: a beam search with length_penalty 4.25 raises in its step, as an unbounded
-length_penalty once did (OverflowError) — the way to check that an error in the core's handling
-of one request fails that request alone."""
+The server is test_serving.py's (conftest's `served`). Its processes start with a
+sitecustomize that plants one bug in the engine core: a beam search with length_penalty 4.25
+raises in its step, as an unbounded length_penalty once did (OverflowError) — the way to check
+that an error in the core's handling of one request fails that request alone. Its model's chat
+template refuses conversations whose roles do not alternate."""
 
 from __future__ import annotations
 
 import json
-import os
 import socket
 import time
 import urllib.request
@@ -22,59 +22,17 @@ import pytest
 from pagedllm.entrypoints.zmq_client import ZmqClient, ZmqRequestError
 from pagedllm.entrypoints.zmq_protocol import Error, Final, Ready
 
-from serve_helpers import ServerProcess
-
-MAX_MODEL_LEN = 512
-PLANTED_PENALTY = 4.25
-
-SITECUSTOMIZE = f"""
-import numpy  # noqa: F401 - before the patch, so that a torch-free process imports what it would
-from pagedllm.core import beam_search
-
-_step = beam_search.BeamGroup.step
-
-
-def _planted(self, candidates, histories):
-    if self.length_penalty == {PLANTED_PENALTY}:
-        raise OverflowError("(34, 'Numerical result out of range')")
-    return _step(self, candidates, histories)
-
-
-beam_search.BeamGroup.step = _planted
-"""
-
-# roles must alternate (a template's own refusal); any role name is taken
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{% if loop.index0 > 0 and m['role'] == messages[loop.index0 - 1]['role'] %}"
-    "{{ raise_exception('Conversation roles must alternate') }}{% endif %}"
-    "<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
+from serve_helpers import PLANTED_PENALTY
 
 
 @pytest.fixture(scope="module")
-def model(tiny_model, tmp_path_factory):
-    import shutil
-
-    from transformers import AutoTokenizer
-
-    path = str(tmp_path_factory.mktemp("strict-template") / "model")
-    shutil.copytree(tiny_model("llama"), path)
-    tok = AutoTokenizer.from_pretrained(path)
-    tok.chat_template = CHAT_TEMPLATE
-    tok.save_pretrained(path)
-    return path
+def model(served):
+    return served[1]
 
 
 @pytest.fixture(scope="module")
-def server(model, tmp_path_factory):
-    site = tmp_path_factory.mktemp("planted-bug")
-    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
-    srv = ServerProcess(
-        model, "--num-kv-blocks", "400", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "64", env=env
-    )
-    yield srv
-    srv.stop()
+def server(served):
+    return served[0]
 
 
 def client(server) -> openai.OpenAI:
