@@ -282,6 +282,7 @@ class EngineCore:
         if plan.is_empty:
             self._empty_plans += 1
             self._flush_outputs()
+            self.workers.keep_alive()  # the workers hear nothing else meanwhile
             return
         self._empty_plans = 0
         self._broadcast(plan)
