@@ -72,6 +72,20 @@ def tokens_of(outputs) -> list[list[list[int]]]:
     return [[c.token_ids for c in o.outputs] for o in outputs]
 
 
+def run_through_kills(llm, killer: Killer, prompts, params) -> tuple[list, object]:
+    """The workload again and again (four times at most) until the killer is done: a faster
+    engine ends a run sooner. Returns (each run's tokens, the stats after the last kill)."""
+    killer.start()
+    runs = []
+    while len(killer.killed) < killer.times and len(runs) < 4:
+        runs.append(tokens_of(llm.generate(prompts, params, use_tqdm=False)))
+    killer.stop.set()
+    killer.join()
+    # a kill after the worker sent the last step's tokens is noticed with the next step
+    llm.generate([[5]], SamplingParams(max_tokens=1), use_tqdm=False)
+    return runs, llm.last_stats
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_five_worker_kills_change_no_token(tiny_model, mode):
     path = tiny_model("llama")
@@ -90,15 +104,7 @@ def test_five_worker_kills_change_no_token(tiny_model, mode):
     with LLM(path, **engine, max_worker_restarts=5) as llm:
         core = llm.engine.pid
         killer = Killer(core, times=5)
-        killer.start()
-        runs = []  # the workload again until the five kills are done: a faster engine ends it sooner
-        while len(killer.killed) < 5 and len(runs) < 4:
-            runs.append(tokens_of(llm.generate(prompts, params, use_tqdm=False)))
-        killer.stop.set()
-        killer.join()
-        # a kill after the worker sent the last step's tokens is noticed with the next step
-        llm.generate([[5]], SamplingParams(max_tokens=1), use_tqdm=False)
-        stats = llm.last_stats
+        runs, stats = run_through_kills(llm, killer, prompts, params)
     assert len(killer.killed) == 5, "four runs of the workload ended before five kills"
     assert stats.worker_restarts == 5
     assert all(got == expected for got in runs)
@@ -121,14 +127,7 @@ def test_tensor_parallel_ranks_are_replaced_and_change_no_token(tiny_model):
         expected = tokens_of(llm.generate(prompts, params, use_tqdm=False))  # before any kill
         core = llm.engine.pid
         killer = Killer(core, times=2, youngest=True)
-        killer.start()
-        runs = []
-        while len(killer.killed) < 2 and len(runs) < 4:
-            runs.append(tokens_of(llm.generate(prompts, params, use_tqdm=False)))
-        killer.stop.set()
-        killer.join()
-        llm.generate([[5]], SamplingParams(max_tokens=1), use_tqdm=False)
-        stats = llm.last_stats
+        runs, stats = run_through_kills(llm, killer, prompts, params)
     assert len(killer.killed) == 2
     assert stats.worker_restarts == 2, "a stale message of a replaced group cost a restart"
     assert all(got == expected for got in runs)
