@@ -319,3 +319,33 @@ def test_zmq_prompt_logprobs_and_cached_tokens(server):
         again = zc.generate(prompt_token_ids=list(range(5, 45)), max_tokens=2)
         assert again.usage.cached_tokens > 0
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(final))  # plain msgpack for other languages
+
+
+def test_health_is_503_once_the_zmq_entrypoint_has_stopped():
+    """Should the ZMQ socket loop ever end (here: its receive fails), /health must not go on
+    saying 200 while half the server is dead."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from starlette.testclient import TestClient
+
+    from pagedllm.entrypoints.openai_server import OpenAIServer
+    from pagedllm.entrypoints.zmq_server import ZmqServer
+
+    engine = SimpleNamespace(dead_reason=None, recovering=None, max_model_len=16)
+    zmq_server = ZmqServer(engine, "tcp://127.0.0.1:*")
+    app = OpenAIServer(engine, "m", health_checks=[lambda: zmq_server.dead_reason]).app
+    with TestClient(app) as http:
+        assert http.get("/health").status_code == 200
+
+        async def broken_receive():
+            raise OSError("the socket broke")
+
+        async def break_it():
+            zmq_server.sock.recv_multipart = broken_receive
+            await asyncio.gather(zmq_server.serve(), return_exceptions=True)
+
+        asyncio.run(break_it())
+        reply = http.get("/health")
+        assert reply.status_code == 503 and "ZMQ entrypoint stopped" in reply.text
+    zmq_server.close()
