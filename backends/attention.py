@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .platform import Platform
+
 
 @dataclass
 class DecodeMetadata:
@@ -65,17 +67,13 @@ def list_sizes(sizes: tuple[int, ...]) -> str:
     return ", ".join(map(str, sizes))
 
 
-class AttentionOps:
-    """One backend's kernels and the facts the worker needs about it; every member has a
-    working default, so a port overrides only what differs. Every op works on one layer's
-    cache unless it says otherwise. See docs/porting.md."""
+class AttentionOps(Platform):
+    """One backend: its kernels here, its device face inherited from Platform (host-memory
+    defaults). Every member has a working default but the three kernels, so a port overrides
+    only what differs. Every op works on one layer's cache unless it says otherwise. See
+    docs/porting.md."""
 
     name = "abstract"
-    # torch device the worker loads the model onto and builds each step's inputs on
-    device: str = "cpu"
-    # True: the KV pool lives in the engine core's shared-memory segment (host memory), so it
-    # outlives the worker; False: the backend allocates it on its device after profiling
-    kv_in_shared_memory: bool = True
     # what the ops accept: the conformance suite tests these (and prints them), and the worker
     # refuses a model or configuration outside them at start-up. None: any block size the
     # engine accepts (powers of two to 128), any head size, any context length.
@@ -83,12 +81,6 @@ class AttentionOps:
     supported_block_sizes: tuple[int, ...] | None = None
     supported_head_sizes: tuple[int, ...] | None = None
     max_context_len: int | None = None
-
-    @staticmethod
-    def unavailable_reason() -> str | None:
-        """Why this backend cannot run here (no device, no compiler), or None. Asked before
-        the backend is instantiated; `--backend cuda` uses it to pick a backend."""
-        return None
 
     def unsupported(self, dtype: torch.dtype, head_size: int, block_size: int, max_model_len: int | None) -> str | None:
         """What of a configuration these ops do not declare support for, or None."""
@@ -105,14 +97,6 @@ class AttentionOps:
         if self.max_context_len is not None and max_model_len is not None and max_model_len > self.max_context_len:
             return f"max_model_len {max_model_len} (contexts up to {self.max_context_len})"
         return None
-
-    @staticmethod
-    def device_count() -> int | None:
-        """How many devices tensor parallelism may use on one host (None: no limit, e.g. CPUs)."""
-        return None
-
-    def prepare_process(self) -> None:
-        """Once, in the worker process, before the model loads (e.g. tune the allocator)."""
 
     def prepare_model(self, model) -> None:
         """A chance to adapt the loaded model to this backend (e.g. pack weights)."""

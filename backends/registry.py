@@ -1,6 +1,7 @@
 """Backend registry: built-in backends and out-of-tree ones from the entry-point group
 `pagedllm.backends`. Importing this module imports no torch: a backend's module is imported
-only when it is loaded."""
+only when it is loaded. A backend is refused, naming the versions, when the contract version
+it declares is not one this pagedllm runs (backends/platform.py)."""
 
 from __future__ import annotations
 
@@ -82,12 +83,13 @@ def check_available(name: str) -> BackendSpec:
     spec = resolve(name)
     if spec.builtin and name in RUN_EVERYWHERE:
         return spec
-    module_name, _, attr = spec.target.partition(":")
     try:
-        factory = getattr(importlib.import_module(module_name), attr)
+        cls = backend_class(name)
+    except BackendUnavailable:
+        raise
     except Exception as e:  # a plugin that cannot import is unavailable, with why
         raise BackendUnavailable(f"{name}: cannot be imported: {e}") from e
-    reason = getattr(factory, "unavailable_reason", lambda: None)()
+    reason = cls.unavailable_reason()
     if reason:
         raise BackendUnavailable(f"{name}: {reason}")
     return spec
@@ -98,15 +100,30 @@ def device_count(name: str) -> int | None:
     spec = resolve(name)
     if spec.builtin and name in RUN_EVERYWHERE:
         return None  # CPU cores: no limit
-    module_name, _, attr = spec.target.partition(":")
-    factory = getattr(importlib.import_module(module_name), attr)
-    return getattr(factory, "device_count", lambda: None)()
+    return backend_class(name).device_count()
 
 
 def backend_class(name: str):
-    """The backend's AttentionOps class, not instantiated (its declared support is on it)."""
+    """The backend's AttentionOps class, not instantiated (its declared support is on it),
+    after checking that it speaks a contract version this pagedllm runs."""
     module_name, _, attr = resolve(name).target.partition(":")
-    return getattr(importlib.import_module(module_name), attr)
+    cls = getattr(importlib.import_module(module_name), attr)
+    check_contract(name, cls)
+    return cls
+
+
+def check_contract(name: str, cls) -> None:
+    from .attention import AttentionOps
+    from .platform import CONTRACT_VERSION, SUPPORTED_CONTRACT_VERSIONS
+
+    if not (isinstance(cls, type) and issubclass(cls, AttentionOps)):
+        raise BackendUnavailable(f"{name}: {cls!r} is not a subclass of pagedllm.backends.attention.AttentionOps")
+    version = cls.contract_version
+    if version not in SUPPORTED_CONTRACT_VERSIONS:
+        raise BackendUnavailable(
+            f"{name}: written for backend contract version {version}; this pagedllm runs versions "
+            f"{', '.join(map(str, SUPPORTED_CONTRACT_VERSIONS))} (current: {CONTRACT_VERSION}; see docs/porting.md)"
+        )
 
 
 def load_backend(name: str):

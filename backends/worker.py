@@ -49,7 +49,6 @@ from pagedllm.core.protocol import (
 from pagedllm.core.worker_group import rank_identity
 from pagedllm.core.worker_state import WorkerState
 
-from .gpu.dtype import default_dtype
 from .models.config import DTYPES, ModelConfig
 from .models.loader import load_model
 from .models.parallel import SINGLE, TensorParallel
@@ -70,19 +69,18 @@ class Worker:
         """rendezvous: (address, port) of torch.distributed's store, under tensor parallelism."""
         self.config = config
         self.rank = rank
-        torch.manual_seed(config.seed)
-        self.ops = load_backend(config.backend)
+        self.ops = load_backend(config.backend)  # the kernels, and the platform the worker asks
         self.ops.prepare_process()
-        self.device = self.ops.device
-        self.on_gpu = str(self.device).startswith("cuda")
+        self.ops.seed(config.seed)
         self.tp = join_group(
             config.tensor_parallel_size,
             rank,
             *(rendezvous or ("", 0)),
-            self.device,
+            self.ops,
             config.tensor_parallel_size // config.nnodes,
         )
-        dtype = default_dtype(config.model, config.dtype) if self.on_gpu else config.dtype
+        self.device = self.ops.device
+        dtype = self.ops.default_dtype(config.model, config.dtype)
         wanted = ModelConfig.from_pretrained(config.model, dtype)  # refused before any weight loads
         problem = self.ops.unsupported(wanted.dtype, wanted.head_dim, config.block_size, config.max_model_len)
         if problem:
@@ -121,13 +119,13 @@ class Worker:
         )
 
     def _profile_num_blocks(self, slot_bytes: int) -> int | None:
+        """The platform's answer to how many blocks its memory holds (None: the core sizes the
+        pool from kv_cache_memory); not asked when num_kv_blocks sets it."""
         cfg = self.config
-        if not self.on_gpu or cfg.num_kv_blocks:
+        if cfg.num_kv_blocks:
             return None
         max_len = cfg.max_model_len or self.model_config.max_position_embeddings
-        from .gpu.memory import profile_num_blocks
-
-        return profile_num_blocks(
+        return self.ops.kv_cache_blocks(
             self.model,
             self.ops,
             cfg.block_size,
@@ -153,38 +151,13 @@ class Worker:
             self._cache_tensor(msg.swap_segment, msg.num_swap_blocks, msg.block_size) if msg.num_swap_blocks else None
         )
         self.runner = ModelRunner(self.model, self.ops, kv, msg.block_size, self.device)
-        if self.on_gpu:
-            self._prepare_gpu(kv, msg)
+        if self.swap is not None:
+            self.ops.pin_memory(self.swap)
+        if not self.config.enforce_eager:
+            self.runner.decode_graphs = self.ops.capture_graphs(
+                self.model, self.ops, kv, msg.block_size, self.config.max_num_seqs, msg.max_model_len
+            )
         return WorkerReady(rank=self.rank)
-
-    def _prepare_gpu(self, kv: torch.Tensor, msg: InitCache) -> None:
-        from .gpu.graphs import GRAPH_BATCH_SIZES, DecodeGraphs
-        from .gpu.pinning import pin
-
-        if self.swap is not None and not pin(self.swap):
-            logger.warning("could not pin the swap space; swapping will be slower")
-        if self.config.enforce_eager:
-            return
-        graphs = DecodeGraphs(
-            self.model,
-            self.ops,
-            kv,
-            msg.block_size,
-            min(self.config.max_num_seqs, GRAPH_BATCH_SIZES[-1]),
-            msg.max_model_len,
-        )
-        started = time.perf_counter()
-        try:
-            graphs.capture()
-            self.runner.decode_graphs = graphs
-        except Exception as e:
-            if os.environ.get("PAGEDLLM_STRICT_GRAPHS") == "1":  # the GPU check: graphs must run
-                raise RuntimeError(f"CUDA graph capture failed (PAGEDLLM_STRICT_GRAPHS=1): {e}") from e
-            logger.warning("CUDA graph capture failed, running eagerly: %s", e)
-            return
-        logger.info(
-            "captured CUDA graphs for %d batch sizes in %.1f s", len(graphs.graphs), time.perf_counter() - started
-        )
 
     def execute(self, plan: SchedulerOutput) -> StepResult | None:
         """Run a step; rank 0 samples and answers, the other ranks learn its tokens and answer
@@ -289,19 +262,16 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> list[
 
 
 def join_group(
-    size: int, rank: int, master_addr: str, master_port: int, device: str, ranks_per_host: int = 1
+    size: int, rank: int, master_addr: str, master_port: int, platform, ranks_per_host: int = 1
 ) -> TensorParallel:
     """This rank's place among the tensor-parallel ranks: torch.distributed's standard TCP
-    rendezvous on the head node, gloo on CPUs and NCCL on GPUs (one GPU per rank of a host)."""
+    rendezvous on the head node, over the platform's distributed backend (gloo on CPUs, NCCL
+    on GPUs), on the device the platform makes current for the rank."""
     if size == 1:
         return SINGLE
-    on_gpu = str(device).startswith("cuda")
-    if on_gpu:
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    else:  # the host's cores are shared by its ranks: oversubscribed threads only wait on each other
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_per_host))
+    platform.set_device(rank, ranks_per_host)
     torch.distributed.init_process_group(
-        "nccl" if on_gpu else "gloo",
+        platform.distributed_backend,
         init_method=f"tcp://{master_addr}:{master_port}",
         rank=rank,
         world_size=size,

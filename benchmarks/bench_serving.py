@@ -22,7 +22,7 @@ import time
 from pagedllm.benchmarks.report import percentiles_ms
 from pagedllm.benchmarks.workload import poisson_arrivals
 from pagedllm.core.ipc import free_tcp_port
-from pagedllm.core.model_folder import ModelFolder
+from pagedllm.core.model_folder import model_folder
 
 
 def start_server(
@@ -259,7 +259,7 @@ def main(argv=None) -> None:
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
     model_dir = args.model or default_model_dir()
-    folder = ModelFolder(model_dir)
+    folder = model_folder(model_dir)
     lengths = synthetic_lengths(
         args.num_prompts, seed=args.seed, max_len=min(1000, folder.max_position_embeddings // 2 - 1)
     )

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from pagedllm.core.model_folder import ModelFolder
+from pagedllm.core.model_folder import model_folder
 
 
 def _greedy_config(model, max_new_tokens: int):
@@ -88,7 +88,7 @@ def vllm_subprocess(
     work_dir = os.path.abspath(work_dir)
     os.makedirs(work_dir, exist_ok=True)
     job, result = os.path.join(work_dir, "vllm_job.json"), os.path.join(work_dir, "vllm_result.json")
-    context = ModelFolder(model_dir).max_position_embeddings
+    context = model_folder(model_dir).max_position_embeddings
     with open(job, "w") as f:
         json.dump(
             {

@@ -173,8 +173,11 @@ def check_cache_placement(backend: str, model: str) -> CheckResult:
             mapping = shm.map_segment(segment)
             pool = torch.frombuffer(mapping, dtype=torch.float32).view(worker.runner.kv_caches.shape)
             read_pool = pool.clone
-        else:
-            read_pool = worker.runner.kv_caches.cpu
+        else:  # a copy: the pool may be a host tensor already, which .cpu() would hand back as is
+
+            def read_pool():
+                return worker.runner.kv_caches.to("cpu", copy=True)
+
         noise = torch.randn(worker.runner.kv_caches.shape, generator=torch.Generator().manual_seed(0))
         worker.runner.kv_caches.copy_(noise.to(worker.runner.kv_caches.device))
         ref.runner.kv_caches.copy_(noise)
@@ -225,7 +228,7 @@ def _run_placement_steps(res, sched, worker, ref, read_pool, bs) -> None:
         own_tokens = sampled_by_request(plan, result)
         for rid, tok in ref_tokens.items():
             if own_tokens.get(rid) != tok:
-                worker.states[rid].token_ids[-1] = tok
+                worker.state.requests[rid].token_ids[-1] = tok
         sched.update(plan, ref_tokens)
 
 

@@ -54,7 +54,8 @@ class CheckResult:
 
 
 def declared_support(ops) -> str:
-    """What the backend says it supports, as the table's header prints it."""
+    """What the backend says it supports, and the contract version it was written for, as the
+    table's header prints them."""
 
     def listed(values):
         return "any" if values is None else list_sizes(values)
@@ -62,7 +63,8 @@ def declared_support(ops) -> str:
     dtypes = ", ".join(DTYPE_NAMES.get(d, str(d)) for d in ops.supported_dtypes)
     context = "any" if ops.max_context_len is None else f"up to {ops.max_context_len}"
     return (
-        f"declared support: dtypes {dtypes}; block sizes {listed(ops.supported_block_sizes)}; "
+        f"contract version {ops.contract_version}; declared support: dtypes {dtypes}; "
+        f"block sizes {listed(ops.supported_block_sizes)}; "
         f"head sizes {listed(ops.supported_head_sizes)}; context lengths {context}"
     )
 

@@ -107,22 +107,29 @@ def main(args) -> int:
     elapsed = time.perf_counter() - t0
     from pagedllm.backends.registry import backend_class
 
-    support = declared_support(backend_class(args.backend))
+    from .matrix import backend_section, declarations
+
+    cls = backend_class(args.backend)
+    support = declared_support(cls)
     print(format_table(args.backend, results, support))
     print(f"\n({'quick' if args.quick else 'full'}{', ops only' if args.ops_only else ''} suite, {elapsed:.0f} s)")
     if args.json:
+        run = {
+            "backend": args.backend,
+            "quick": args.quick,
+            "ops_only": args.ops_only,
+            "tensor_parallel_size": args.tensor_parallel_size,
+            "seconds": elapsed,
+            "ok": all(r.ok for r in results),
+            "contract_version": cls.contract_version,
+            "declared_support": support,
+            "declared": declarations(cls),
+            "checks": [r.to_dict() for r in results],
+        }
         with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "backend": args.backend,
-                    "quick": args.quick,
-                    "ops_only": args.ops_only,
-                    "seconds": elapsed,
-                    "ok": all(r.ok for r in results),
-                    "declared_support": support,
-                    "checks": [r.to_dict() for r in results],
-                },
-                f,
-                indent=2,
-            )
+            json.dump(run, f, indent=2)
+        matrix_path = os.path.splitext(args.json)[0] + ".md"  # the support matrix, beside it
+        with open(matrix_path, "w") as f:
+            f.write(backend_section(args.backend, run["declared"], run))
+        print(f"wrote {args.json} and its support matrix {matrix_path}")
     return 0 if all(r.ok for r in results) else 1

@@ -1,8 +1,10 @@
 """What a Hugging Face model folder says about itself: config.json and generation_config.json,
-read in one place for the frontend, the workers and the benchmarks. Torch-free."""
+read in one place for the frontend, the workers and the benchmarks — once per process
+(`model_folder`; read again only if config.json changed). Torch-free."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -106,3 +108,16 @@ def check_tensor_parallel(num_heads: int, num_kv_heads: int, intermediate_size: 
         raise InvalidParameter(field, f"{size} and the model's {num_kv_heads} KV heads: one must divide the other")
     if intermediate_size % size:
         raise InvalidParameter(field, f"{size} does not divide the model's intermediate size {intermediate_size}")
+
+
+def model_folder(path: str) -> ModelFolder:
+    """The folder's ModelFolder, read once per process (its config dicts are shared: read them,
+    do not change them)."""
+    config = os.path.join(path, "config.json")
+    mtime = os.stat(config).st_mtime_ns if os.path.isfile(config) else None
+    return _read_folder(os.path.abspath(path), mtime)
+
+
+@functools.lru_cache(maxsize=16)
+def _read_folder(path: str, mtime: int | None) -> ModelFolder:
+    return ModelFolder(path)

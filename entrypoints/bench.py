@@ -44,12 +44,12 @@ def load_dataset(spec: str, num: int, seed: int, tokenizer, vocab_size: int, max
 
 def _token_workload(args):
     """(model folder, prompt token ids, output lengths) for the modes that need no tokenizer."""
-    from pagedllm.core.model_folder import ModelFolder
+    from pagedllm.core.model_folder import model_folder
 
     from .default_model import default_model_dir
 
     model_dir = args.model or default_model_dir()
-    folder = ModelFolder(model_dir)
+    folder = model_folder(model_dir)
     prompts, max_tokens = load_dataset(
         args.dataset, args.num_prompts, args.seed, None, folder.vocab_size, folder.max_position_embeddings
     )

@@ -8,74 +8,13 @@ import os
 import sys
 
 from pagedllm import __version__
-from pagedllm.core.quantization import QUANTIZATIONS
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
-    """Engine flags, named as vLLM names them."""
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="Hugging Face model folder (default: the built-in demo model)")
-    g.add_argument(
-        "--backend", default="cpu", help="cpu, cuda (the best CUDA backend here), cuda-triton, cuda-native, or a plugin"
-    )
-    g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    g.add_argument(
-        "--quantization",
-        default=None,
-        choices=QUANTIZATIONS,
-        help="weight-only quantization at load time (int8, int4, nf4); a GPTQ/AWQ checkpoint is read as saved",
-    )
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--scheduler-policy", default="fcfs", choices=["fcfs", "priority"])
-    g.add_argument(
-        "--priority-preemption",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="priority policy: a waiting request preempts running ones of lower priority",
-    )
-    g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
-    g.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="plan each decode step while the previous one computes",
-    )
-    g.add_argument(
-        "--block-placement",
-        default="lru",
-        choices=["lru", "first-fit", "best-fit"],
-        help="which free KV block a request gets: the last freed, or from the lowest / smallest run that fits",
-    )
-    g.add_argument("--swap-space", type=float, default=None, help="GiB of host swap space")
-    g.add_argument("--kv-cache-memory", default="1GiB", help="KV pool size, e.g. 512MiB or 4GiB")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides the above)")
-    g.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=0.9,
-        help="GPU: fraction of device memory for weights, activations and the KV pool",
-    )
-    g.add_argument("--enforce-eager", action="store_true", help="GPU: no CUDA graphs for decode steps")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks to split the model over")
-    g.add_argument(
-        "--max-worker-restarts",
-        type=int,
-        default=3,
-        help="workers replaced within 10 minutes before the engine gives up",
-    )
-    g.add_argument(
-        "--nnodes", type=int, default=1, help="hosts the ranks split over (the others run `pagedllm worker`)"
-    )
-    g.add_argument("--worker-endpoint", default=None, help="several hosts: where their ranks reach this core (tcp://)")
-    g.add_argument(
-        "--master-addr", default="127.0.0.1", help="several hosts: this host's address for torch.distributed"
-    )
-    g.add_argument("--master-port", type=int, default=None, help="several hosts: torch.distributed's port on this host")
+    """One flag per EngineArgs option, made from its declaration."""
+    from .engine_args import EngineArgs
+
+    EngineArgs.add_cli_args(p)
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -133,34 +72,9 @@ def add_limit_flags(p: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args) -> dict:
-    return dict(
-        model=args.model,
-        backend=args.backend,
-        dtype=args.dtype,
-        quantization=args.quantization,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=args.enable_prefix_caching,
-        scheduler_policy=args.scheduler_policy,
-        priority_preemption=args.priority_preemption,
-        block_placement=args.block_placement,
-        preemption_mode=args.preemption_mode,
-        async_scheduling=args.async_scheduling,
-        swap_space=args.swap_space,
-        kv_cache_memory=args.kv_cache_memory,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        seed=args.seed,
-        num_kv_blocks=args.num_kv_blocks,
-        enforce_eager=args.enforce_eager,
-        tensor_parallel_size=args.tensor_parallel_size,
-        max_worker_restarts=args.max_worker_restarts,
-        nnodes=args.nnodes,
-        worker_endpoint=args.worker_endpoint,
-        master_addr=args.master_addr,
-        master_port=args.master_port,
-    )
+    from .engine_args import EngineArgs
+
+    return EngineArgs.from_cli_args(args)
 
 
 def sampling_params(args):

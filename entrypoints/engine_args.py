@@ -4,58 +4,118 @@ input processor that checks prompts against the model."""
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 
 from pagedllm.backends.registry import check_available, device_count, resolve_alias
-from pagedllm.core.config import EngineConfig, parse_size
+from pagedllm.core.config import BLOCK_SIZES, PREEMPTION_MODES, SCHEDULER_POLICIES, EngineConfig, parse_size
 from pagedllm.core.errors import InvalidParameter
-from pagedllm.core.model_folder import ModelFolder
-from pagedllm.core.quantization import resolve_quantization
+from pagedllm.core.free_blocks import PLACEMENTS
+from pagedllm.core.model_folder import ModelFolder, model_folder
+from pagedllm.core.quantization import QUANTIZATIONS, resolve_quantization
 
 from .engine_client import EngineClient
 from .input_processor import InputProcessor
 
 GiB = 1 << 30
 logger = logging.getLogger("pagedllm.entrypoints")
+# a field's annotation (a string: postponed annotations) -> the type of its CLI flag
+_ANNOTATION_TYPES = {
+    "str": str,
+    "str | None": str,
+    "int": int,
+    "int | None": int,
+    "float": float,
+    "bool": bool,
+}
+
+
+def option(default, help: str, *, choices=None, cli_type=None):
+    """One engine option: its default, its help text and allowed values. The CLI's flag and
+    its help, `LLM(**kwargs)` and the servers all come from these declarations (add_cli_args);
+    `cli_type` is the flag's type where the field's annotation admits several."""
+    return field(default=default, metadata={"help": help, "choices": choices, "cli_type": cli_type})
 
 
 @dataclass(kw_only=True)
 class EngineArgs:
-    """Named as vLLM names them. `model=None` is the demo model; `kv_cache_memory` is bytes or a
-    size such as "512MiB"; `swap_space` is GiB of host swap (default 1 GiB under
-    `preemption_mode="swap"`, else none); `transport` is "ipc" or "tcp" (loopback)."""
+    """The engine's options, named as vLLM names them: `LLM(**kwargs)`, `AsyncEngine(**kwargs)`
+    and `pagedllm generate|serve --flag` (`pagedllm generate --help` lists them, with defaults)."""
 
-    model: str | None = None
-    backend: str = "cpu"
-    dtype: str = "auto"
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    scheduler_policy: str = "fcfs"
-    priority_preemption: bool = True
-    block_placement: str = "lru"
-    preemption_mode: str = "recompute"
-    async_scheduling: bool = True
-    seed: int = 0
-    kv_cache_memory: int | str = "1GiB"
-    swap_space: float | str | None = None
-    tensor_parallel_size: int = 1
-    nnodes: int = 1
-    worker_endpoint: str | None = None
-    master_addr: str = "127.0.0.1"
-    master_port: int | None = None
-    num_kv_blocks: int | None = None
-    gpu_memory_utilization: float = 0.9
-    enforce_eager: bool = False
-    max_worker_restarts: int = 3
-    quantization: str | None = None
-    tokenizer: str | None = None
-    skip_tokenizer_init: bool = False
-    transport: str = "ipc"
+    model: str | None = option(None, "Hugging Face model folder (default: the built-in demo model)")
+    backend: str = option("cpu", "cpu, cuda (the best CUDA backend here), cuda-triton, cuda-native, or a plugin")
+    dtype: str = option("auto", "auto (the checkpoint's; the backend may choose), float32, bfloat16 or float16")
+    quantization: str | None = option(
+        None,
+        "weight-only quantization at load time (int8, int4, nf4); a GPTQ/AWQ checkpoint is read as saved",
+        choices=QUANTIZATIONS,
+    )
+    block_size: int = option(16, "tokens per KV block", choices=BLOCK_SIZES)
+    max_num_seqs: int = option(256, "sequences in one step at most")
+    max_num_batched_tokens: int | None = option(
+        None, "tokens in one step at most (default: max_model_len clamped to 2,048-8,192)"
+    )
+    max_model_len: int | None = option(None, "prompt + output tokens of a request (default: the model's)")
+    enable_prefix_caching: bool = option(True, "reuse the KV blocks of equal prompt prefixes")
+    scheduler_policy: str = option("fcfs", "the order requests run in", choices=SCHEDULER_POLICIES)
+    priority_preemption: bool = option(
+        True, "priority policy: a waiting request preempts running ones of lower priority"
+    )
+    block_placement: str = option(
+        "lru",
+        "which free KV block a request gets: the last freed, or from the lowest / smallest run that fits",
+        choices=PLACEMENTS,
+    )
+    preemption_mode: str = option("recompute", "how a request gives its blocks back", choices=PREEMPTION_MODES)
+    async_scheduling: bool = option(True, "plan each decode step while the previous one computes")
+    seed: int = option(0, "the engine's sampling seed (requests without a seed of their own)")
+    kv_cache_memory: int | str = option(
+        "1GiB", "KV pool size per rank, e.g. 512MiB or 4GiB (bytes as an int)", cli_type=str
+    )
+    swap_space: float | str | None = option(
+        None, "GiB of host swap space (default: 1 under preemption_mode swap, else 0)", cli_type=float
+    )
+    tensor_parallel_size: int = option(1, "ranks to split the model over")
+    nnodes: int = option(1, "hosts the ranks split over (the others run `pagedllm worker`)")
+    worker_endpoint: str | None = option(None, "several hosts: where their ranks reach this core (tcp://)")
+    master_addr: str = option("127.0.0.1", "several hosts: this host's address for torch.distributed")
+    master_port: int | None = option(None, "several hosts: torch.distributed's port on this host")
+    num_kv_blocks: int | None = option(None, "KV pool size in blocks (overrides kv_cache_memory)")
+    gpu_memory_utilization: float = option(
+        0.9, "where the backend profiles its memory (GPUs): the fraction for weights, activations and the KV pool"
+    )
+    enforce_eager: bool = option(False, "no graph capture of decode steps (GPUs: CUDA graphs)")
+    max_worker_restarts: int = option(3, "workers replaced within 10 minutes before the engine gives up")
+    tokenizer: str | None = option(None, "tokenizer folder (default: the model's)")
+    skip_tokenizer_init: bool = option(False, "no tokenizer: prompts and outputs are token ids")
+    transport: str = option(
+        "ipc", "how the frontend reaches the engine core: ipc (socket files) or tcp (loopback)", choices=("ipc", "tcp")
+    )
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """A flag per option (`--block-size`), with its default, help and choices."""
+        group = parser.add_argument_group("engine")
+        for f in fields(cls):
+            meta = f.metadata
+            flag = "--" + f.name.replace("_", "-")
+            kind = meta["cli_type"] or _ANNOTATION_TYPES[f.type]
+            text = (
+                meta["help"]
+                if f.default is None or "default" in meta["help"]
+                else meta["help"] + " (default: %(default)s)"
+            )
+            if kind is bool:
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=meta["help"])
+            else:
+                group.add_argument(flag, type=kind, default=f.default, choices=meta["choices"], help=text)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> dict:
+        """The keyword arguments the parsed flags give (for LLM, AsyncEngine, EngineArgs)."""
+        return {f.name: getattr(args, f.name) for f in fields(cls)}
 
     def engine_config(self) -> EngineConfig:
         """The core's configuration; an unknown or unusable backend fails here, saying why."""
@@ -76,7 +136,7 @@ class EngineArgs:
             swap = parse_size(self.swap_space, "swap_space")
         else:
             swap = int(self.swap_space * GiB)  # vLLM's unit: GiB
-        folder = ModelFolder(model)
+        folder = model_folder(model)
         folder.check_max_model_len(self.max_model_len)
         quantization = resolve_quantization(self.quantization, folder.config)
         self._check_tensor_parallel(folder, backend)
@@ -122,7 +182,7 @@ def start_engine(args: EngineArgs) -> tuple[EngineClient, InputProcessor]:
             from .tokenizer import load_tokenizer
 
             tokenizer = load_tokenizer(args.tokenizer or config.model)
-        folder = ModelFolder(config.model)
+        folder = model_folder(config.model)
         ready = engine.wait_ready()
     except BaseException:
         engine.shutdown()

@@ -25,10 +25,8 @@ from .request_tracker import RequestTracker
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_args):
-        """`engine_args`: the fields of `EngineArgs` (backend, dtype, block_size, max_num_seqs,
-        max_num_batched_tokens, max_model_len, enable_prefix_caching, scheduler_policy,
-        preemption_mode, async_scheduling, seed, kv_cache_memory, swap_space, tensor_parallel_size, num_kv_blocks,
-        gpu_memory_utilization, enforce_eager, tokenizer, skip_tokenizer_init, transport)."""
+        """`engine_args`: the options of `pagedllm.entrypoints.engine_args.EngineArgs`, where
+        each is declared once with its default and meaning (`pagedllm generate --help` lists them)."""
         self.engine, self.inputs = start_engine(EngineArgs(model=model, **engine_args))
         self.outputs = OutputProcessor()
         self.last_stats: EngineStats | None = None

@@ -7,16 +7,14 @@ config carries; tests/test_tokenizer.py checks the result against AutoTokenizer'
 
 from __future__ import annotations
 
-import json
-import os
+from pagedllm.core.model_folder import model_folder
 
 
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer, PreTrainedConfig
 
     try:
-        with open(os.path.join(path, "config.json")) as f:
-            config = PreTrainedConfig(**json.load(f))
+        config = PreTrainedConfig(**model_folder(path).config)
     except (OSError, ValueError, TypeError):
         return AutoTokenizer.from_pretrained(path)  # no readable config here: transformers decides
     config._name_or_path = path

@@ -93,3 +93,45 @@ def test_generate_with_beam_search(tiny_model):
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert [line.split(" (")[0] for line in lines] == [f"'paged attention' beam {i}" for i in range(3)]
+
+
+def test_every_engine_flag_comes_from_the_one_declaration():
+    """`generate` and `serve` have exactly EngineArgs' options as engine flags, with its
+    defaults and choices, and hand them back whole; the core's EngineConfig agrees with it on
+    every option they share."""
+    import argparse
+    from dataclasses import fields
+
+    import msgspec
+
+    from pagedllm.core.config import BLOCK_SIZES, PREEMPTION_MODES, SCHEDULER_POLICIES, EngineConfig
+    from pagedllm.core.free_blocks import PLACEMENTS
+    from pagedllm.entrypoints.cli import build_parser, engine_kwargs
+    from pagedllm.entrypoints.engine_args import EngineArgs
+
+    declared = {f.name: f for f in fields(EngineArgs)}
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for command in ("generate", "serve"):
+        parser = sub.choices[command]
+        group = next(g for g in parser._action_groups if g.title == "engine")
+        flags = {a.dest: a for a in group._group_actions}
+        assert set(flags) == set(declared), command
+        for name, action in flags.items():
+            assert action.default == declared[name].default, name
+            assert action.help and action.help.startswith(declared[name].metadata["help"]), name
+        args = parser.parse_args(["--block-size", "32", "--no-enable-prefix-caching"])
+        kwargs = engine_kwargs(args)
+        assert kwargs == {
+            **{n: f.default for n, f in declared.items()},
+            "block_size": 32,
+            "enable_prefix_caching": False,
+        }
+    choices = {n: f.metadata["choices"] for n, f in declared.items()}
+    assert choices["block_size"] == BLOCK_SIZES and choices["scheduler_policy"] == SCHEDULER_POLICIES
+    assert choices["preemption_mode"] == PREEMPTION_MODES and choices["block_placement"] == PLACEMENTS
+    converted = {"kv_cache_memory", "swap_space", "model"}  # bytes, and the absolute path, in the core
+    core_fields = msgspec.structs.fields(EngineConfig)
+    for f in core_fields:
+        if f.name not in converted:
+            assert f.default == declared[f.name].default, f"EngineConfig.{f.name} disagrees with EngineArgs"
+    assert {f.name for f in core_fields} <= set(declared)

@@ -133,7 +133,24 @@ def test_cli_exits_nonzero_on_failure_and_writes_json(plugins_installed, tmp_pat
     )
     assert proc.returncode == 1
     assert "FAIL" in proc.stdout and "decode_attention float32" in proc.stdout
+    assert "contract version 2;" in proc.stdout  # the table's header says what it was written for
     assert '"ok": false' in out.read_text()
+    # the support matrix beside it: what it declares, and per dtype what passed
+    matrix = (tmp_path / "r.md").read_text()
+    assert "## broken-no-softmax-scale" in matrix and "contract version 2" in matrix
+    decode = next(line for line in matrix.splitlines() if line.startswith("| decode_attention |"))
+    assert decode.count("FAIL") == 3, decode  # float32, bfloat16 and float16 all fail
+    assert "| write_kv | pass" in matrix
+
+
+def test_the_support_matrix_shows_backends_not_run_from_their_declarations():
+    from pagedllm.conformance.matrix import installed_declarations, matrix
+
+    page = matrix([], installed_declarations())
+    assert "## cpu" in page and "host shared memory" in page
+    for name in ("cuda-triton", "cuda-native"):  # importable here, never run: declarations only
+        section = page.split(f"## {name}")[1].split("## ")[0]
+        assert "Not yet run here" in section and "its own device memory" in section and "nccl" in section
 
 
 def test_unknown_backend_lists_known_ones():

@@ -99,7 +99,7 @@ def pack_linear_layers(model: nn.Module) -> int:
     targets = [
         (parent, name, child)
         for parent, name, child in plain_linears(model, PACKED_DTYPES)
-        if child.weight.device.type == "cpu" and packing_available(child.weight.dtype)
+        if child.weight.is_cpu and packing_available(child.weight.dtype)
     ]
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child))

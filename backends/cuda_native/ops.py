@@ -4,8 +4,6 @@ positions 0..its own of its request, so the ops only build two small index tenso
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from pagedllm.backends.attention import (
@@ -15,6 +13,7 @@ from pagedllm.backends.attention import (
     last_dim_contiguous,
     prefill_token_rows,
 )
+from pagedllm.backends.gpu.platform import CudaPlatform
 from pagedllm.core.utils import cdiv
 
 from .build import load_extension, missing_build_tools
@@ -22,10 +21,8 @@ from .build import load_extension, missing_build_tools
 PARTITION = 512  # context positions per program in decode; longer contexts split and reduce
 
 
-class NativeCudaAttentionOps(AttentionOps):
+class NativeCudaAttentionOps(CudaPlatform, AttentionOps):
     name = "cuda-native"
-    device = "cuda"
-    kv_in_shared_memory = False
     supported_head_sizes = tuple(range(8, 257, 8))  # kernels.h: up to 256, whole 16-byte loads
 
     def __init__(self):
@@ -34,10 +31,6 @@ class NativeCudaAttentionOps(AttentionOps):
             raise RuntimeError(f"{self.name}: {reason}")
         self.ext = load_extension()
         self._empty = torch.empty(0, dtype=torch.float32, device="cuda")
-
-    @staticmethod
-    def device_count() -> int | None:
-        return None if os.environ.get("TRITON_INTERPRET") == "1" else torch.cuda.device_count()
 
     @staticmethod
     def unavailable_reason() -> str | None:

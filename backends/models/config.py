@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedllm.core.model_folder import ModelFolder, rope_parameters
+from pagedllm.core.model_folder import model_folder, rope_parameters
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -38,7 +38,7 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, model_dir: str, dtype: str | None = None) -> ModelConfig:
-        return cls.from_dict(ModelFolder(model_dir).config, dtype)
+        return cls.from_dict(model_folder(model_dir).config, dtype)
 
     @classmethod
     def from_dict(cls, cfg: dict, dtype: str | None = None) -> ModelConfig:

@@ -9,7 +9,7 @@ import re
 import torch
 from safetensors import safe_open
 
-from pagedllm.core.model_folder import ModelFolder
+from pagedllm.core.model_folder import model_folder
 from pagedllm.core.quantization import checkpoint_quantization, resolve_quantization
 
 from .config import ModelConfig
@@ -95,7 +95,7 @@ def load_model(
     from the safetensors files, so no rank holds the whole model. `quantization`: a mode of
     core/quantization.py to apply as it loads; a checkpoint saved quantized (GPTQ, AWQ) loads
     as such whatever it says."""
-    folder = ModelFolder(model_dir)
+    folder = model_folder(model_dir)
     cfg = ModelConfig.from_dict(folder.config, dtype)
     method = resolve_quantization(quantization, folder.config)
     saved = checkpoint_quantization(folder.config)

@@ -10,6 +10,7 @@ import os
 import torch
 
 from pagedllm.backends.attention import AttentionOps, DecodeMetadata, PrefillMetadata, last_dim_contiguous
+from pagedllm.backends.gpu.platform import CudaPlatform
 from pagedllm.core.utils import cdiv
 
 
@@ -39,7 +40,7 @@ def decode_config(interpret: bool) -> tuple[int, int]:
     return tile, warps
 
 
-class TritonAttentionOps(AttentionOps):
+class TritonAttentionOps(CudaPlatform, AttentionOps):
     name = "cuda-triton"
 
     def __init__(self):
@@ -50,20 +51,16 @@ class TritonAttentionOps(AttentionOps):
 
         self.k = kernels
         self.interpret = _interpreting()
+        # under the interpreter the device is the CPU (CudaPlatform then answers as a host
+        # does), but the pool stays the worker's own, so that CPU tests take the GPU's paths,
+        # recovery by recompute among them
         self.device = "cpu" if self.interpret else "cuda"
-        # the pool is the worker's own (device memory on a GPU; under the interpreter too, so that
-        # CPU tests take the GPU's paths, recovery by recompute among them)
-        self.kv_in_shared_memory = False
         # the interpreter runs one Python step per tile: big tiles and short partitions (so the
         # split-and-reduce path is exercised by small tests) keep it quick
         self.tile = 128 if self.interpret else 32
         self.block_m = 128 if self.interpret else 32
         self.decode_tile, self.decode_warps = decode_config(self.interpret)
         self.partition = 256 if self.interpret else 512
-
-    @staticmethod
-    def device_count() -> int | None:
-        return None if os.environ.get("TRITON_INTERPRET") == "1" else torch.cuda.device_count()
 
     @staticmethod
     def unavailable_reason() -> str | None:

@@ -180,3 +180,17 @@ class NarrowSupport(CpuAttentionOps):
     supported_block_sizes = (16,)
     supported_head_sizes = (16, 64)
     max_context_len = 512
+
+
+class FromTheFuture(CpuAttentionOps):
+    """Written against a backend contract this pagedllm does not know yet."""
+
+    name = "future-contract"
+    contract_version = 99
+
+
+class VersionOne(CpuAttentionOps):
+    """Written against contract version 1 (before the platform face): runs on its defaults."""
+
+    name = "version-one"
+    contract_version = 1
