@@ -22,8 +22,7 @@ from pagedllm.backends.cpu import CpuAttentionOps
 from pagedllm.backends.models.loader import load_model
 from pagedllm.backends.runner import ModelRunner, SeqInput, allocate_kv_caches
 from pagedllm.core.utils import cdiv
-
-from .small_llama import small_llama_dir
+from pagedllm.fixtures.small_llama import small_llama_dir
 
 
 def scratch_dir() -> str:

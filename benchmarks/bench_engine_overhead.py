@@ -21,7 +21,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     from pagedllm import LLM, SamplingParams
-    from pagedllm.entrypoints.tiny_models import make_model_dir
+    from pagedllm.fixtures.tiny_models import make_model_dir
 
     from .bench_decode_step import scratch_dir
 

@@ -3,14 +3,13 @@ HTTP API (streaming, read by a bare asyncio HTTP client), as a Poisson process a
 all at once ("inf", saturation); TTFT and inter-token latency p50/p99 and throughput per rate;
 then the same workload offline through `LLM.generate` in the same run, and the ratio.
 
-    python -m pagedllm.benchmarks.bench_serving [--num-prompts 100] [--rates 2,8,inf] [--dtype bfloat16]
+    pagedllm bench serving [--num-prompts 100] [--rates 2,8] [--dtype bfloat16]   (the front door: benchmarks/cli.py)
 
 Goal: served throughput at saturation >= 90% of offline.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import itertools
 import json
@@ -22,7 +21,6 @@ import time
 from pagedllm.benchmarks.report import percentiles_ms
 from pagedllm.benchmarks.workload import poisson_arrivals
 from pagedllm.core.ipc import free_tcp_port
-from pagedllm.core.model_folder import model_folder
 
 
 def start_server(
@@ -38,7 +36,7 @@ def start_server(
         [
             sys.executable,
             "-m",
-            "pagedllm.entrypoints.cli",
+            "pagedllm.cli",
             "serve",
             "--model",
             model_dir,
@@ -241,51 +239,3 @@ def print_report(result: dict) -> None:
         f"{runs('offline_runs')} tok/s; best served / best offline: {result['served_over_offline']:.2f} "
         f"(goal >= 0.90)"
     )
-
-
-def main(argv=None) -> None:
-    from pagedllm.benchmarks.workload import synthetic_lengths, synthetic_prompts
-    from pagedllm.entrypoints.default_model import default_model_dir
-
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None)
-    p.add_argument("--backend", default="cpu")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--num-prompts", type=int, default=100)
-    p.add_argument("--rates", default="2,8,inf")
-    p.add_argument("--kv-cache-memory", default="2GiB")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rounds", type=int, default=2, help="alternating offline / saturated served runs")
-    p.add_argument("--json", default=None, help="also write the results here")
-    args = p.parse_args(argv)
-    model_dir = args.model or default_model_dir()
-    folder = model_folder(model_dir)
-    lengths = synthetic_lengths(
-        args.num_prompts, seed=args.seed, max_len=min(1000, folder.max_position_embeddings // 2 - 1)
-    )
-    prompts = synthetic_prompts(lengths, folder.vocab_size, args.seed)
-    max_tokens = [o for _, o in lengths]
-    print(
-        f"{len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {sum(max_tokens)} output tokens; "
-        f"model {model_dir}; {args.dtype}",
-        flush=True,
-    )
-    result = serving_benchmark(
-        model_dir,
-        prompts,
-        max_tokens,
-        [float(r) for r in args.rates.split(",")],
-        args.backend,
-        args.dtype,
-        args.kv_cache_memory,
-        args.seed,
-        args.rounds,
-    )
-    print_report(result)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,35 +1,16 @@
-"""Offline throughput: one seeded synthetic workload through pagedllm and through its peers —
-transformers (static batches with padding; its own continuous batching) and, given an
-environment with it, vLLM — in one run. `pagedllm bench throughput` runs this too.
+"""Offline throughput: one workload through pagedllm and through its peers — transformers
+(static batches with padding; its own continuous batching) and, given an environment with it,
+vLLM — in one run. Its front door is `pagedllm bench throughput` (benchmarks/cli.py), e.g.
 
-    python -m pagedllm.benchmarks.bench_throughput                       # 200 long-tailed requests
-    python -m pagedllm.benchmarks.bench_throughput --workload uniform --num-prompts 64
+    pagedllm bench throughput --dataset uniform --num-prompts 64 --vs none
+    pagedllm bench throughput --model DIR --vs hf-static --vllm-python ~/vllm-env/bin/python
 
-Workloads: `sharegpt` — long-tailed prompt/output lengths (see workload.py); `uniform` —
-prompt and output lengths uniform in 16-256, the workload of the project's vLLM figure.
-Model: the 19M-parameter random Llama (hidden 256, 4 layers, 8 heads, 4 KV heads, vocab
-32000) unless --model is given. Only the tokens each request asked for count.
+Only the tokens each request asked for count.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import random
 import time
-
-from .bench_decode_step import scratch_dir
-from .small_llama import small_llama_dir
-from .workload import PEERS, synthetic_lengths, synthetic_prompts
-
-
-def make_workload(kind: str, num: int, seed: int, vocab: int):
-    if kind == "uniform":
-        rng = random.Random(seed)
-        lengths = [(rng.randint(16, 256), rng.randint(16, 256)) for _ in range(num)]
-    else:
-        lengths = synthetic_lengths(num, seed=seed, max_len=1000)
-    return synthetic_prompts(lengths, vocab, seed), [o for _, o in lengths]
 
 
 def run_pagedllm(
@@ -110,45 +91,3 @@ def compare(
     print()
     print(report.format_table(results))
     return {"results": results, "peer_versions": versions}
-
-
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workload", choices=["sharegpt", "uniform"], default="sharegpt")
-    ap.add_argument("--num-prompts", type=int, default=200)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--kv-cache-memory", default="2GiB")
-    ap.add_argument("--batch-size", type=int, default=16, help="transformers static batch size")
-    ap.add_argument("--vs", default="hf-static,hf-cb", help="peers to run: hf-static, hf-cb (or none)")
-    ap.add_argument("--vllm-python", default=None, help="python of an environment with vLLM: adds vLLM")
-    args = ap.parse_args(argv)
-
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model_dir = args.model or small_llama_dir(scratch_dir(), args.dtype)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
-    prompts, max_tokens = make_workload(args.workload, args.num_prompts, args.seed, hf.config.vocab_size)
-    print(
-        f"workload: {args.workload}, {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, "
-        f"{sum(max_tokens)} output tokens requested; dtype {args.dtype}"
-    )
-    peers = [p for p in args.vs.split(",") if p in PEERS] + (["vllm"] if args.vllm_python else [])
-    compare(
-        hf,
-        model_dir,
-        prompts,
-        max_tokens,
-        peers,
-        dtype=args.dtype,
-        kv_cache_memory=args.kv_cache_memory,
-        batch_size=args.batch_size,
-        vllm_python=args.vllm_python,
-        vllm_work=os.path.join(scratch_dir(), "vllm-work"),
-    )
-
-
-if __name__ == "__main__":
-    main()

@@ -25,7 +25,7 @@ def big_llama_dir(root: str) -> str:
     import torch
     import transformers as tf
 
-    from pagedllm.entrypoints.tiny_models import make_tokenizer
+    from pagedllm.fixtures.tiny_models import make_tokenizer
 
     path = os.path.join(root, "llama-159m")
     if os.path.isfile(os.path.join(path, "config.json")):

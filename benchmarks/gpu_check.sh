@@ -76,21 +76,21 @@ else
     >"$OUT/build-native.log" 2>&1) &
   build_pid=$!
   echo "== build-native in the background (log: $OUT/build-native.log)"
-  step ops-cuda-triton 100 env CUDA_LAUNCH_BLOCKING=1 $PY -m pagedllm.entrypoints.cli conformance \
+  step ops-cuda-triton 100 env CUDA_LAUNCH_BLOCKING=1 $PY -m pagedllm.cli conformance \
     --backend cuda-triton --ops-only --quick --json "$OUT/ops-cuda-triton.json"
   wait "$build_pid"
   verdict $? $((SECONDS - build_start)) build-native
   tail -3 "$OUT/build-native.log"
-  step ops-cuda-native 30 env CUDA_LAUNCH_BLOCKING=1 $PY -m pagedllm.entrypoints.cli conformance \
+  step ops-cuda-native 30 env CUDA_LAUNCH_BLOCKING=1 $PY -m pagedllm.cli conformance \
     --backend cuda-native --ops-only --quick --json "$OUT/ops-cuda-native.json"
   for backend in cuda-triton cuda-native; do
-    step "engine-$backend" 45 env PAGEDLLM_STRICT_GRAPHS=1 PAGEDLLM_LOG_LEVEL=INFO $PY -m pagedllm.entrypoints.cli \
+    step "engine-$backend" 45 env PAGEDLLM_STRICT_GRAPHS=1 PAGEDLLM_LOG_LEVEL=INFO $PY -m pagedllm.cli \
       conformance --backend "$backend" --quick --json "$OUT/engine-$backend.json"
   done
   step bandwidth 60 $PY -m pagedllm.benchmarks.gpu_decode_bandwidth  # cuda-triton: six decode configs
   step end-to-end 50 $PY -m pagedllm.benchmarks.gpu_end_to_end
   if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
-    step tp2 50 $PY -m pagedllm.entrypoints.cli conformance --backend cuda --quick --tensor-parallel-size 2
+    step tp2 50 $PY -m pagedllm.cli conformance --backend cuda --quick --tensor-parallel-size 2
   else
     echo "STEP tp2: SKIPPED (one GPU)" | tee -a "$OUT/steps.txt"
   fi

@@ -26,6 +26,13 @@ def poisson_arrivals(num: int, rate: float, seed: int) -> list[float]:
     return arrivals
 
 
+def uniform_lengths(num_requests: int, seed: int = 0, lo: int = 16, hi: int = 256) -> list[tuple[int, int]]:
+    """(prompt length, output length) pairs, each uniform in lo..hi (the workload of the
+    project's first vLLM figure)."""
+    rng = random.Random(seed)
+    return [(rng.randint(lo, hi), rng.randint(lo, hi)) for _ in range(num_requests)]
+
+
 def synthetic_lengths(
     num_requests: int,
     seed: int = 0,

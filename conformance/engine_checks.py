@@ -15,7 +15,7 @@ from pagedllm.core.protocol import InitCache
 from pagedllm.core.request import EngineRequest
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.core.scheduler import Scheduler
-from pagedllm.entrypoints.tiny_models import ARCHITECTURES, load_hf
+from pagedllm.fixtures.tiny_models import ARCHITECTURES, load_hf
 
 from .op_cases import slots_of
 from .results import CheckResult, compare, tolerance_text

@@ -19,7 +19,7 @@ import tempfile
 import time
 import traceback
 
-from pagedllm.entrypoints.tiny_models import ARCHITECTURES, make_model_dir
+from pagedllm.fixtures.tiny_models import ARCHITECTURES, make_model_dir
 
 from .results import CheckResult, declared_support, format_table
 

@@ -1,13 +1,11 @@
-"""The `pagedllm` command."""
+"""The `pagedllm` command's engine commands: generate, serve, worker and keygen, and the engine,
+sampling, limit and ZMQ-security flags (the command itself is `pagedllm.cli`)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import sys
-
-from pagedllm import __version__
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -172,10 +170,8 @@ def write_beams(outputs, prompts, path: str | None) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedllm", description="PagedAttention LLM inference engine")
-    parser.add_argument("--version", action="version", version=f"pagedllm {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+def add_commands(sub) -> None:
+    """generate, serve, worker and keygen (the root `pagedllm.cli` adds bench and conformance)."""
     gen = sub.add_parser("generate", help="generate completions offline")
     gen.add_argument("prompts", nargs="*", metavar="PROMPT")
     gen.add_argument("--input", help='JSONL file: one {"prompt": ...} or {"prompt_token_ids": [...]} per line')
@@ -229,30 +225,6 @@ def build_parser() -> argparse.ArgumentParser:
     keys.add_argument("--name", default="server", help="file name stem (server, or a client's name)")
     keys.set_defaults(func=cmd_keygen)
 
-    from .bench import add_bench_parser
-
-    add_bench_parser(sub)
-
-    conf = sub.add_parser("conformance", help="run the backend conformance suite")
-    conf.add_argument("--backend", required=True)
-    conf.add_argument("--quick", action="store_true", help="a smaller grid (about 2 minutes on CPU)")
-    conf.add_argument("--ops-only", action="store_true", help="op numerics and cache writes only")
-    conf.add_argument("--json", help="also write the results as JSON here")
-    conf.add_argument(
-        "--dtype",
-        action="append",
-        choices=["float32", "bfloat16", "float16"],
-        help="check the ops in this dtype only (repeatable; default: every dtype the backend supports)",
-    )
-    conf.add_argument(
-        "--tensor-parallel-size", type=int, default=1, help="run the engine rows with this many ranks, against one"
-    )
-    conf.add_argument(
-        "--block-placement", default="lru", choices=["lru", "first-fit", "best-fit"], help="for the engine rows"
-    )
-    conf.set_defaults(func=cmd_conformance)
-    return parser
-
 
 def cmd_serve(args) -> int:
     from .limits import ServerLimits
@@ -301,43 +273,3 @@ def cmd_keygen(args) -> int:
     public, secret = keygen(args.out, args.name)
     print(f"wrote {public} (public: give it to the other side) and {secret} (secret: keep it)")
     return 0
-
-
-def cmd_conformance(args) -> int:
-    from pagedllm.conformance.suite import main as run
-
-    return run(args)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    from pagedllm.core.logs import setup_logging
-
-    setup_logging()
-    if args.command is None:
-        parser.print_help()
-        return 2
-    from pagedllm.backends.registry import BackendUnavailable, UnknownBackend
-    from pagedllm.core.errors import InvalidParameter
-
-    from .interrupt import defer_sigint, raise_if_interrupted
-
-    if args.command == "generate":  # its waits are all in the engine client's loops
-        defer_sigint()
-    try:
-        code = args.func(args)
-        raise_if_interrupted()  # a Ctrl-C while the outputs were written
-        return code
-    except InvalidParameter as e:
-        flag = "--" + e.field.replace("_", "-")
-        parser.exit(2, f"pagedllm: error: {flag}: {str(e).split(': ', 1)[-1]}\n")
-    except (UnknownBackend, BackendUnavailable, ValueError, FileNotFoundError) as e:
-        parser.exit(2, f"pagedllm: error: {e}\n")
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -33,7 +33,7 @@ def default_model_dir() -> str:
     with open(os.path.join(root, ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one process builds it; the others wait
         if not os.path.isfile(os.path.join(path, "config.json")):
-            from .tiny_models import make_model_dir
+            from pagedllm.fixtures.tiny_models import make_model_dir
 
             tmp = tempfile.mkdtemp(dir=root)
             make_model_dir(os.path.join(tmp, "m"), "llama", seed=0)

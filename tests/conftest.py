@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from pagedllm.entrypoints.tiny_models import make_model_dir
+from pagedllm.fixtures.tiny_models import make_model_dir
 
 CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -28,7 +28,7 @@ class ServerProcess:
             [
                 sys.executable,
                 "-m",
-                "pagedllm.entrypoints.cli",
+                "pagedllm.cli",
                 "serve",
                 "--model",
                 model,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, BeamSearchParams
-from pagedllm.entrypoints.tiny_models import load_hf
+from pagedllm.fixtures.tiny_models import load_hf
 
 LENGTHS = [1, 15, 16, 17, 100]
 MAX_TOKENS = 12

@@ -21,7 +21,7 @@ def test_accounting_counts_only_requested_tokens_and_flags_short_outputs():
 
 def run_bench(*args, timeout=600):
     return subprocess.run(
-        [sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", *args],
+        [sys.executable, "-m", "pagedllm.cli", "bench", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -166,7 +166,7 @@ def test_the_19m_models_word_tokenizer_covers_its_vocabulary(tmp_path):
     benchmark's 19M Llama has one word per id, and transformers reads it back as saved."""
     from transformers import AutoTokenizer
 
-    from pagedllm.benchmarks.small_llama import save_word_tokenizer
+    from pagedllm.fixtures.tokenizers import save_word_tokenizer
 
     save_word_tokenizer(str(tmp_path), vocab_size=500)
     tok = AutoTokenizer.from_pretrained(str(tmp_path))

@@ -8,7 +8,7 @@ import pytest
 
 def pagedllm(*args, env=None, timeout=180):
     return subprocess.run(
-        [sys.executable, "-m", "pagedllm.entrypoints.cli", *args],
+        [sys.executable, "-m", "pagedllm.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -104,9 +104,10 @@ def test_every_engine_flag_comes_from_the_one_declaration():
 
     import msgspec
 
+    from pagedllm.cli import build_parser
     from pagedllm.core.config import BLOCK_SIZES, PREEMPTION_MODES, SCHEDULER_POLICIES, EngineConfig
     from pagedllm.core.free_blocks import PLACEMENTS
-    from pagedllm.entrypoints.cli import build_parser, engine_kwargs
+    from pagedllm.entrypoints.cli import engine_kwargs
     from pagedllm.entrypoints.engine_args import EngineArgs
 
     declared = {f.name: f for f in fields(EngineArgs)}

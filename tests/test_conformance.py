@@ -21,7 +21,7 @@ def test_cpu_backend_passes_the_quick_op_checks_and_prints_rows_as_they_finish(t
     short by a timeout (the GPU check's steps have them) has still shown what it did. The
     engine rows run below on an independent port (`example`); on the cpu backend the rest of
     the suite checks the same behaviour against transformers directly."""
-    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "conformance", "--backend", "cpu", "--quick", "--ops-only"]
+    cmd = [sys.executable, "-m", "pagedllm.cli", "conformance", "--backend", "cpu", "--quick", "--ops-only"]
     proc = subprocess.run([*cmd, "--json", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=600)
     report = json.loads((tmp_path / "r.json").read_text())
     assert proc.returncode == 0 and report["ok"], proc.stdout
@@ -92,7 +92,7 @@ def test_a_backend_is_checked_on_what_it_declares_and_refused_the_rest(plugins_i
     from pagedllm.core.config import EngineConfig
 
     proc = subprocess.run(
-        [sys.executable, "-m", "pagedllm.entrypoints.cli", "conformance", "--backend", "narrow-support", "--quick"]
+        [sys.executable, "-m", "pagedllm.cli", "conformance", "--backend", "narrow-support", "--quick"]
         + ["--ops-only"],
         capture_output=True,
         text=True,
@@ -119,7 +119,7 @@ def test_cli_exits_nonzero_on_failure_and_writes_json(plugins_installed, tmp_pat
         [
             sys.executable,
             "-m",
-            "pagedllm.entrypoints.cli",
+            "pagedllm.cli",
             "conformance",
             "--backend",
             "broken-no-softmax-scale",
@@ -165,7 +165,7 @@ def test_unavailable_backend_says_why(plugins_installed):
     with pytest.raises(BackendUnavailable, match="needs-hardware: no XPU device"):
         LLM(backend="needs-hardware")
     proc = subprocess.run(
-        [sys.executable, "-m", "pagedllm.entrypoints.cli", "conformance", "--backend", "needs-hardware", "--ops-only"],
+        [sys.executable, "-m", "pagedllm.cli", "conformance", "--backend", "needs-hardware", "--ops-only"],
         capture_output=True,
         text=True,
     )

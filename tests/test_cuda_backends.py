@@ -28,7 +28,7 @@ def _has_triton() -> bool:
 
 
 def conformance(backend: str, *flags: str, env: dict | None = None, json_path=None):
-    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "conformance", "--backend", backend, *flags]
+    cmd = [sys.executable, "-m", "pagedllm.cli", "conformance", "--backend", backend, *flags]
     if json_path:
         cmd += ["--json", str(json_path)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, **(env or {})})
@@ -155,7 +155,7 @@ def test_without_a_gpu_the_cuda_backends_say_why(monkeypatch):
     with pytest.raises(BackendUnavailable, match="cuda: no backend for it can run here"):
         resolve_alias("cuda")
     proc = subprocess.run(
-        [sys.executable, "-m", "pagedllm.entrypoints.cli", "generate", "hi", "--backend", "cuda"],
+        [sys.executable, "-m", "pagedllm.cli", "generate", "hi", "--backend", "cuda"],
         capture_output=True,
         text=True,
         timeout=120,

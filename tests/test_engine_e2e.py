@@ -5,7 +5,7 @@ import random
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.entrypoints.tiny_models import load_hf
+from pagedllm.fixtures.tiny_models import load_hf
 
 from model_helpers import hf_greedy
 from proc_helpers import children_of, segments_of

@@ -50,7 +50,7 @@ def test_sigint_on_pagedllm_generate_cleans_up(tiny_model, tmp_path):
         [
             sys.executable,
             "-m",
-            "pagedllm.entrypoints.cli",
+            "pagedllm.cli",
             "generate",
             "--model",
             tiny_model("llama"),

@@ -6,7 +6,7 @@ import pytest
 
 from pagedllm import LLM, InvalidParameter, SamplingParams
 from pagedllm.entrypoints.detokenizer import IncrementalDetokenizer
-from pagedllm.entrypoints.tiny_models import load_hf, make_tokenizer
+from pagedllm.fixtures.tiny_models import load_hf, make_tokenizer
 
 from model_helpers import hf_greedy
 

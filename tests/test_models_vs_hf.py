@@ -8,7 +8,7 @@ import torch
 from pagedllm.backends.cpu import native
 from pagedllm.backends.cpu.packed_linear import native_bfloat16_matmul
 from pagedllm.backends.runner import SeqInput
-from pagedllm.entrypoints.tiny_models import ARCHITECTURES, load_hf
+from pagedllm.fixtures.tiny_models import ARCHITECTURES, load_hf
 
 from model_helpers import greedy_batched, hf_greedy, make_runner, shuffled_tables
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.entrypoints.tiny_models import load_hf
+from pagedllm.fixtures.tiny_models import load_hf
 
 
 @pytest.fixture(scope="module")

@@ -17,11 +17,12 @@ from pagedllm.backends.models.parallel import TensorParallel
 from pagedllm.backends.models.quantized import NF4_CODEBOOK, QuantizedLinear, QuantizedWeight, quantize
 from pagedllm.benchmarks.bench_quantization import demo_held_out, held_out_loss, make_runner
 from pagedllm.benchmarks.bench_quantization import greedy as in_process_greedy
+from pagedllm.cli import build_parser
 from pagedllm.core.errors import InvalidParameter
-from pagedllm.entrypoints.cli import build_parser, engine_kwargs
+from pagedllm.entrypoints.cli import engine_kwargs
 from pagedllm.entrypoints.default_model import shipped_model_dir
 from pagedllm.entrypoints.engine_args import EngineArgs
-from pagedllm.entrypoints.tiny_models import load_hf
+from pagedllm.fixtures.tiny_models import load_hf
 
 from model_helpers import hf_greedy
 

@@ -97,7 +97,7 @@ def test_sigterm_finishes_short_requests_aborts_long_ones_and_exits_0(model):
 
 def _keygen(folder, name: str) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "pagedllm.entrypoints.cli", "keygen", "--out", str(folder), "--name", name],
+        [sys.executable, "-m", "pagedllm.cli", "keygen", "--out", str(folder), "--name", name],
         capture_output=True,
         text=True,
     )
@@ -147,7 +147,7 @@ def test_zmq_curve_lets_only_authorized_keys_through(model, tmp_path):
 
 def test_a_zmq_endpoint_other_hosts_can_reach_is_refused_without_keys(model):
     endpoint = f"tcp://0.0.0.0:{free_tcp_port()}"
-    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--model", model, "--zmq-endpoint", endpoint]
+    cmd = [sys.executable, "-m", "pagedllm.cli", "serve", "--model", model, "--zmq-endpoint", endpoint]
     t0 = time.monotonic()
     out = subprocess.run([*cmd, "--port", str(free_tcp_port())], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--zmq-allow-insecure" in out.stderr and "pagedllm keygen" in out.stderr

@@ -95,7 +95,7 @@ def test_two_launches_meet_through_the_rendezvous(tiny_model):
         [
             sys.executable,
             "-m",
-            "pagedllm.entrypoints.cli",
+            "pagedllm.cli",
             "worker",
             "--head",
             f"tcp://127.0.0.1:{workers}",

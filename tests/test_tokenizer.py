@@ -9,8 +9,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from pagedllm.entrypoints.default_model import shipped_model_dir
-from pagedllm.entrypoints.tiny_models import ARCHITECTURES
 from pagedllm.entrypoints.tokenizer import load_tokenizer
+from pagedllm.fixtures.tiny_models import ARCHITECTURES
 
 TEXTS = ["hello world", "  spaces and\nnew lines ", "ünïcödé €"]
 

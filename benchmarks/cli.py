@@ -1,5 +1,8 @@
-"""`pagedllm bench throughput|latency|serving|scaling|memory`: one workload through pagedllm and its
-peers, side by side, with a table on the terminal, a JSON file and PNG plots in --out."""
+"""`pagedllm bench throughput|latency|serving|scaling|memory`, the one front door of these
+benchmarks: one workload through pagedllm and its peers, side by side, with a table on the
+terminal, a JSON file and PNG plots in --out. Each mode's work is in its module here
+(bench_throughput, bench_latency, bench_serving, kv_memory); the others have their own
+`python -m pagedllm.benchmarks.NAME`."""
 
 from __future__ import annotations
 
@@ -11,12 +14,16 @@ from pagedllm.core.quantization import QUANTIZATIONS
 
 
 def load_dataset(spec: str, num: int, seed: int, tokenizer, vocab_size: int, max_len: int = 2048):
-    """('synthetic' | a JSONL path) -> (prompt token ids, requested output lengths). Synthetic
-    prompt and output lengths are each clipped to half the model's context."""
-    if spec == "synthetic":
-        from pagedllm.benchmarks.workload import synthetic_lengths, synthetic_prompts
+    """('synthetic' | 'uniform' | a JSONL path) -> (prompt token ids, requested output lengths).
+    Synthetic prompt and output lengths are each clipped to half the model's context; uniform
+    ones are 16-256 each."""
+    if spec in ("synthetic", "uniform"):
+        from .workload import synthetic_lengths, synthetic_prompts, uniform_lengths
 
-        lengths = synthetic_lengths(num, seed=seed, max_len=min(1000, max_len // 2 - 1))
+        if spec == "uniform":
+            lengths = uniform_lengths(num, seed=seed, hi=min(256, max_len // 2 - 1))
+        else:
+            lengths = synthetic_lengths(num, seed=seed, max_len=min(1000, max_len // 2 - 1))
         return synthetic_prompts(lengths, vocab_size, seed), [o for _, o in lengths]
     prompts, outs = [], []
     with open(spec) as f:
@@ -45,8 +52,7 @@ def load_dataset(spec: str, num: int, seed: int, tokenizer, vocab_size: int, max
 def _token_workload(args):
     """(model folder, prompt token ids, output lengths) for the modes that need no tokenizer."""
     from pagedllm.core.model_folder import model_folder
-
-    from .default_model import default_model_dir
+    from pagedllm.entrypoints.default_model import default_model_dir
 
     model_dir = args.model or default_model_dir()
     folder = model_folder(model_dir)
@@ -57,7 +63,7 @@ def _token_workload(args):
 
 
 def cmd_bench(args) -> int:
-    from pagedllm.benchmarks import report
+    from . import report
 
     out_dir = report.ensure_dir(args.out)
     if args.mode == "latency":
@@ -67,8 +73,9 @@ def cmd_bench(args) -> int:
     if args.mode == "serving":
         return _serving(args, out_dir)
     if args.mode == "memory":
-        from pagedllm.benchmarks.kv_memory import measure_kv_utilisation, print_placements
         from pagedllm.core.free_blocks import PLACEMENTS
+
+        from .kv_memory import measure_kv_utilisation, print_placements
 
         rows = [measure_kv_utilisation(num_requests=args.num_prompts, seed=args.seed, placement=p) for p in PLACEMENTS]
         r = next(row for row in rows if row["placement"] == "lru")
@@ -88,7 +95,7 @@ def cmd_bench(args) -> int:
 
 
 def _throughput(args, out_dir: str) -> int:
-    from pagedllm.benchmarks.workload import PEERS
+    from .workload import PEERS
 
     peers = [p for p in args.vs.split(",") if p and p != "none"]
     unknown = set(peers) - set(PEERS)
@@ -104,15 +111,15 @@ def _throughput(args, out_dir: str) -> int:
     import transformers
     from transformers import AutoModelForCausalLM
 
-    from pagedllm.benchmarks import report
-    from pagedllm.benchmarks.bench_throughput import compare
+    from pagedllm.entrypoints.default_model import default_model_dir
 
-    from .default_model import default_model_dir
+    from . import report
+    from .bench_throughput import compare
 
     model_dir = args.model or default_model_dir()
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
     tokenizer = None
-    if args.dataset != "synthetic":
+    if args.dataset not in ("synthetic", "uniform"):
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -165,8 +172,8 @@ def _throughput(args, out_dir: str) -> int:
 def _latency(args, out_dir: str) -> int:
     """Requests arrive as a Poisson process at each rate; time to first token and the gaps
     between tokens are measured where the caller receives them."""
-    from pagedllm.benchmarks import report
-    from pagedllm.benchmarks.bench_latency import measure, print_rows
+    from . import report
+    from .bench_latency import measure, print_rows
 
     model_dir, prompts, max_tokens = _token_workload(args)
     rates = [float(r) for r in args.rates.split(",")]
@@ -192,8 +199,8 @@ def _latency(args, out_dir: str) -> int:
 
 def _serving(args, out_dir: str) -> int:
     """The workload against a running `pagedllm serve` at each request rate, and offline."""
-    from pagedllm.benchmarks import report
-    from pagedllm.benchmarks.bench_serving import print_report, serving_benchmark
+    from . import report
+    from .bench_serving import print_report, serving_benchmark
 
     model_dir, prompts, max_tokens = _token_workload(args)
     rates = [float(r) for r in args.rates.split(",")]
@@ -235,7 +242,8 @@ def _scaling(args, out_dir: str) -> int:
     """Throughput of the same workload as the number of concurrently running requests
     (max_num_seqs) grows."""
     from pagedllm import LLM, SamplingParams
-    from pagedllm.benchmarks import report
+
+    from . import report
 
     model_dir, prompts, max_tokens = _token_workload(args)
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
@@ -264,7 +272,7 @@ def _scaling(args, out_dir: str) -> int:
     return 0
 
 
-def add_bench_parser(sub) -> None:
+def add_parser(sub) -> None:
     bench = sub.add_parser("bench", help="benchmark pagedllm against transformers on one workload")
     bench.add_argument("mode", choices=["throughput", "latency", "serving", "scaling", "memory"])
     bench.add_argument("--model", default=None, help="model folder (default: the demo model)")
@@ -281,7 +289,8 @@ def add_bench_parser(sub) -> None:
     bench.add_argument(
         "--dataset",
         default="synthetic",
-        help="synthetic (seeded, long-tailed) or a JSONL file of {prompt|prompt_token_ids, output_len}",
+        help="synthetic (seeded, long-tailed), uniform (16-256 tokens each way) or a JSONL file of "
+        "{prompt|prompt_token_ids, output_len}",
     )
     bench.add_argument(
         "--vs",

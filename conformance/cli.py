@@ -1,0 +1,30 @@
+"""`pagedllm conformance`: the suite's command line (conformance/suite.py runs it)."""
+
+from __future__ import annotations
+
+
+def add_parser(sub) -> None:
+    from pagedllm.core.free_blocks import PLACEMENTS
+
+    conf = sub.add_parser("conformance", help="run the backend conformance suite")
+    conf.add_argument("--backend", required=True)
+    conf.add_argument("--quick", action="store_true", help="a smaller grid (about 2 minutes on CPU)")
+    conf.add_argument("--ops-only", action="store_true", help="op numerics and cache writes only")
+    conf.add_argument("--json", help="also write the results as JSON here, and the support matrix beside it (.md)")
+    conf.add_argument(
+        "--dtype",
+        action="append",
+        choices=["float32", "bfloat16", "float16"],
+        help="check the ops in this dtype only (repeatable; default: every dtype the backend supports)",
+    )
+    conf.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="run the engine rows with this many ranks, against one"
+    )
+    conf.add_argument("--block-placement", default="lru", choices=PLACEMENTS, help="for the engine rows")
+    conf.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from .suite import main
+
+    return main(args)
