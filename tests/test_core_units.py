@@ -195,6 +195,7 @@ def test_the_default_step_budget_and_the_gpu_profiling_step_stay_bounded(monkeyp
 
     from pagedllm.backends import worker
     from pagedllm.backends.gpu import memory
+    from pagedllm.backends.gpu.platform import CudaPlatform
     from pagedllm.core.config import EngineConfig, default_batched_tokens
 
     assert [default_batched_tokens(n) for n in (512, 4096, 131072)] == [2048, 4096, 8192]
@@ -202,10 +203,9 @@ def test_the_default_step_budget_and_the_gpu_profiling_step_stay_bounded(monkeyp
     monkeypatch.setattr(memory, "profile_num_blocks", lambda *a: seen.setdefault("tokens", a[4]) and 100)
     fake = types.SimpleNamespace(
         config=EngineConfig(model="m"),
-        on_gpu=True,
         model_config=types.SimpleNamespace(max_position_embeddings=131072),
         model=None,
-        ops=None,
+        ops=CudaPlatform(),  # the CUDA backends' platform face: it profiles
         device="cuda",
     )
     worker.Worker._profile_num_blocks(fake, 64)
