@@ -70,7 +70,6 @@ class Platform:
     def kv_cache_blocks(
         self,
         model,
-        ops,
         block_size: int,
         slot_bytes: int,
         max_batched_tokens: int,
@@ -86,7 +85,7 @@ class Platform:
     def pin_memory(self, tensor: torch.Tensor) -> None:
         """Page-lock the host swap space for faster copies to this device, where that helps."""
 
-    def capture_graphs(self, model, ops, kv_caches: torch.Tensor, block_size: int, max_batch: int, max_model_len: int):
+    def capture_graphs(self, model, kv_caches: torch.Tensor, block_size: int, max_batch: int, max_model_len: int):
         """An object that replays decode steps (`fits(seqs)`, `run(seqs)` -> hidden states; see
         backends/gpu/graphs.py), or None: every step runs eagerly. Not asked with --enforce-eager."""
         return None

@@ -127,7 +127,6 @@ class Worker:
         max_len = cfg.max_model_len or self.model_config.max_position_embeddings
         return self.ops.kv_cache_blocks(
             self.model,
-            self.ops,
             cfg.block_size,
             slot_bytes,
             cfg.max_num_batched_tokens or default_batched_tokens(max_len),
@@ -155,7 +154,7 @@ class Worker:
             self.ops.pin_memory(self.swap)
         if not self.config.enforce_eager:
             self.runner.decode_graphs = self.ops.capture_graphs(
-                self.model, self.ops, kv, msg.block_size, self.config.max_num_seqs, msg.max_model_len
+                self.model, kv, msg.block_size, self.config.max_num_seqs, msg.max_model_len
             )
         return WorkerReady(rank=self.rank)
 

@@ -121,4 +121,4 @@ def test_a_backend_of_an_unknown_contract_version_is_refused_before_the_engine_s
         LLM(backend="future-contract")
     check_available("version-one")  # the previous version runs on the platform defaults
     ops = load_backend("version-one")
-    assert ops.distributed_backend == "gloo" and ops.kv_cache_blocks(None, ops, 16, 1, 1, 1, 0.9, "cpu") is None
+    assert ops.distributed_backend == "gloo" and ops.kv_cache_blocks(None, 16, 1, 1, 1, 0.9, "cpu") is None

@@ -45,14 +45,14 @@ class CudaPlatform(Platform):
         return default_dtype(model_dir, requested)
 
     def kv_cache_blocks(
-        self, model, ops, block_size, slot_bytes, max_batched_tokens, max_seq_len, memory_utilization, device
+        self, model, block_size, slot_bytes, max_batched_tokens, max_seq_len, memory_utilization, device
     ) -> int | None:
         if not self.on_cuda:
             return None
         from .memory import profile_num_blocks
 
         return profile_num_blocks(
-            model, ops, block_size, slot_bytes, max_batched_tokens, max_seq_len, memory_utilization, device
+            model, self, block_size, slot_bytes, max_batched_tokens, max_seq_len, memory_utilization, device
         )
 
     def pin_memory(self, tensor: torch.Tensor) -> None:
@@ -63,12 +63,12 @@ class CudaPlatform(Platform):
         if not pin(tensor):
             logger.warning("could not pin the swap space; swapping will be slower")
 
-    def capture_graphs(self, model, ops, kv_caches, block_size, max_batch, max_model_len):
+    def capture_graphs(self, model, kv_caches, block_size, max_batch, max_model_len):
         if not self.on_cuda:
             return None
         from .graphs import GRAPH_BATCH_SIZES, DecodeGraphs
 
-        graphs = DecodeGraphs(model, ops, kv_caches, block_size, min(max_batch, GRAPH_BATCH_SIZES[-1]), max_model_len)
+        graphs = DecodeGraphs(model, self, kv_caches, block_size, min(max_batch, GRAPH_BATCH_SIZES[-1]), max_model_len)
         started = time.perf_counter()
         try:
             graphs.capture()

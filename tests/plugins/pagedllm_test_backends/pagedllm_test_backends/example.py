@@ -67,7 +67,7 @@ class ExampleOps(AttentionOps):
         _log("default_dtype", f"{requested}->{chosen}")
         return chosen
 
-    def kv_cache_blocks(self, model, ops, block_size, slot_bytes, max_batched_tokens, max_seq_len, utilization, device):
+    def kv_cache_blocks(self, model, block_size, slot_bytes, max_batched_tokens, max_seq_len, utilization, device):
         memory = int(os.environ.get("PAGEDLLM_TEST_DEVICE_MEMORY", DEVICE_MEMORY))
         blocks = int(memory * utilization) // (slot_bytes * block_size)
         _log("kv_cache_blocks", str(blocks))
@@ -76,9 +76,9 @@ class ExampleOps(AttentionOps):
     def pin_memory(self, tensor):
         _log("pin_memory", str(tensor.numel()))
 
-    def capture_graphs(self, model, ops, kv_caches, block_size, max_batch, max_model_len):
+    def capture_graphs(self, model, kv_caches, block_size, max_batch, max_model_len):
         _log("capture_graphs", f"max_batch={max_batch}")
-        return EagerReplay(model, ops, kv_caches, block_size)
+        return EagerReplay(model, self, kv_caches, block_size)
 
     def write_kv(self, key, value, kv_cache, slot_mapping):
         heads, size = key.shape[1], key.shape[2]
