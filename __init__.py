@@ -4,11 +4,13 @@
 # checkout folder's name, when it collects tests/.
 from pagedllm.core.errors import InvalidParameter, RequestFailed
 from pagedllm.core.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.core.structured import StructuredOutputsParams
 
 __version__ = "0.1.0"
 __all__ = [
     "LLM",
     "SamplingParams",
+    "StructuredOutputsParams",
     "BeamSearchParams",
     "InvalidParameter",
     "RequestFailed",

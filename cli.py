@@ -9,6 +9,14 @@ import sys
 
 from pagedllm import __version__
 
+# the engine's name of a structured-output field -> the flag that gives it
+CONSTRAINT_FLAGS = {
+    "structured_outputs.json": "--json-schema",
+    "structured_outputs.regex": "--regex",
+    "structured_outputs.choice": "--choice",
+    "structured_outputs.grammar": "--grammar",
+}
+
 
 def build_parser() -> argparse.ArgumentParser:
     from pagedllm.benchmarks import cli as bench_cli
@@ -44,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         raise_if_interrupted()  # a Ctrl-C while the outputs were written
         return code
     except InvalidParameter as e:
-        flag = "--" + e.field.replace("_", "-")
+        flag = CONSTRAINT_FLAGS.get(e.field) or "--" + e.field.replace("_", "-")
         parser.exit(2, f"pagedllm: error: {flag}: {str(e).split(': ', 1)[-1]}\n")
     except (UnknownBackend, BackendUnavailable, ValueError, FileNotFoundError) as e:
         parser.exit(2, f"pagedllm: error: {e}\n")

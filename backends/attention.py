@@ -108,6 +108,13 @@ class AttentionOps(Platform):
         each quantized projection before prepare_model."""
         return layer
 
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+        """Structured outputs: in place, -inf for every token a row's grammar does not allow.
+        logits [rows, vocab] (float32); bitmask [rows, ceil(vocab / 32)] int32 on the same
+        device, bit t % 32 of word t // 32 set when token t is allowed. A backend may fuse this
+        into its sampler; the default is torch's."""
+        apply_token_bitmask(logits, bitmask)
+
     def argmax(self, scores: torch.Tensor) -> torch.Tensor:
         """Each row's index of its largest value, as torch.argmax(dim=-1) answers (greedy
         decoding over the logits [rows, vocab]; a backend may have a faster kernel)."""
@@ -150,6 +157,14 @@ class AttentionOps(Platform):
         src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=src_caches.device)
         dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=dst_caches.device)
         dst_caches[:, :, dst] = src_caches[:, :, src]
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """The reference of AttentionOps.apply_token_bitmask."""
+    vocab = logits.shape[-1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.to(torch.int32).unsqueeze(-1) >> shifts) & 1).flatten(-2)[..., :vocab]
+    logits.masked_fill_(allowed == 0, float("-inf"))
 
 
 def block_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:

@@ -17,6 +17,8 @@ import torch
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.core.utils import derive_seed
 
+from .attention import apply_token_bitmask
+
 
 @dataclass
 class SamplingRow:
@@ -24,6 +26,7 @@ class SamplingRow:
     token_ids: list[int] = field(default_factory=list)  # prompt and output so far
     num_prompt_tokens: int = 0
     eos_token_ids: list[int] = field(default_factory=list)
+    bitmask: torch.Tensor | None = None  # structured outputs: the tokens allowed now (see AttentionOps)
 
     @property
     def num_output_tokens(self) -> int:
@@ -58,14 +61,21 @@ def _seed_for(seed: int, step: int) -> int:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0, argmax: Callable[[torch.Tensor], torch.Tensor] | None = None):
+    def __init__(
+        self,
+        seed: int = 0,
+        argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        apply_bitmask: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+    ):
         self.generator = torch.Generator().manual_seed(seed)  # for rows without a seed
         self.argmax = argmax or (lambda scores: scores.argmax(dim=-1))  # the backend's (AttentionOps.argmax)
+        self.apply_bitmask = apply_bitmask or apply_token_bitmask  # the backend's (AttentionOps.apply_token_bitmask)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         logits = logits.float()
         want_logprobs = any(r.params.logprobs is not None for r in rows)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        logits = self._constrain(logits, rows)
         logits = apply_min_tokens(logits, rows)
         logits = apply_penalties(logits, rows)
 
@@ -87,6 +97,17 @@ class Sampler:
                 if row.params.logprobs is not None:
                     logprobs[i] = _logprobs(raw_logprobs[i], token_list[i], row.params.logprobs)
         return SamplerOutput(token_list, logprobs)
+
+    def _constrain(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Structured outputs: the rows with a token bitmask keep only the tokens it allows."""
+        masked = [i for i, r in enumerate(rows) if r.bitmask is not None]
+        if not masked:
+            return logits
+        logits = logits.clone()
+        sub = logits[masked]
+        self.apply_bitmask(sub, torch.stack([rows[i].bitmask for i in masked]).to(sub.device))
+        logits[masked] = sub
+        return logits
 
     def _draw(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """argmax(p / E) with E ~ Exp(1) picks token i with probability p_i."""

@@ -98,7 +98,7 @@ class Worker:
         self.model_config = self.model.config
         self.state = WorkerState()
         self.runner: ModelRunner | None = None
-        self.sampler = Sampler(config.seed, argmax=self.ops.argmax)
+        self.sampler = Sampler(config.seed, argmax=self.ops.argmax, apply_bitmask=self.ops.apply_token_bitmask)
         self._mappings = []
 
     def hello(self) -> WorkerHello:
@@ -183,7 +183,10 @@ class Worker:
         logprobs = None
         if rows:
             batch = [chunks[i] for i in rows]
-            tokens, logprobs = self._sample(logits, rows, batch, len(chunks)) if self.tp.is_first else (None, None)
+            masks = step_bitmasks(plan)
+            tokens, logprobs = (
+                self._sample(logits, rows, batch, len(chunks), masks) if self.tp.is_first else (None, None)
+            )
             if self.tp.size > 1:
                 shared = torch.tensor(tokens if tokens is not None else [0] * len(rows), dtype=torch.int64)
                 tokens = self.tp.broadcast_from_first(shared.to(self.device)).tolist()
@@ -218,13 +221,19 @@ class Worker:
             out[chunk.request_id] = PromptLogprobs(chunk.start + 1, entries)
         return out if self.tp.is_first else None
 
-    def _sample(self, logits, rows: list[int], batch: list, num_chunks: int):
+    def _sample(self, logits, rows: list[int], batch: list, num_chunks: int, masks: dict):
         if len(rows) < num_chunks:
             logits = logits[rows]
         out = self.sampler(
             logits,
             [
-                SamplingRow(c.state.params, c.state.token_ids, c.state.num_prompt_tokens, c.state.eos_token_ids)
+                SamplingRow(
+                    c.state.params,
+                    c.state.token_ids,
+                    c.state.num_prompt_tokens,
+                    c.state.eos_token_ids,
+                    masks.get(c.request_id),
+                )
                 for c in batch
             ],
         )
@@ -234,6 +243,14 @@ class Worker:
                 logprobs = logprobs or {}
                 logprobs[chunk.request_id] = TokenLogprobs(lp.token_logprob, lp.rank, lp.top_token_ids, lp.top_logprobs)
         return out.token_ids, logprobs
+
+
+def step_bitmasks(plan: SchedulerOutput) -> dict[str, torch.Tensor]:
+    """Structured outputs: each constrained request's token bitmask for this step, by id."""
+    if plan.token_bitmask is None:
+        return {}
+    masks = torch.from_numpy(np.array(plan.token_bitmask))  # a copy: the frame's buffer is read-only
+    return dict(zip(plan.structured_request_ids, masks))
 
 
 def prompt_positions(chunks) -> dict[int, int]:

@@ -335,6 +335,42 @@ def check_argmax(ops, device) -> CheckResult:
     return res
 
 
+def check_token_bitmask(ops, device) -> CheckResult:
+    """Structured outputs' mask (AttentionOps.apply_token_bitmask): exactly the disallowed
+    tokens become -inf and no other logit changes — random masks, rows with one token allowed
+    (the first, the last, one in a last partial word), all allowed, vocabularies that are not a
+    multiple of 32, and every sign of int32 word."""
+    res = CheckResult("token_bitmask")
+    gen = torch.Generator().manual_seed(5)
+    for vocab in (7, 32, 100, 4096, 32003):
+        words = (vocab + 31) // 32
+        logits = torch.randn(6, vocab, generator=gen)
+        allowed = torch.rand(6, vocab, generator=gen) < 0.5
+        allowed[1] = False
+        allowed[1, 0] = True
+        allowed[2] = False
+        allowed[2, vocab - 1] = True  # in the last, maybe partial, word
+        allowed[3] = True
+        allowed[4] = False
+        allowed[4, 31 if vocab > 31 else vocab - 1] = True  # bit 31: a negative int32 word
+        padded = torch.zeros(6, words * 32, dtype=torch.bool)
+        padded[:, :vocab] = allowed
+        weights = torch.tensor([1 << b for b in range(32)], dtype=torch.int64)
+        bitmask = (padded.view(6, words, 32).long() * weights).sum(-1)
+        bitmask = torch.where(bitmask >= 1 << 31, bitmask - (1 << 32), bitmask).to(torch.int32)
+        want = logits.masked_fill(~allowed, float("-inf"))
+        got = logits.to(device).clone()
+        ops.apply_token_bitmask(got, bitmask.to(device))
+        got = got.cpu()
+        ok = got.shape == want.shape and torch.equal(got, want)
+        failure = None
+        if not ok:
+            wrong = (got != want).nonzero().tolist()[:4]
+            failure = f"vocab {vocab}: logits at (row, token) {wrong} differ from the mask's answer"
+        res.record(ok, 0.0 if ok else 1.0, failure)
+    return res
+
+
 def op_checks(ops, quick: bool = False, only_dtypes=None) -> list[tuple[str, object]]:
     """(name, a call that makes its rows) for every op check, so that one that raises costs
     only its own rows. only_dtypes: check just these (the backend must support them)."""
@@ -350,4 +386,5 @@ def op_checks(ops, quick: bool = False, only_dtypes=None) -> list[tuple[str, obj
         ("output_buffers", lambda: check_output_buffers(ops, device)),
         ("copy_blocks / swap_blocks", lambda: check_copy_and_swap(ops, device)),
         ("argmax", lambda: check_argmax(ops, device)),
+        ("token_bitmask", lambda: check_token_bitmask(ops, device)),
     ]

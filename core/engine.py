@@ -12,6 +12,7 @@ import logging
 import os
 import time
 from collections import deque
+from concurrent.futures import Future
 
 import zmq
 
@@ -20,6 +21,7 @@ from .config import CacheConfig, EngineConfig, SchedulerConfig, default_batched_
 from .errors import EngineFailure, InvalidParameter
 from .ipc import Channel, PeerGone, remove_ipc_dir
 from .local_workers import LocalWorkers
+from .model_folder import model_folder
 from .outputs import SchedulerOutput
 from .protocol import (
     AbortRequests,
@@ -41,7 +43,9 @@ from .protocol import (
     WorkerReady,
 )
 from .recovery import RESTART_WINDOW_S, RestartBudget
+from .request import EngineRequest, child_request_id
 from .scheduler import Scheduler
+from .structured import Grammars
 from .worker_group import WorkerFailure, WorkerGroup
 
 logger = logging.getLogger("pagedllm.core")
@@ -49,6 +53,7 @@ logger = logging.getLogger("pagedllm.core")
 POLL_MS = 100  # how often a blocked loop checks that its peers are alive
 WORKER_START_TIMEOUT_S = 300
 FRONTEND_GONE_MS = 5000  # a send to the frontend that finds no peer this long: it is gone
+COMPILE_POLL_MS = 2  # how often an otherwise idle loop looks whether a grammar has compiled
 
 
 class EngineCore:
@@ -86,6 +91,10 @@ class EngineCore:
         self._inits: list[InitCache] = []  # per rank, sent again to a replacement worker
         self.restarts = RestartBudget(config.max_worker_restarts, RESTART_WINDOW_S)
         self.recovered_tokens = 0  # computed tokens that recoveries kept (the pool outlived the worker)
+        # structured outputs: grammars compile on a thread, off this loop; a request waits here
+        # until its matcher is ready
+        self.grammars: Grammars | None = None
+        self.compiling: dict[str, tuple[EngineRequest, Future]] = {}
 
     # --- start-up -------------------------------------------------------------------------
     def start(self) -> None:
@@ -238,9 +247,14 @@ class EngineCore:
         in_flight = self.in_flight
         while not self.stopping:
             if not in_flight:
+                if self.compiling:
+                    self._admit_compiled()
                 busy = sched.has_unfinished_requests()
-                # a second empty plan in a row: nothing can run until a request ends or arrives
-                self._take_frontend_messages(0 if busy and self._empty_plans < 2 else POLL_MS)
+                if busy and self._empty_plans < 2:
+                    wait_ms = 0
+                else:  # idle, or a second empty plan in a row: nothing runs until a message (or a grammar) comes
+                    wait_ms = COMPILE_POLL_MS if self.compiling else POLL_MS
+                self._take_frontend_messages(wait_ms)
                 if not busy:
                     self._flush_outputs()  # e.g. aborts that emptied the engine, with fresh stats
                     self._check_peers()
@@ -256,6 +270,8 @@ class EngineCore:
             # the workers compute; meanwhile flush outputs and take new messages
             self._flush_outputs()
             self._take_frontend_messages(0)
+            if self.compiling:
+                self._admit_compiled()
             plan = in_flight[0]
             result = self._wait_result(plan)
             in_flight.popleft()
@@ -355,20 +371,71 @@ class EngineCore:
                 for request in msg.requests:
                     self._add_request(request)
             elif isinstance(msg, AbortRequests):
+                self._abort_compiling(msg.request_ids)
                 self.pending.extend(self.scheduler.abort_requests(msg.request_ids))
             elif isinstance(msg, Shutdown):
                 self.stopping = True
                 return
 
-    def _add_request(self, request) -> None:
-        """Admit one request; one that cannot be taken is refused alone, with the reason."""
+    def _add_request(self, request, matcher=None) -> None:
+        """Admit one request; one that cannot be taken is refused alone, with the reason. A
+        constrained one first has its grammar compiled, off this loop."""
+        if matcher is None and request.sampling_params.structured_outputs is not None:
+            self._compile(request)
+            return
         try:
-            self.scheduler.add_request(request)
+            self.scheduler.add_request(request, matcher)
         except InvalidParameter as e:
             self._to_frontend(RequestRejected(request.request_id, e.field, str(e)))
         except Exception as e:  # noqa: BLE001 - a bug met by this request must not end the engine (logged)
             self.scheduler.fail_request(request.request_id, e)
             self._report_failures(also=request.request_id)
+
+    def _compile(self, request: EngineRequest) -> None:
+        try:
+            if self.grammars is None:
+                self.grammars = self._make_grammars()
+                self.scheduler.mask_words = self.grammars.words
+            self.compiling[request.request_id] = (
+                request,
+                self.grammars.compile(request.sampling_params.structured_outputs),
+            )
+        except InvalidParameter as e:
+            self._to_frontend(RequestRejected(request.request_id, e.field, str(e)))
+
+    def _make_grammars(self) -> Grammars:
+        folder = model_folder(self.config.model)
+        path = os.path.join(self.config.model, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise InvalidParameter("structured_outputs", "needs the model's tokenizer.json, which its folder lacks")
+        return Grammars(path, folder.vocab_size, folder.eos_token_ids())
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar is ready go to the scheduler; one that did not compile is refused."""
+        for rid, (request, future) in list(self.compiling.items()):
+            if not future.done():
+                continue
+            del self.compiling[rid]
+            try:
+                matcher = future.result()
+            except InvalidParameter as e:
+                self._to_frontend(RequestRejected(rid, e.field, str(e)))
+                continue
+            except Exception as e:  # noqa: BLE001 - this request's failure is its own (logged)
+                self.scheduler.fail_request(rid, e)
+                self._report_failures(also=rid)
+                continue
+            self._add_request(request, matcher)
+
+    def _abort_compiling(self, request_ids) -> None:
+        for rid in request_ids:
+            entry = self.compiling.pop(rid, None)
+            if entry is not None:
+                n = entry[0].sampling_params.n
+                self.pending.extend(
+                    RequestOutputDelta(eid, [], "abort")
+                    for eid in [rid] + [child_request_id(rid, i) for i in range(1, n)]
+                )
 
     def _report_failures(self, also: str | None = None) -> None:
         """Tell the frontend which requests the scheduler ended because handling them raised."""
@@ -380,6 +447,8 @@ class EngineCore:
 
     # --- shutdown -------------------------------------------------------------------------
     def close(self) -> None:
+        if self.grammars is not None:
+            self.grammars.close()
         if self.workers is not None:
             self.workers.shutdown()
         for name in self.segments:

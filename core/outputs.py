@@ -38,6 +38,10 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     appended_token_ids: dict[str, int]
     preempted_request_ids: list[str]  # drop their state; they come back as new requests
     total_num_scheduled_tokens: int
+    # structured outputs: the requests that sample under a constraint in this step, and row i of
+    # `token_bitmask` (int32, bit t of word t // 32 set: token t allowed) is the mask of the i-th
+    structured_request_ids: list[str] = []
+    token_bitmask: np.ndarray | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -78,6 +78,7 @@ class Request:
         "forks_pending",
         "beam_group",
         "queued_seconds",
+        "matcher",
     )
 
     def __init__(
@@ -112,6 +113,7 @@ class Request:
         self.forks_pending = 0 if sampling_params.beam_width else sampling_params.n - 1
         self.beam_group = None  # core.beam_search.BeamGroup of a beam-search request
         self.queued_seconds: float | None = None  # arrival to first scheduled, set on first admission
+        self.matcher = None  # structured outputs: the llguidance matcher of the output so far
 
     @classmethod
     def from_engine_request(cls, req: EngineRequest, max_tokens: int) -> Request:
@@ -154,6 +156,8 @@ class Request:
         child.forks_pending = 0
         child.all_token_ids = list(self.all_token_ids)
         child.block_hashes = list(self.block_hashes)
+        if self.matcher is not None:
+            child.matcher = self.matcher.deep_copy()
         return child
 
     def __repr__(self) -> str:

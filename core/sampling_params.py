@@ -7,6 +7,7 @@ import math
 import msgspec
 
 from .errors import InvalidParameter
+from .structured import StructuredOutputsParams
 
 # below this a temperature is greedy decoding, as in vLLM: dividing logits by 1e-38 overflows
 GREEDY_TEMPERATURE = 1e-5
@@ -39,6 +40,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     priority: int = 0  # lower runs first under the `priority` policy, as in vLLM
     beam_width: int = 0  # > 0: beam search with this many beams (see LLM.beam_search)
     length_penalty: float = 1.0  # beam search: hypotheses score sum_logprobs / len ** length_penalty
+    # the output follows this constraint (JSON schema, regex, choice, grammar): see core/structured.py
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -78,6 +81,22 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise InvalidParameter(
                 "n", f"beam search returns at most its beams: must be <= {self.beam_width}, got {self.n}"
             )
+        if self.structured_outputs is not None:
+            self._check_structured()
+
+    def _check_structured(self) -> None:
+        if isinstance(self.structured_outputs, dict):  # as a Python caller may give it
+            try:
+                self.structured_outputs = msgspec.convert(self.structured_outputs, StructuredOutputsParams)
+            except msgspec.ValidationError as e:
+                raise InvalidParameter("structured_outputs", str(e)) from None
+        if self.beam_width:
+            raise InvalidParameter("structured_outputs", "is not supported with beam search")
+        if self.min_tokens:
+            raise InvalidParameter(
+                "min_tokens", "cannot be combined with structured_outputs (the grammar decides the end)"
+            )
+        # whether the constraint compiles is checked by the frontend (InputProcessor), once
 
 
 def _check_length_penalty(value) -> None:

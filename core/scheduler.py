@@ -62,10 +62,12 @@ class Scheduler:
         # requests ended by an error in their own handling, since the last take_failures():
         # (request id as the frontend knows it, what to tell the client)
         self._failures: list[tuple[str, str]] = []
+        self.mask_words = 0  # int32 words of a token bitmask, set once structured outputs are in use
         self._fragmentation, self._fragmentation_at = None, -1e9
 
     # --- requests in and out --------------------------------------------------------------
-    def add_request(self, engine_request: EngineRequest) -> Request:
+    def add_request(self, engine_request: EngineRequest, matcher=None) -> Request:
+        """`matcher`: the request's compiled constraint (core/structured.py), when it has one."""
         rid = engine_request.request_id
         if rid in self.requests or rid in self.beams.groups:
             raise InvalidParameter("request_id", f"{rid!r} is already in use")
@@ -96,6 +98,7 @@ class Scheduler:
             params = msgspec.structs.replace(params, logprobs=2 * params.beam_width)
             engine_request = msgspec.structs.replace(engine_request, sampling_params=params)
         request = Request.from_engine_request(engine_request, max_tokens)
+        request.matcher = matcher
         if params.beam_width:
             self.beams.start(request, params, max_tokens)
         self.requests[rid] = request
@@ -225,6 +228,7 @@ class Scheduler:
             self.kv.take_block_copies(),
             self.beams.take_appended(self.worker.known),
             self.config.max_num_batched_tokens,
+            self.mask_words,
         )
 
     def schedule_ahead(self, in_flight: SchedulerOutput) -> SchedulerOutput | None:
@@ -238,6 +242,8 @@ class Scheduler:
         cfg = self.config
         if self.swapped or self.beams.groups or not self.running:
             return None
+        if self.mask_words and any(r.matcher is not None for r in self.running):
+            return None  # a constrained request's next mask needs the token sampled in the step in flight
         if self.waiting and (self.by_priority or len(self.running) < cfg.max_num_seqs):
             return None  # one could start or preempt: that needs the results first
         scheduled = in_flight.num_scheduled_tokens
@@ -465,11 +471,18 @@ class Scheduler:
             self.kv.cache_planned_blocks(request)
         num_output = len(tokens) - request.num_prompt_tokens
         status = None
-        if num_output >= request.min_tokens and (token in request.eos_token_ids or token in request.stop_ids):
-            status = RequestStatus.FINISHED_STOPPED
-            request.stop_reason = token if token in request.stop_ids else None
-        elif num_output >= request.max_tokens or len(tokens) >= self.config.max_model_len:
-            status = RequestStatus.FINISHED_LENGTH
+        matcher = request.matcher
+        if matcher is not None:
+            if not matcher.consume_token(token):  # the mask allowed it: the grammar and the mask disagree
+                raise RuntimeError(f"the grammar refused token {token}: {matcher.get_error()}")
+            if matcher.is_stopped():  # the output is complete: nothing may follow
+                status = RequestStatus.FINISHED_STOPPED
+        if status is None:
+            if num_output >= request.min_tokens and (token in request.eos_token_ids or token in request.stop_ids):
+                status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token if token in request.stop_ids else None
+            elif num_output >= request.max_tokens or len(tokens) >= self.config.max_model_len:
+                status = RequestStatus.FINISHED_LENGTH
         queued = request.queued_seconds if num_output == 1 else None
         if status is None:
             return RequestOutputDelta(request.request_id, [token], queued_seconds=queued)

@@ -32,6 +32,11 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--logprobs", type=int, default=None)
     g.add_argument("--beam-width", type=int, default=0, help="> 0: beam search with this many beams")
+    c = g.add_mutually_exclusive_group()
+    c.add_argument("--json-schema", metavar="FILE", default=None, help="the output is JSON that follows this schema")
+    c.add_argument("--regex", default=None, help="the output matches this regular expression")
+    c.add_argument("--choice", default=None, help="the output is one of these comma-separated strings")
+    c.add_argument("--grammar", metavar="FILE", default=None, help="the output follows this Lark or GBNF grammar")
     g.add_argument("--length-penalty", type=float, default=1.0, help="beam search length penalty")
 
 
@@ -93,7 +98,28 @@ def sampling_params(args):
         stop=args.stop,
         ignore_eos=args.ignore_eos,
         logprobs=args.logprobs,
+        structured_outputs=structured_outputs(args),
     )
+
+
+def structured_outputs(args):
+    """The constraint the flags give, or None."""
+    from pagedllm.core.structured import StructuredOutputsParams
+
+    if args.json_schema is not None:
+        with open(args.json_schema) as f:
+            try:
+                return StructuredOutputsParams(json=json.load(f))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--json-schema: {args.json_schema} is not JSON: {e}") from None
+    if args.regex is not None:
+        return StructuredOutputsParams(regex=args.regex)
+    if args.choice is not None:
+        return StructuredOutputsParams(choice=[c for c in args.choice.split(",") if c])
+    if args.grammar is not None:
+        with open(args.grammar) as f:
+            return StructuredOutputsParams(grammar=f.read())
+    return None
 
 
 def read_jsonl(path: str) -> list:

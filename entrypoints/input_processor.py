@@ -4,9 +4,14 @@ need a tokenizer). Shared by `LLM` and `AsyncEngine`."""
 
 from __future__ import annotations
 
+import functools
+
+import msgspec
+
 from pagedllm.core.errors import InvalidParameter
 from pagedllm.core.request import EngineRequest
 from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.core.structured import StructuredOutputsParams, grammar_of
 
 from .request_tracker import RequestTracker
 
@@ -71,6 +76,8 @@ class InputProcessor:
             raise InvalidParameter("prompt_token_ids", f"token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
         if self.tokenizer is None and params.stop:
             raise InvalidParameter("stop", "stop strings need a tokenizer (skip_tokenizer_init is set)")
+        if params.structured_outputs is not None:
+            check_structured(params.structured_outputs)
         return RequestTracker(request_id, text, ids, params, self.tokenizer)
 
     def check_room(self, prompt: Prompt, params: SamplingParams) -> None:
@@ -112,6 +119,17 @@ class InputProcessor:
         except TemplateError as e:
             raise InvalidParameter("messages", f"the chat template refused the conversation: {e}") from None
         return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
+
+
+def check_structured(params: StructuredOutputsParams) -> None:
+    """A constraint that does not compile is refused here, naming its field, before the
+    request reaches the engine core (the grammar is remembered: checking it again is free)."""
+    _checked_grammar(msgspec.json.encode(params))
+
+
+@functools.lru_cache(maxsize=256)
+def _checked_grammar(encoded: bytes) -> None:
+    grammar_of(msgspec.json.decode(encoded, type=StructuredOutputsParams))
 
 
 def per_prompt(params: SamplingParams | list[SamplingParams] | None, n: int) -> list[SamplingParams]:

@@ -16,8 +16,10 @@ import msgspec
 
 from pagedllm.core.errors import InvalidParameter, validation_error_parts
 from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.core.structured import StructuredOutputsParams
 
 from .json_paths import path_at, path_nested_deeper_than
+from .openai_structured import ResponseFormat, Tool, constraint, forced_tools
 
 MAX_JSON_DEPTH_SHOWN = 32  # where a too-deep body is reported: the first value this deep
 
@@ -54,6 +56,9 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     return_token_ids: bool = False
     truncate_prompt_tokens: int | None = None  # keep this many prompt tokens (-1: max_model_len)
     truncation_side: Literal["left", "right"] = "left"  # left: drop the start, keep the end
+    # structured outputs: OpenAI's response_format, or vLLM's structured_outputs object
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     # the engine's field names as this request names them (see wire_field)
     _MAX_TOKENS_FIELD = "max_tokens"
@@ -67,7 +72,19 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
             return self._MAX_TOKENS_FIELD
         if field == "logprobs":
             return self._LOGPROBS_FIELD
+        if field.startswith("structured_outputs"):  # named after where the constraint came from
+            try:
+                source = self.constraint()[1]
+            except InvalidParameter:  # several sources: the error already names the field
+                return field
+            if source == "response_format":
+                return "response_format.json_schema.schema"
+            return source or field
         return field
+
+    def constraint(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The output's constraint and the field it came from (see openai_structured.py)."""
+        return constraint(self.response_format, self.structured_outputs)
 
     def check(self) -> None:
         """Refusals that need no engine."""
@@ -103,6 +120,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
                 beam_width=width,
                 length_penalty=self.length_penalty,
                 ignore_eos=self.ignore_eos,
+                structured_outputs=self.constraint()[0],
             )
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         return SamplingParams(
@@ -122,6 +140,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            structured_outputs=self.constraint()[0],
         )
 
     @property
@@ -199,13 +218,31 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    tool_choice: str | dict | None = None  # none (the default, as vLLM's), required, or a named function
 
     _LOGPROBS_FIELD = "top_logprobs"
 
     def wire_field(self, field: str) -> str:
         if field == "max_tokens" and self.max_completion_tokens is not None:
             return "max_completion_tokens"
+        if field.startswith("structured_outputs") and self._source() == "tool_choice":
+            return "tools"  # the forced function's parameters schema did not compile
         return super().wire_field(field)
+
+    def constraint(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        return constraint(self.response_format, self.structured_outputs, self.tools, self.tool_choice)
+
+    def _source(self) -> str | None:
+        try:
+            return self.constraint()[1]
+        except InvalidParameter:
+            return None
+
+    @property
+    def forced_functions(self):
+        """The functions the output must call (tool_choice required or named), or None."""
+        return forced_tools(self.tools, self.tool_choice)
 
     def conversation(self) -> list[dict]:
         """The messages as the chat template takes them. Any role is passed on (a model's
@@ -235,6 +272,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
 
     def to_sampling_params(self) -> SamplingParams:
         self.check()
+        if self.stream and self.tool_choice == "required":
+            raise InvalidParameter("stream", 'tool_choice "required" cannot be streamed (a named function can)')
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidParameter("top_logprobs", "needs logprobs set to true")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -11,6 +11,7 @@ from .openai_protocol import (
     prompt_logprobs_body,
     usage,
 )
+from .openai_structured import tool_calls
 
 
 def usage_of(outputs, echo_only: bool = False) -> dict:
@@ -162,19 +163,30 @@ def _prompt_done(output) -> bool:
 class ChatResponses:
     def __init__(self, req: ChatCompletionRequest, params, meta: dict):
         self.req, self.params, self.meta = req, params, meta
+        self.functions = req.forced_functions  # tool_choice required or named: the output is calls
+
+    def _message(self, comp) -> tuple[dict, str | None]:
+        """The choice's message and finish_reason: tool calls read from the constrained text, or
+        the text itself (also when a forced call was cut short)."""
+        if self.functions is not None and comp.finish_reason == "stop":
+            calls = tool_calls(comp.text, self.functions, self.req.tool_choice)
+            if calls is not None:
+                return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+        return {"role": "assistant", "content": comp.text}, comp.finish_reason
 
     def body(self, outputs: list) -> dict:
         req = self.req
         out = outputs[0]
         choices = []
         for comp in out.outputs:
+            message, finish_reason = self._message(comp)
             choice = {
                 "index": comp.index,
-                "message": {"role": "assistant", "content": comp.text},
+                "message": message,
                 "logprobs": chat_logprobs(comp.logprobs, comp.token_ids, req.top_logprobs or 0)
                 if comp.logprobs is not None
                 else None,
-                "finish_reason": comp.finish_reason,
+                "finish_reason": finish_reason,
                 "stop_reason": comp.stop_reason,
             }
             if req.return_token_ids:
@@ -223,12 +235,24 @@ class ChatResponses:
                 logprobs = chat_logprobs(comp.logprobs[start:], comp.token_ids[start:], req.top_logprobs or 0)
                 sent_lp[out.index] = len(comp.logprobs)
             delta = {"content": out.delta_text} if out.delta_text else {}
+            finish_reason = out.finish_reason
+            if self.functions is not None:  # a named function: its arguments, as they come
+                delta, finish_reason = self._tool_delta(out, sent_ids.get(out.index) is None)
             new_ids = comp.token_ids[sent_ids.get(out.index, 0) :]  # also those of updates without text
             sent_ids[out.index] = len(comp.token_ids)
-            chunk = self._chunk(out.index, delta, out.finish_reason, logprobs, new_ids if ids else None, out.output)
+            chunk = self._chunk(out.index, delta, finish_reason, logprobs, new_ids if ids else None, out.output)
             if req.prompt_logprobs is not None and not prompt_lps_sent:
                 chunk["prompt_logprobs"] = prompt_logprobs_body(out.output.prompt_logprobs)
                 prompt_lps_sent = True
             yield chunk
         if req.include_usage:
             yield {**self.meta, "object": "chat.completion.chunk", "choices": [], "usage": usage_of([last])}
+
+    def _tool_delta(self, out, first: bool) -> tuple[dict, str | None]:
+        """A streamed named-function call: the call's id and name first, then its arguments."""
+        call = {"index": 0, "function": {"arguments": out.delta_text}}
+        if first:
+            call = {"index": 0, "id": f"call_{self.meta['id'][-24:]}_{out.index}", "type": "function"}
+            call["function"] = {"name": self.functions[0].name, "arguments": out.delta_text}
+        reason = "tool_calls" if out.finish_reason == "stop" else out.finish_reason
+        return {"tool_calls": [call]}, reason

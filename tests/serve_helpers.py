@@ -30,8 +30,7 @@ class ServerProcess:
                 "-m",
                 "pagedllm.cli",
                 "serve",
-                "--model",
-                model,
+                *(["--model", model] if model else []),  # none: the demo model
                 "--port",
                 str(self.port),
                 "--zmq-endpoint",

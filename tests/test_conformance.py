@@ -62,6 +62,7 @@ ALL_DTYPES = ("float32", "bfloat16", "float16")
         ("broken-reused-chunk-buffer", {f"decode_attention {d}" for d in ALL_DTYPES}, "a batch of 96 requests"),
         ("broken-softmax-without-max", {f"large_scores {d}" for d in ALL_DTYPES}, "off by inf"),
         ("broken-argmax-last-of-ties", {"argmax"}, "want"),
+        ("broken-bitmask-last-word", {"token_bitmask"}, "differ from the mask"),
     ],
 )
 def test_broken_backends_fail_on_the_right_rows(plugins_installed, backend, rows, clue):

@@ -15,7 +15,7 @@ import msgspec
 import openai
 import pytest
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, SamplingParams, StructuredOutputsParams
 from pagedllm.entrypoints.engine_client import EngineDeadError
 from pagedllm.entrypoints.zmq_client import AsyncZmqClient
 
@@ -143,8 +143,13 @@ def test_a_pool_in_device_memory_recovers_by_recompute(tiny_model, monkeypatch):
     prompts = [[1, 2, 3], list(range(5, 45)), [9] * 20, [5, 6, 7] * 4]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     engine = dict(num_kv_blocks=64, max_model_len=256, skip_tokenizer_init=True)
+    # and under a structured-output constraint: the same greedy tokens on either backend's kernels
+    regex = StructuredOutputsParams(regex=r"[a-z]{3,8}-[0-9]{1,3}")
+    constrained = SamplingParams(temperature=0, max_tokens=8, structured_outputs=regex)
+    short = [prompts[0], prompts[3]]
     with LLM(path, **engine) as llm:
         expected = tokens_of(llm.generate(prompts, params, use_tqdm=False))
+        expected_constrained = tokens_of(llm.generate(short, constrained, use_tqdm=False))
     with LLM(path, backend="cuda-triton", **engine) as llm:
         assert llm.engine.ready.kv_segments == [None]
         killer = Killer(llm.engine.pid, times=1, delay=(2.0, 2.5))
@@ -152,6 +157,7 @@ def test_a_pool_in_device_memory_recovers_by_recompute(tiny_model, monkeypatch):
         got = tokens_of(llm.generate(prompts, params, use_tqdm=False))
         killer.join(timeout=30)
         stats = llm.last_stats
+        assert tokens_of(llm.generate(short, constrained, use_tqdm=False)) == expected_constrained
     assert len(killer.killed) == 1 and stats.worker_restarts == 1
     assert got == expected
     assert stats.recovered_tokens == 0, "nothing survives a pool in the worker's memory"

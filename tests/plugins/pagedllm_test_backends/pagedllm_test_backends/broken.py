@@ -194,3 +194,14 @@ class VersionOne(CpuAttentionOps):
 
     name = "version-one"
     contract_version = 1
+
+
+class BitmaskLastWordDropped(CpuAttentionOps):
+    """Applies a structured-output mask word by word, but forgets the last, partial word: the
+    last tokens of a vocabulary that is not a multiple of 32 are never masked."""
+
+    name = "broken-bitmask-last-word"
+
+    def apply_token_bitmask(self, logits, bitmask):
+        whole = logits.shape[-1] // 32
+        super().apply_token_bitmask(logits[:, : whole * 32], bitmask[:, :whole])
