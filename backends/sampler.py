@@ -103,9 +103,13 @@ class Sampler:
         masked = [i for i, r in enumerate(rows) if r.bitmask is not None]
         if not masked:
             return logits
-        logits = logits.clone()
+        masks = torch.stack([rows[i].bitmask for i in masked]).to(logits.device)
+        if len(masked) == len(rows):  # every row: in place (the sampler's logits are its own)
+            self.apply_bitmask(logits, masks)
+            return logits
         sub = logits[masked]
-        self.apply_bitmask(sub, torch.stack([rows[i].bitmask for i in masked]).to(sub.device))
+        self.apply_bitmask(sub, masks)
+        logits = logits.clone()
         logits[masked] = sub
         return logits
 

@@ -38,6 +38,7 @@ from pagedllm.core.protocol import (
     PromptLogprobs,
     Shutdown,
     Step,
+    StepMasks,
     StepResult,
     TokenLogprobs,
     ToWorker,
@@ -99,6 +100,7 @@ class Worker:
         self.state = WorkerState()
         self.runner: ModelRunner | None = None
         self.sampler = Sampler(config.seed, argmax=self.ops.argmax, apply_bitmask=self.ops.apply_token_bitmask)
+        self.receive_masks = None  # rank 0: () -> the StepMasks of the step it runs (set by serve)
         self._mappings = []
 
     def hello(self) -> WorkerHello:
@@ -183,10 +185,9 @@ class Worker:
         logprobs = None
         if rows:
             batch = [chunks[i] for i in rows]
-            masks = step_bitmasks(plan)
-            tokens, logprobs = (
-                self._sample(logits, rows, batch, len(chunks), masks) if self.tp.is_first else (None, None)
-            )
+            tokens = logprobs = None
+            if self.tp.is_first:  # rank 0 samples (and applies the structured-output masks)
+                tokens, logprobs = self._sample(logits, rows, batch, len(chunks), self._step_masks(plan))
             if self.tp.size > 1:
                 shared = torch.tensor(tokens if tokens is not None else [0] * len(rows), dtype=torch.int64)
                 tokens = self.tp.broadcast_from_first(shared.to(self.device)).tolist()
@@ -202,6 +203,17 @@ class Worker:
             forward_seconds=time.perf_counter() - t0,
             prompt_logprobs=prompt_lps,
         )
+
+    def _step_masks(self, plan: SchedulerOutput) -> dict[str, torch.Tensor]:
+        """Structured outputs: each constrained request's token bitmask for this step, by id —
+        from the StepMasks message the core sends after the step (`receive_masks`)."""
+        if not plan.structured_request_ids:
+            return {}
+        msg = self.receive_masks()
+        if msg.step_id != plan.step_id:
+            raise RuntimeError(f"masks of step {msg.step_id} came for step {plan.step_id}")
+        masks = torch.from_numpy(np.array(msg.bitmask))  # a copy: the frame's buffer is read-only
+        return dict(zip(plan.structured_request_ids, masks))
 
     def _prompt_logprobs(self, chunks, hidden: dict[int, torch.Tensor]) -> dict[str, PromptLogprobs] | None:
         """For each chunk in `hidden`, the logprob of each next prompt token given the tokens
@@ -243,14 +255,6 @@ class Worker:
                 logprobs = logprobs or {}
                 logprobs[chunk.request_id] = TokenLogprobs(lp.token_logprob, lp.rank, lp.top_token_ids, lp.top_logprobs)
         return out.token_ids, logprobs
-
-
-def step_bitmasks(plan: SchedulerOutput) -> dict[str, torch.Tensor]:
-    """Structured outputs: each constrained request's token bitmask for this step, by id."""
-    if plan.token_bitmask is None:
-        return {}
-    masks = torch.from_numpy(np.array(plan.token_bitmask))  # a copy: the frame's buffer is read-only
-    return dict(zip(plan.structured_request_ids, masks))
 
 
 def prompt_positions(chunks) -> dict[int, int]:
@@ -330,6 +334,7 @@ def main(argv=None) -> int:
 
 def serve(worker: Worker, link: CoreLink, parent: int) -> None:
     """Answer the core's messages until it says Shutdown or disappears."""
+    worker.receive_masks = lambda: link.expect(StepMasks, parent)
     while True:
         msg = link.recv(parent)
         if isinstance(msg, Step):

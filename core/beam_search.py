@@ -120,7 +120,7 @@ class BeamSearches:
         self.groups: dict[str, BeamGroup] = {}  # by the request id the search arrived under
         self._candidates: dict[str, dict[str, list]] = {}  # group -> member -> its top tokens
         self._reported: list[BeamGroup] = []  # groups that got candidates in the current update
-        self._appended: dict[str, int] = {}  # tokens chosen here, for the worker to append
+        self._appended: dict[str, list[int]] = {}  # tokens chosen here, for the worker to append
         self._ids = itertools.count(1)
 
     def __bool__(self) -> bool:
@@ -227,12 +227,12 @@ class BeamSearches:
                 child.all_token_ids.append(cont.token)
                 new_members[id(cont)] = child
             member.all_token_ids.append(conts[0].token)
-            self._appended[member.request_id] = conts[0].token
+            self._appended[member.request_id] = [conts[0].token]
             new_members[id(conts[0])] = member
         group.members = [new_members[id(c)] for c in step.running]
         return None
 
-    def take_appended(self, known) -> dict[str, int]:
+    def take_appended(self, known) -> dict[str, list[int]]:
         """The tokens chosen since the last step for beams the worker holds (`known`)."""
         appended = {rid: tok for rid, tok in self._appended.items() if rid in known}
         self._appended = {}

@@ -60,6 +60,8 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
     policy: str = "fcfs"
     priority_preemption: bool = True  # priority policy: a waiting request preempts lower-priority work
     preemption_mode: str = "recompute"
+    # structured outputs: tokens the grammar forces are appended at once, computed in one chunk
+    jump_forward: bool = True
 
     def __post_init__(self):
         _check_positive(self, ("max_num_seqs", "max_num_batched_tokens", "max_model_len"))
@@ -110,6 +112,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     master_port: int | None = None  # default: a free port (one host only)
     enforce_eager: bool = False
     max_worker_restarts: int = 3  # within 10 minutes; past it the engine is dead
+    jump_forward: bool = True  # structured outputs: append the tokens a grammar forces, unsampled
     quantization: str | None = None  # core/quantization.py: a load-time mode, or the checkpoint's method
 
     def __post_init__(self):

@@ -14,6 +14,7 @@ import time
 from collections import deque
 from concurrent.futures import Future
 
+import numpy as np
 import zmq
 
 from . import shm
@@ -38,6 +39,7 @@ from .protocol import (
     RequestRejected,
     Shutdown,
     Step,
+    StepMasks,
     StepResult,
     WorkerHello,
     WorkerReady,
@@ -175,6 +177,7 @@ class EngineCore:
             policy=cfg.scheduler_policy,
             priority_preemption=cfg.priority_preemption,
             preemption_mode=cfg.preemption_mode,
+            jump_forward=cfg.jump_forward,
         )
         return cache, sched
 
@@ -314,6 +317,24 @@ class EngineCore:
     def _broadcast(self, plan: SchedulerOutput) -> None:
         self.in_flight.append(plan)
         self.workers.broadcast(Step(plan))
+        if plan.structured_request_ids:  # computed while the workers run the forward pass
+            self.workers.send(0, StepMasks(plan.step_id, self._masks(plan.structured_request_ids)))
+
+    def _masks(self, request_ids: list[str]):
+        """The step's token bitmasks; a request whose matcher fails here fails alone (its row
+        then allows every token, and what it samples is dropped with it)."""
+        requests = self.scheduler.requests
+        try:
+            return self.grammars.masks([requests[rid].matcher for rid in request_ids])
+        except Exception:  # noqa: BLE001 - find which one, and fail it alone
+            bitmask = np.full((len(request_ids), self.grammars.words), -1, dtype=np.int32)  # every token
+            for i, rid in enumerate(request_ids):
+                try:
+                    bitmask[i] = self.grammars.masks([requests[rid].matcher])[0]
+                except Exception as e:  # noqa: BLE001 - logged by fail_request
+                    self.scheduler.fail_request(rid, e)
+            self._report_failures()
+            return bitmask
 
     def _wait_result(self, plan: SchedulerOutput) -> StepResult:
         result = self.workers.wait_result(StepResult, self._check_frontend)
@@ -395,7 +416,6 @@ class EngineCore:
         try:
             if self.grammars is None:
                 self.grammars = self._make_grammars()
-                self.scheduler.mask_words = self.grammars.words
             self.compiling[request.request_id] = (
                 request,
                 self.grammars.compile(request.sampling_params.structured_outputs),

@@ -34,14 +34,14 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     swap_out: list[tuple[int, int]]  # (device block, swap block), done first
     swap_in: list[tuple[int, int]]  # (swap block, device block), done after swap_out
     finished_request_ids: list[str]  # ended since the last step: drop their state
-    # tokens the core appended itself (beam continuations), to add before computing
-    appended_token_ids: dict[str, int]
+    # tokens the core appended itself (a beam's continuation, a grammar's forced tokens), to add
+    # before computing
+    appended_token_ids: dict[str, list[int]]
     preempted_request_ids: list[str]  # drop their state; they come back as new requests
     total_num_scheduled_tokens: int
-    # structured outputs: the requests that sample under a constraint in this step, and row i of
-    # `token_bitmask` (int32, bit t of word t // 32 set: token t allowed) is the mask of the i-th
+    # structured outputs: the requests that sample under a constraint in this step; their token
+    # bitmasks follow in a StepMasks message (core/protocol.py)
     structured_request_ids: list[str] = []
-    token_bitmask: np.ndarray | None = None
 
     @property
     def is_empty(self) -> bool:

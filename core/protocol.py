@@ -7,7 +7,7 @@ neither copied into the body on send nor out of the frame on receive.
 
 Frontend -> core:  AddRequests, AbortRequests, Shutdown        (PUSH -> PULL)
 Core -> frontend:  EngineReady, EngineOutputs, RequestRejected, EngineDead, EngineRecovering, EngineRecovered
-Core -> workers:   Configure, InitCache, Step, Heartbeat, Shutdown   (ROUTER -> DEALER per rank)
+Core -> workers:   Configure, InitCache, Step, StepMasks, Heartbeat, Shutdown   (ROUTER -> DEALER per rank)
 Workers -> core:   WorkerJoin, WorkerHello, WorkerReady, StepResult, WorkerFailed
 """
 
@@ -165,6 +165,16 @@ class Step(msgspec.Struct, tag="step"):
     plan: SchedulerOutput
 
 
+class StepMasks(msgspec.Struct, tag="masks"):
+    """Structured outputs: the token bitmasks of a step's constrained rows (plan.
+    structured_request_ids, in that order), sent to rank 0 right after the step itself, so that
+    the core computes them while the workers run the forward pass; rank 0 waits for them only
+    when it samples."""
+
+    step_id: int
+    bitmask: np.ndarray  # int32 [rows, ceil(vocab / 32)]
+
+
 class StepResult(FromWorkerMessage, tag="result", kw_only=True):
     step_id: int
     # one per scheduled request, in the plan's order; -1 where a prefill chunk sampled nothing
@@ -179,7 +189,7 @@ class WorkerFailed(FromWorkerMessage, tag="failed", kw_only=True):
     reason: str
 
 
-ToWorker = Configure | InitCache | Step | Heartbeat | Shutdown
+ToWorker = Configure | InitCache | Step | StepMasks | Heartbeat | Shutdown
 FromWorker = WorkerJoin | WorkerHello | WorkerReady | StepResult | WorkerFailed
 
 

@@ -62,7 +62,8 @@ class Scheduler:
         # requests ended by an error in their own handling, since the last take_failures():
         # (request id as the frontend knows it, what to tell the client)
         self._failures: list[tuple[str, str]] = []
-        self.mask_words = 0  # int32 words of a token bitmask, set once structured outputs are in use
+        self.constrained = False  # structured outputs are in use (some request has had a grammar)
+        self._forced: dict[str, list[int]] = {}  # jump-forward tokens the worker has not been sent
         self._fragmentation, self._fragmentation_at = None, -1e9
 
     # --- requests in and out --------------------------------------------------------------
@@ -99,6 +100,7 @@ class Scheduler:
             engine_request = msgspec.structs.replace(engine_request, sampling_params=params)
         request = Request.from_engine_request(engine_request, max_tokens)
         request.matcher = matcher
+        self.constrained = self.constrained or matcher is not None
         if params.beam_width:
             self.beams.start(request, params, max_tokens)
         self.requests[rid] = request
@@ -226,9 +228,9 @@ class Scheduler:
         return step.build(
             next(self._step_ids),
             self.kv.take_block_copies(),
-            self.beams.take_appended(self.worker.known),
+            {**self.beams.take_appended(self.worker.known), **self._take_forced()},
             self.config.max_num_batched_tokens,
-            self.mask_words,
+            self.constrained,
         )
 
     def schedule_ahead(self, in_flight: SchedulerOutput) -> SchedulerOutput | None:
@@ -242,7 +244,7 @@ class Scheduler:
         cfg = self.config
         if self.swapped or self.beams.groups or not self.running:
             return None
-        if self.mask_words and any(r.matcher is not None for r in self.running):
+        if self.constrained and any(r.matcher is not None for r in self.running):
             return None  # a constrained request's next mask needs the token sampled in the step in flight
         if self.waiting and (self.by_priority or len(self.running) < cfg.max_num_seqs):
             return None  # one could start or preempt: that needs the results first
@@ -471,25 +473,53 @@ class Scheduler:
             self.kv.cache_planned_blocks(request)
         num_output = len(tokens) - request.num_prompt_tokens
         status = None
+        new_tokens = [token]
         matcher = request.matcher
         if matcher is not None:
             if not matcher.consume_token(token):  # the mask allowed it: the grammar and the mask disagree
                 raise RuntimeError(f"the grammar refused token {token}: {matcher.get_error()}")
             if matcher.is_stopped():  # the output is complete: nothing may follow
                 status = RequestStatus.FINISHED_STOPPED
+            elif self.config.jump_forward and request.sampling_params.logprobs is None:
+                new_tokens += self._jump_forward(request, num_output)
+                num_output = len(tokens) - request.num_prompt_tokens
+                if matcher.is_stopped():
+                    status = RequestStatus.FINISHED_STOPPED
         if status is None:
             if num_output >= request.min_tokens and (token in request.eos_token_ids or token in request.stop_ids):
                 status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = token if token in request.stop_ids else None
             elif num_output >= request.max_tokens or len(tokens) >= self.config.max_model_len:
                 status = RequestStatus.FINISHED_LENGTH
-        queued = request.queued_seconds if num_output == 1 else None
+        queued = request.queued_seconds if num_output == len(new_tokens) else None
         if status is None:
-            return RequestOutputDelta(request.request_id, [token], queued_seconds=queued)
+            return RequestOutputDelta(request.request_id, new_tokens, queued_seconds=queued)
         self._finish(request, status)
         return RequestOutputDelta(
-            request.request_id, [token], status.finish_reason, request.stop_reason, queued_seconds=queued
+            request.request_id, new_tokens, status.finish_reason, request.stop_reason, queued_seconds=queued
         )
+
+    def _jump_forward(self, request: Request, num_output: int) -> list[int]:
+        """Jump-forward decoding: the tokens the grammar now admits as the only continuation
+        (a schema's keys and punctuation) join the request at once, unsampled, within its
+        length; the next step computes them in one chunk and samples after them."""
+        room = min(request.max_tokens - num_output, self.config.max_model_len - request.num_tokens)
+        forced = request.matcher.compute_ff_tokens()[: max(room, 0)]
+        if not forced or not request.matcher.consume_tokens(forced):
+            return []
+        request.all_token_ids.extend(forced)
+        if request.request_id in self.worker.known:
+            self._forced.setdefault(request.request_id, []).extend(forced)
+        return forced
+
+    def _take_forced(self) -> dict[str, list[int]]:
+        """Jump-forward tokens for the worker to append, of the requests it holds."""
+        if not self._forced:
+            return {}
+        known = self.worker.known
+        forced = {rid: tokens for rid, tokens in self._forced.items() if rid in known}
+        self._forced = {}
+        return forced
 
     # --- preemption -----------------------------------------------------------------------
     def _pick_victim(self, current: Request, step: StepBuilder) -> Request:
@@ -569,6 +599,7 @@ class Scheduler:
         if kv_lost:
             self.kv.pool.reset_prefix_cache()
         self.worker = WorkerView()
+        self._forced = {}  # every running request goes to the new workers whole
         return sum(r.num_computed_tokens for r in self.running) + sum(r.num_computed_tokens for r in self.swapped)
 
     def _requeue_for_recompute(self, request: Request) -> None:

@@ -72,23 +72,19 @@ class StepBuilder:
             self.deltas[rid] = delta
 
     def build(
-        self, step_id: int, block_copies, appended: dict[str, int], total_budget: int, mask_words: int = 0
+        self, step_id: int, block_copies, appended: dict[str, list[int]], total_budget: int, constrained: bool = False
     ) -> SchedulerOutput:
         finished, preempted = self.worker.take_dropped()
         if appended and self.new_requests:
             # preempted and started again in this step (priority preemption): its tokens go whole
             new = {n.request_id for n in self.new_requests}
             appended = {rid: token for rid, token in appended.items() if rid not in new}
-        constrained = (
-            [r for r in self.requests if r.matcher is not None and r.num_computed_tokens == r.num_tokens]
-            if mask_words
+        # the constrained requests that sample in this step: their masks follow (StepMasks)
+        sampling = (
+            [r.request_id for r in self.requests if r.matcher is not None and r.num_computed_tokens == r.num_tokens]
+            if constrained
             else []
         )
-        bitmask = None
-        if constrained:  # each samples in this step: the tokens its grammar allows now
-            bitmask = np.empty((len(constrained), mask_words), dtype=np.int32)
-            for row, request in zip(bitmask, constrained):
-                request.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
         return SchedulerOutput(
             step_id=step_id,
             new_requests=self.new_requests,
@@ -101,6 +97,5 @@ class StepBuilder:
             preempted_request_ids=preempted,
             appended_token_ids=appended,
             total_num_scheduled_tokens=total_budget - self.budget,
-            structured_request_ids=[r.request_id for r in constrained],
-            token_bitmask=bitmask,
+            structured_request_ids=sampling,
         )

@@ -100,6 +100,7 @@ class Grammars:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-grammar")
         self._grammars: dict[str, str] = {}  # constraint (canonical JSON) -> llguidance grammar
+        self._executor = None  # llguidance's thread pool for masks
 
     @property
     def words(self) -> int:
@@ -130,9 +131,18 @@ class Grammars:
             raise InvalidParameter(f"{FIELD}.{params.kind}", f"is not valid: {matcher.get_error()}")
         return matcher
 
-    def fill_mask(self, matcher, row: np.ndarray) -> None:
-        """Write the tokens the matcher allows next into `row` (int32, `words` long)."""
-        matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+    def masks(self, matchers: list) -> np.ndarray:
+        """The tokens each matcher allows next, as bitmask rows (int32 [len(matchers), words]),
+        computed in parallel by llguidance's threads (it drops the GIL)."""
+        if self._executor is None:
+            from llguidance import LLExecutor
+
+            self._executor = LLExecutor()
+        bitmask = np.empty((len(matchers), self.words), dtype=np.int32)
+        self._executor.unsafe_compute_mask_ptr(
+            [(m, i) for i, m in enumerate(matchers)], bitmask.ctypes.data, self.words * 4, len(matchers)
+        )
+        return bitmask
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -85,8 +85,8 @@ class WorkerState:
             blocks = requests[rid].block_ids
             del blocks[start:]
             blocks.extend(ids)
-        for rid, token in plan.appended_token_ids.items():
-            requests[rid].token_ids.append(token)
+        for rid, tokens in plan.appended_token_ids.items():
+            requests[rid].token_ids.extend(tokens)
         chunks = []
         new_chunk = tuple.__new__  # a NamedTuple's own __new__ is a Python call: 60% of this loop
         for rid, n in plan.num_scheduled_tokens.items():

@@ -88,6 +88,9 @@ class EngineArgs:
     )
     enforce_eager: bool = option(False, "no graph capture of decode steps (GPUs: CUDA graphs)")
     max_worker_restarts: int = option(3, "workers replaced within 10 minutes before the engine gives up")
+    jump_forward: bool = option(
+        True, "structured outputs: tokens the grammar forces are appended without sampling, computed in one chunk"
+    )
     tokenizer: str | None = option(None, "tokenizer folder (default: the model's)")
     skip_tokenizer_init: bool = option(False, "no tokenizer: prompts and outputs are token ids")
     transport: str = option(

@@ -259,3 +259,20 @@ def test_greedy_constrained_output_is_unchanged_by_preemption_tp_and_a_worker_ki
         killed_during_the_run = not killer.is_alive() and llm.last_stats.worker_restarts == 1
         killer.join()
     assert killed_during_the_run, "the worker was meant to die mid-document"
+
+
+def test_jump_forward_appends_forced_tokens_with_the_same_output(tmp_path):
+    """A schema of long fixed keys: the grammar forces most tokens. Appended unsampled and
+    computed in one chunk, they give the token-by-token output in fewer steps."""
+    keys = {f"measurement_field_{i}": {"type": "integer", "minimum": 0, "maximum": 9} for i in range(6)}
+    schema = {"type": "object", "properties": keys, "required": list(keys), "additionalProperties": False}
+    params = SamplingParams(temperature=0, max_tokens=150, structured_outputs=StructuredOutputsParams(json=schema))
+    prompts = ["Answer in JSON.", "The dictionary", "A list is"]
+    runs = []
+    for jump_forward in (False, True):
+        with LLM(None, max_model_len=512, jump_forward=jump_forward) as llm:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            runs.append(([o.outputs[0].token_ids for o in outs], llm.last_stats.steps))
+    (plain, plain_steps), (jumped, jumped_steps) = runs
+    assert jumped == plain
+    assert jumped_steps * 2 < plain_steps, (jumped_steps, plain_steps)

@@ -106,6 +106,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         "pagedllm_write_kv": [_p, _i64, _p, _i64, _p, _i64, _i64, _p, _p, _i64, ctypes.c_int],
         "pagedllm_silu_and_mul_f32": [_p, _p, _i64, _i64, ctypes.c_int],
         "pagedllm_argmax_rows_f32": [_p, _i64, _i64, _i64, _p, ctypes.c_int],
+        "pagedllm_apply_token_bitmask_f32": [_p, _i64, _p, _i64, _i64, _i64, ctypes.c_int],
         "pagedllm_rotary_f32": [_p, _i64, _p, _p, _p, _i64, _i64, _i64, ctypes.c_int],
         "pagedllm_quantized_gemv_f32": [
             ctypes.c_int,
@@ -252,6 +253,25 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
         x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads()
     )
     return out
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """AttentionOps.apply_token_bitmask for 2-D float32 logits (rows may be strided, values
+    contiguous) and an int32 bitmask of whole rows: -inf where a token's bit is clear."""
+    if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError("apply_token_bitmask needs 2-D float32 logits with contiguous rows")
+    mask = bitmask.to(torch.int32).contiguous()
+    if mask.dim() != 2 or mask.shape[0] != logits.shape[0] or mask.shape[1] * 32 < logits.shape[1]:
+        raise ValueError(f"a bitmask of shape {tuple(mask.shape)} does not cover logits {tuple(logits.shape)}")
+    _library().pagedllm_apply_token_bitmask_f32(
+        logits.data_ptr(),
+        logits.stride(0),
+        mask.data_ptr(),
+        mask.shape[1],
+        logits.shape[0],
+        logits.shape[1],
+        torch.get_num_threads(),
+    )
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -127,6 +127,12 @@ class CpuAttentionOps(AttentionOps):
             return native.argmax_rows(scores)
         return super().argmax(scores)
 
+    def apply_token_bitmask(self, logits, bitmask):
+        compiled = native.unavailable_reason() is None
+        if compiled and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1:
+            return native.apply_token_bitmask(logits, bitmask)
+        return super().apply_token_bitmask(logits, bitmask)
+
     def write_kv(self, key, value, kv_cache, slot_mapping):
         key, value = key.to(kv_cache.dtype), value.to(kv_cache.dtype)
         if native.unavailable_reason() is None and native.fits_write_kv(key, value, kv_cache):

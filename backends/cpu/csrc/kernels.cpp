@@ -689,6 +689,26 @@ void pagedllm_argmax_rows_f32(const float* x, int64_t row_stride, int64_t rows, 
   for (int64_t r = 0; r < rows; ++r) out[r] = argmax_of(x + r * row_stride, n);
 }
 
+// Structured outputs' mask, in place: logits[r, t] = -inf where bit t % 32 of mask[r, t / 32]
+// is clear. Whole words of allowed tokens (the common case) are skipped in one test.
+void pagedllm_apply_token_bitmask_f32(float* logits, int64_t row_stride, const int32_t* mask, int64_t words,
+                                      int64_t rows, int64_t n, int num_threads) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * n >= 65536)
+  for (int64_t r = 0; r < rows; ++r) {
+    float* x = logits + r * row_stride;
+    const uint32_t* m = reinterpret_cast<const uint32_t*>(mask + r * words);
+    for (int64_t w = 0; w < words; ++w) {
+      const uint32_t bits = m[w];
+      if (bits == 0xFFFFFFFFu) continue;
+      const int64_t base = w * 32;
+      const int64_t end = std::min<int64_t>(32, n - base);
+      for (int64_t b = 0; b < end; ++b)
+        if (!((bits >> b) & 1u)) x[base + b] = neg_inf;
+    }
+  }
+}
+
 // The gated MLP's activation: x[r] = [gate | up], each `size` floats; out[r] = silu(gate) * up.
 void pagedllm_silu_and_mul_f32(const float* x, float* out, int64_t rows, int64_t size, int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * size >= 16384)
