@@ -103,7 +103,16 @@ def sampling_params(args):
 
 
 def structured_outputs(args):
-    """The constraint the flags give, or None."""
+    """The constraint the flags give (checked that it compiles before any engine starts), or None."""
+    constraint = _constraint(args)
+    if constraint is not None:
+        from .input_processor import check_structured
+
+        check_structured(constraint)
+    return constraint
+
+
+def _constraint(args):
     from pagedllm.core.structured import StructuredOutputsParams
 
     if args.json_schema is not None:
@@ -151,6 +160,9 @@ def cmd_generate(args) -> int:
         raise ValueError("give prompts as arguments or --input prompts.jsonl")
     if args.beam_width:
         from pagedllm.core.sampling_params import BeamSearchParams
+
+        if _constraint(args) is not None:
+            raise ValueError("--beam-width: beam search takes no constraint on the output")
 
         beam_params = BeamSearchParams(
             beam_width=args.beam_width,

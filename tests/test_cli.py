@@ -70,6 +70,8 @@ def test_generate_jsonl_in_and_out(tiny_model, tmp_path):
         (["--max-tokens", "abc"], "--max-tokens"),
         (["--backend", "tpu"], "unknown backend 'tpu'"),
         (["--bogus-flag"], "--bogus-flag"),
+        (["--regex", "[a-"], "--regex: is not valid"),
+        (["--choice", "a", "--regex", "b"], "not allowed with argument"),
     ],
 )
 def test_bad_flags_name_the_flag(tiny_model, args, needle):
