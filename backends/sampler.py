@@ -71,6 +71,7 @@ class Sampler:
         self.argmax = argmax or (lambda scores: scores.argmax(dim=-1))  # the backend's (AttentionOps.argmax)
         self.apply_bitmask = apply_bitmask or apply_token_bitmask  # the backend's (AttentionOps.apply_token_bitmask)
 
+    @torch.inference_mode()  # the logits are the runner's (inference tensors): masked in place
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         logits = logits.float()
         want_logprobs = any(r.params.logprobs is not None for r in rows)
