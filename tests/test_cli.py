@@ -16,8 +16,8 @@ def pagedllm(*args, env=None, timeout=180):
     )
 
 
-def test_generate_with_the_default_model(tmp_path):
-    proc = pagedllm("generate", "Hello", "--max-tokens", "8", "--no-progress", env={"PAGEDLLM_CACHE": str(tmp_path)})
+def test_generate_with_the_default_model():
+    proc = pagedllm("generate", "Hello", "--max-tokens", "8", "--no-progress")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("'Hello' -> ")
 
