@@ -19,10 +19,13 @@ import os
 
 import torch
 
+from .thread_governor import ThreadGovernor
+
 # 1: AttentionOps alone (device, kv_in_shared_memory, device_count, prepare_process and the
-#    kernels); 2: the platform face below. A version-1 backend runs on the defaults.
-CONTRACT_VERSION = 2
-SUPPORTED_CONTRACT_VERSIONS = (1, 2)
+#    kernels); 2: the platform face below; 3: compute_threads. An older backend runs on the
+#    defaults of what it does not define.
+CONTRACT_VERSION = 3
+SUPPORTED_CONTRACT_VERSIONS = (1, 2, 3)
 
 
 class Platform:
@@ -57,6 +60,16 @@ class Platform:
         host's cores are shared by its ranks (oversubscribed threads only wait on each other)."""
         if ranks_per_host > 1:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_per_host))
+
+    def compute_threads(self, threads: int | None) -> ThreadGovernor | None:
+        """The host threads steps compute with: `threads` (`--cpu-threads`) if given, else a
+        ThreadGovernor that picks them per step by measurement (the host's cores are the
+        device here, and other processes share them). None: the governor has no say (a device
+        computes; host threads only launch its work)."""
+        if threads:
+            torch.set_num_threads(threads)
+            return None
+        return ThreadGovernor(torch.get_num_threads(), torch.set_num_threads)
 
     def seed(self, seed: int) -> None:
         """Seed the random generators the model and sampler may use on this device."""

@@ -81,6 +81,7 @@ class Worker:
             config.tensor_parallel_size // config.nnodes,
         )
         self.device = self.ops.device
+        self.threads = self.ops.compute_threads(config.cpu_threads)  # after set_device shared the cores
         dtype = self.ops.default_dtype(config.model, config.dtype)
         wanted = ModelConfig.from_pretrained(config.model, dtype)  # refused before any weight loads
         problem = self.ops.unsupported(wanted.dtype, wanted.head_dim, config.block_size, config.max_model_len)
@@ -175,11 +176,15 @@ class Worker:
         t0 = time.perf_counter()
         seqs = [SeqInput(c.token_ids, c.start, c.state.block_ids) for c in chunks]
         wanted = prompt_positions(chunks)
+        if self.threads:
+            self.threads.begin(sum(len(s.token_ids) for s in seqs))
         if wanted:
             logits, hidden = self.runner.execute_with_hidden(seqs, wanted)
             prompt_lps = self._prompt_logprobs(chunks, hidden)
         else:
             logits, prompt_lps = self.runner.execute(seqs), None
+        if self.threads:
+            self.threads.end()
         rows = [i for i, c in enumerate(chunks) if c.state.samples]
         sampled = np.full(len(chunks), -1, dtype=np.int64)
         logprobs = None

@@ -28,7 +28,8 @@ def declarations(cls) -> dict:
 
     from pagedllm.backends.attention import AttentionOps
 
-    optional = ("set_device", "default_dtype", "kv_cache_blocks", "pin_memory", "capture_graphs", "synchronize")
+    optional = ("set_device", "compute_threads", "default_dtype", "kv_cache_blocks", "pin_memory")
+    optional += ("capture_graphs", "synchronize")
     optional += ("argmax", "prepare_model", "quantized_linear", "copy_blocks", "swap_blocks")
     return {
         "contract_version": cls.contract_version,

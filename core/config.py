@@ -111,13 +111,16 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     master_addr: str = "127.0.0.1"  # torch.distributed's rendezvous, on the head node
     master_port: int | None = None  # default: a free port (one host only)
     enforce_eager: bool = False
+    cpu_threads: int | None = None  # host threads a worker computes with (None: its governor picks)
     max_worker_restarts: int = 3  # within 10 minutes; past it the engine is dead
     jump_forward: bool = True  # structured outputs: append the tokens a grammar forces, unsampled
     quantization: str | None = None  # core/quantization.py: a load-time mode, or the checkpoint's method
 
     def __post_init__(self):
         _check_block_size(self.block_size)
-        _check_positive(self, ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks"))
+        _check_positive(
+            self, ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks", "cpu_threads")
+        )
         _check_choice("scheduler_policy", self.scheduler_policy, SCHEDULER_POLICIES)
         _check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         _check_choice("block_placement", self.block_placement, PLACEMENTS)

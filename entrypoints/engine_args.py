@@ -86,6 +86,11 @@ class EngineArgs:
     gpu_memory_utilization: float = option(
         0.9, "where the backend profiles its memory (GPUs): the fraction for weights, activations and the KV pool"
     )
+    cpu_threads: int | None = option(
+        None,
+        "threads a worker computes with on host CPUs (default: chosen per step by measurement, "
+        "from 1 to the host's cores shared among its ranks)",
+    )
     enforce_eager: bool = option(False, "no graph capture of decode steps (GPUs: CUDA graphs)")
     max_worker_restarts: int = option(3, "workers replaced within 10 minutes before the engine gives up")
     jump_forward: bool = option(

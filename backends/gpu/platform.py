@@ -37,6 +37,11 @@ class CudaPlatform(Platform):
             return super().set_device(rank, ranks_per_host)
         torch.cuda.set_device(rank % torch.cuda.device_count())
 
+    def compute_threads(self, threads: int | None):
+        if self.on_cuda and not threads:
+            return None  # the GPU computes: the host's threads only launch kernels
+        return super().compute_threads(threads)
+
     def default_dtype(self, model_dir: str, requested: str) -> str:
         if not self.on_cuda:
             return requested
