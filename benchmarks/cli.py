@@ -62,7 +62,25 @@ def _token_workload(args):
     return model_dir, prompts, max_tokens
 
 
+def _write_json(args, path: str, payload: dict) -> None:
+    """A mode's results, with the machine they were measured on (benchmarks/machine.py)."""
+    from . import report
+    from .machine import finish
+
+    report.write_json(path, {**payload, "machine": finish(args.machine)})
+
+
 def cmd_bench(args) -> int:
+    from .machine import busy_processes, describe, finish, machine_record
+
+    args.machine = {**machine_record(), "busy_processes": args.busy}  # probed before the busy ones start
+    with busy_processes(args.busy):
+        code = _run_mode(args)
+    print(describe(finish(args.machine)) + (f"; {args.busy} busy processes beside the run" if args.busy else ""))
+    return code
+
+
+def _run_mode(args) -> int:
     from . import report
 
     out_dir = report.ensure_dir(args.out)
@@ -86,8 +104,10 @@ def cmd_bench(args) -> int:
         )
         print_placements(rows)
         without_series = lambda row: {k: v for k, v in row.items() if k != "series"}
-        report.write_json(
-            os.path.join(out_dir, "memory.json"), {**without_series(r), "placements": [without_series(x) for x in rows]}
+        _write_json(
+            args,
+            os.path.join(out_dir, "memory.json"),
+            {**without_series(r), "placements": [without_series(x) for x in rows]},
         )
         report.plot_kv_usage(os.path.join(out_dir, "kv_usage.png"), r["series"], r["block_size"])
         return 0
@@ -146,7 +166,8 @@ def _throughput(args, out_dir: str) -> int:
         quantization=args.quantization,
     )
     results = run["results"]
-    report.write_json(
+    _write_json(
+        args,
         os.path.join(out_dir, "throughput.json"),
         {
             "date": time.strftime("%Y-%m-%d"),
@@ -190,8 +211,8 @@ def _latency(args, out_dir: str) -> int:
         quantization=args.quantization,
     )
     print_rows(rows)
-    report.write_json(
-        os.path.join(out_dir, "latency.json"), {"model": model_dir, "requests": len(prompts), "rows": rows}
+    _write_json(
+        args, os.path.join(out_dir, "latency.json"), {"model": model_dir, "requests": len(prompts), "rows": rows}
     )
     report.plot_latency(os.path.join(out_dir, "latency.png"), rows)
     return 0
@@ -221,7 +242,8 @@ def _serving(args, out_dir: str) -> int:
     )
     print_report(result)
     finite = lambda r: {**r, "rate": "inf" if r["rate"] == float("inf") else r["rate"]}
-    report.write_json(
+    _write_json(
+        args,
         os.path.join(out_dir, "serving.json"),
         {
             "model": model_dir,
@@ -265,8 +287,8 @@ def _scaling(args, out_dir: str) -> int:
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         rows.append({"concurrency": concurrency, "output_tok_s": tokens / seconds, "seconds": seconds})
         print(f"max_num_seqs {concurrency:4d}: {tokens / seconds:8.0f} output tok/s", flush=True)
-    report.write_json(
-        os.path.join(out_dir, "scaling.json"), {"model": model_dir, "requests": len(prompts), "rows": rows}
+    _write_json(
+        args, os.path.join(out_dir, "scaling.json"), {"model": model_dir, "requests": len(prompts), "rows": rows}
     )
     report.plot_scaling(os.path.join(out_dir, "scaling.png"), rows)
     return 0
@@ -314,5 +336,11 @@ def add_parser(sub) -> None:
     )
     bench.add_argument("--concurrency", default="1,4,16,64,256", help="scaling: max_num_seqs values to sweep")
     bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument(
+        "--busy",
+        type=int,
+        default=0,
+        help="run this many busy processes (python -c 'while True: pass') beside the benchmark: a shared machine",
+    )
     bench.add_argument("--out", default="bench-results")
     bench.set_defaults(func=cmd_bench)

@@ -25,6 +25,7 @@ from pagedllm.core.utils import cdiv
 
 from ..attention import AttentionOps, DecodeMetadata, PrefillMetadata, prefill_token_rows
 from . import native
+from .decode_replay import capture_decode_replay
 from .model_kernels import compute_in_float32, panel_float32_linear, use_fused_kernels, use_panel_linear
 from .packed_linear import bfloat16_arithmetic_allowed, pack_linear_layers
 from .quantized_linear import cpu_quantized_linear
@@ -116,6 +117,9 @@ class CpuAttentionOps(AttentionOps):
             use_fused_kernels(model)
         else:
             compute_in_float32(model)
+
+    def capture_graphs(self, model, kv_caches, block_size, max_batch, max_model_len):
+        return capture_decode_replay(model, kv_caches, block_size, max_batch, max_model_len)
 
     def argmax(self, scores):
         if (

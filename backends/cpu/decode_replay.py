@@ -1,0 +1,206 @@
+"""Decode steps replayed as a fixed list of compiled-kernel calls: the CPU's counterpart of
+CUDA graphs (Platform.capture_graphs; --enforce-eager turns it off).
+
+A decode step of a small model is mostly per-op Python: the demo model's forward pass for one
+request ran ~40 compiled kernels in ~1.8 ms, and the modules, shape checks, views and
+temporaries around them took as long again. Here the step's buffers are allocated once (rows
+for the largest batch) and every kernel call of every layer is bound once to its pointers
+and sizes; a step fills the inputs (token ids, positions, slots, block tables, context
+lengths), looks up the embedding and the rotary rows with two torch calls, and runs the list
+with the step's row count and thread count. The calls are the eager path's own kernels on the
+same data in the same order (the query and key rotations are two calls instead of one over
+both, the same arithmetic per head), so logits are bit-identical to the eager step's.
+
+Captured only where the eager path is all compiled kernels: float32 or 16-bit weights on the
+panel kernel, fused norms and activation, one rank, no q/k norms; else None (eager steps).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.core.utils import cdiv
+
+from ..models.decoder import CausalLM
+from . import native
+from .model_kernels import FusedRMSNorm, PanelLinear
+
+
+def _ptr(t: torch.Tensor, offset_elements: int = 0) -> int:
+    return t.data_ptr() + offset_elements * t.element_size()
+
+
+def replayable(model: CausalLM, kv_caches: torch.Tensor) -> bool:
+    """Whether every op of a decode step runs on a compiled kernel this module can call."""
+    if native.unavailable_reason() is not None or model.tp.size != 1 or not kv_caches.is_contiguous():
+        return False
+    if kv_caches.dtype not in native.ATTENTION_SUFFIX or getattr(model.config, "sliding_window", None):
+        return False
+    for layer in model.layers:
+        linears = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if not all(isinstance(m, PanelLinear) for m in linears) or not all(isinstance(n, FusedRMSNorm) for n in norms):
+            return False
+        if layer.q_norm is not None or layer.act is not native.silu_and_mul or layer.rotate is not native.rotate:
+            return False
+    return isinstance(model.norm, FusedRMSNorm)
+
+
+class DecodeReplay:
+    """`fits(seqs)` / `run(seqs)` as the runner asks of decode graphs (backends/runner.py)."""
+
+    def __init__(self, model: CausalLM, kv_caches: torch.Tensor, block_size: int, max_batch: int, max_model_len: int):
+        cfg = model.config
+        self.model, self.block_size, self.max_batch = model, block_size, max_batch
+        self.max_blocks = cdiv(max_model_len, block_size)
+        layer = model.layers[0]
+        heads, kv_heads, d = layer.num_heads, layer.num_kv_heads, cfg.head_dim
+        q_size, kv_size = heads * d, kv_heads * d
+        width = q_size + 2 * kv_size
+        hidden, inter = cfg.hidden_size, layer.down_proj.in_features
+        n, f32 = max_batch, torch.float32
+        self.ids = torch.zeros(n, dtype=torch.int64)
+        self.positions = torch.zeros(n, dtype=torch.int64)
+        self.slots = torch.zeros(n, dtype=torch.int64)
+        self.tables = torch.zeros(n, self.max_blocks, dtype=torch.int32)
+        self.context = torch.ones(n, dtype=torch.int32)
+        self.rows = torch.arange(n, dtype=torch.int32)  # row r attends with table row r
+        self.cos, self.sin = torch.empty(n, d, dtype=f32), torch.empty(n, d, dtype=f32)
+        self.residual = torch.empty(n, hidden, dtype=f32)
+        self.normed, self.out = torch.empty(n, hidden, dtype=f32), torch.empty(n, hidden, dtype=f32)
+        self.qkv, self.q = torch.empty(n, width, dtype=f32), torch.empty(n, heads, d, dtype=f32)
+        self.k, self.attn = torch.empty(n, kv_heads, d, dtype=f32), torch.empty(n, heads, d, dtype=f32)
+        self.gate_up, self.act = torch.empty(n, 2 * inter, dtype=f32), torch.empty(n, inter, dtype=f32)
+        self.hidden_out = torch.empty(n, hidden, dtype=f32)
+        cache_dtype = kv_caches.dtype
+        # 16-bit blocks: the rotated keys and the values rounded to the cache's dtype first, as
+        # the eager write_kv rounds them
+        self.k_half = torch.empty(n, kv_heads, d, dtype=cache_dtype) if cache_dtype != f32 else None
+        self.v_half = torch.empty(n, kv_heads, d, dtype=cache_dtype) if cache_dtype != f32 else None
+        self.v_view = self.qkv[:, q_size + kv_size :].view(n, kv_heads, d)
+        self.num_slots = kv_caches.shape[2] * block_size
+        self.kv_caches = kv_caches
+        lib = native._library()
+        attention = getattr(lib, f"pagedllm_paged_attention_{native.ATTENTION_SUFFIX[cache_dtype]}")
+        dot_products = int(_bfloat16_dot_products())  # as the eager decode passes it
+        panel = lib.pagedllm_panel_linear
+        row_bytes = kv_size * kv_caches.element_size()
+
+        def linear(module: PanelLinear, x: torch.Tensor, out: torch.Tensor):
+            kind, w = native.PANEL_KINDS[module.packed.dtype], _ptr(module.packed)
+            bias = None if module.bias is None else _ptr(module.bias)
+            n_out, k_in, xp, op = module.out_features, module.in_features, _ptr(x), _ptr(out)
+            return lambda rows, threads: panel(kind, xp, rows, w, n_out, k_in, bias, op, threads)
+
+        def add_norm(norm: FusedRMSNorm, x: torch.Tensor, out: torch.Tensor):
+            xp, rp, wp, op, eps = _ptr(x), _ptr(self.residual), _ptr(norm.weight), _ptr(out), norm.eps
+            return lambda rows, threads: lib.pagedllm_add_rms_norm_f32(xp, rp, wp, eps, op, rows, hidden, threads)
+
+        gp, ap = _ptr(self.gate_up), _ptr(self.act)
+
+        def activation(rows, threads):
+            lib.pagedllm_silu_and_mul_f32(gp, ap, rows, inter, threads)
+
+        calls = []
+        first = model.layers[0].input_layernorm
+        rp, wp, np_ = _ptr(self.residual), _ptr(first.weight), _ptr(self.normed)
+        calls.append(lambda rows, threads: lib.pagedllm_rms_norm_f32(rp, wp, first.eps, np_, rows, hidden, threads))
+        for i, layer in enumerate(model.layers):
+            if i:  # the previous layer's output joins the residual stream in this layer's norm
+                calls.append(add_norm(layer.input_layernorm, self.out, self.normed))
+            calls.append(linear(layer.qkv_proj, self.normed, self.qkv))
+            calls += self._rotations(lib, width, heads, kv_heads, d, q_size)
+            calls.append(self._write_kv(lib, i, row_bytes))
+            calls.append(
+                self._attend(attention, kv_caches[i], heads, kv_heads, d, block_size, layer.scale, dot_products)
+            )
+            calls.append(linear(layer.o_proj, self.attn, self.out))
+            calls.append(add_norm(layer.post_attention_layernorm, self.out, self.normed))
+            calls.append(linear(layer.gate_up_proj, self.normed, self.gate_up))
+            calls.append(activation)
+            calls.append(linear(layer.down_proj, self.act, self.out))
+        calls.append(add_norm(model.norm, self.out, self.hidden_out))
+        self.calls = calls
+
+    def _rotations(self, lib, width, heads, kv_heads, d, q_size):
+        qkv, q, k = _ptr(self.qkv), _ptr(self.q), _ptr(self.k)
+        k_in, cos, sin = _ptr(self.qkv, q_size), _ptr(self.cos), _ptr(self.sin)
+        return [
+            lambda rows, threads: lib.pagedllm_rotary_f32(qkv, width, cos, sin, q, rows, heads, d, threads),
+            lambda rows, threads: lib.pagedllm_rotary_f32(k_in, width, cos, sin, k, rows, kv_heads, d, threads),
+        ]
+
+    def _write_kv(self, lib, layer: int, row_bytes: int):
+        cache = self.kv_caches[layer]
+        kc, vc, slots = _ptr(cache[0]), _ptr(cache[1]), _ptr(self.slots)
+        num_slots = self.num_slots
+        if self.k_half is None:
+            k, v = _ptr(self.k), _ptr(self.v_view)
+            k_stride, v_stride = self.k.stride(0) * 4, self.v_view.stride(0) * 4
+
+            def write(rows, threads):
+                if lib.pagedllm_write_kv(k, k_stride, v, v_stride, slots, rows, row_bytes, kc, vc, num_slots, threads):
+                    raise IndexError(f"write_kv: a slot outside the cache's {num_slots} slots")
+
+            return write
+        k_half, v_half = self.k_half, self.v_half
+        kh, vh, stride = _ptr(k_half), _ptr(v_half), k_half.stride(0) * k_half.element_size()
+
+        def write_rounded(rows, threads):
+            k_half[:rows].copy_(self.k[:rows])
+            v_half[:rows].copy_(self.v_view[:rows])
+            if lib.pagedllm_write_kv(kh, stride, vh, stride, slots, rows, row_bytes, kc, vc, num_slots, threads):
+                raise IndexError(f"write_kv: a slot outside the cache's {num_slots} slots")
+
+        return write_rounded
+
+    def _attend(self, attention, cache, heads, kv_heads, d, block_size, scale, dot_products):
+        q, kc, vc, tables, rows_p = _ptr(self.q), _ptr(cache[0]), _ptr(cache[1]), _ptr(self.tables), _ptr(self.rows)
+        ctx, out, stride = _ptr(self.context), _ptr(self.attn), self.max_blocks
+        shape = (heads, kv_heads, d, block_size, scale)
+
+        def attend(rows, threads):
+            attention(q, kc, vc, tables, stride, rows_p, ctx, rows, *shape, out, threads, dot_products)
+
+        return attend
+
+    def fits(self, seqs) -> bool:
+        if not seqs or len(seqs) > self.max_batch:
+            return False
+        limit = self.max_blocks * self.block_size
+        return all(len(s.token_ids) == 1 and s.start_pos < limit for s in seqs)
+
+    def run(self, seqs) -> torch.Tensor:
+        """The final hidden states [len(seqs), hidden] of a decode step (float32)."""
+        rows, bs = len(seqs), self.block_size
+        ids, positions, slots = self.ids.numpy(), self.positions.numpy(), self.slots.numpy()
+        tables, context = self.tables.numpy(), self.context.numpy()
+        for r, s in enumerate(seqs):
+            pos = s.start_pos
+            ids[r] = s.token_ids[0]
+            positions[r] = pos
+            context[r] = pos + 1
+            blocks = s.block_ids[: self.max_blocks]
+            tables[r, : len(blocks)] = blocks
+            slots[r] = blocks[pos // bs] * bs + pos % bs
+        model = self.model
+        self.residual[:rows].copy_(model.embed_tokens(self.ids[:rows]))
+        torch.index_select(model.rope.cos, 0, self.positions[:rows], out=self.cos[:rows])
+        torch.index_select(model.rope.sin, 0, self.positions[:rows], out=self.sin[:rows])
+        threads = torch.get_num_threads()
+        for call in self.calls:
+            call(rows, threads)
+        return self.hidden_out[:rows]
+
+
+def _bfloat16_dot_products() -> bool:
+    from .ops import bfloat16_dot_products
+
+    return bfloat16_dot_products()
+
+
+def capture_decode_replay(model, kv_caches, block_size: int, max_batch: int, max_model_len: int):
+    """A DecodeReplay for this model and cache, or None where a step is not all compiled kernels."""
+    if not replayable(model, kv_caches):
+        return None
+    return DecodeReplay(model, kv_caches, block_size, max_batch, max_model_len)

@@ -1,0 +1,103 @@
+"""What machine a benchmark ran on, and how busy it was: the CPU (model, vector units, cores
+this process may use), the load average before and after, and a short fixed probe of memory
+bandwidth and float32 GEMM rate — so that figures from different hours and hosts can be
+compared (a figure from a noisy hour shows a low probe or a high load beside it).
+
+`python -m pagedllm.benchmarks.machine` prints the record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import subprocess
+import sys
+import time
+
+# flags that decide how fast the CPU kernels run
+VECTOR_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "asimd", "sve")
+PROBE_BYTES = 64 << 20  # larger than the last-level cache of most hosts
+GEMM_SIZE = 512
+
+
+def cpu_info() -> dict:
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    flags = set((fields.get("flags") or fields.get("Features") or "").split())
+    return {
+        "cpu": fields.get("model name") or platform.processor() or platform.machine(),
+        "vector_flags": [f for f in VECTOR_FLAGS if f in flags],
+        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+    }
+
+
+def _best_seconds(fn, rounds: int) -> float:
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def probe_rates() -> dict:
+    """Memory bandwidth (GB/s, reading a 64 MiB buffer; one thread and all) and float32 GEMM
+    rate (GFLOP/s, 512 x 512 x 512, all threads): the best of a few rounds, ~0.3 s in all."""
+    import torch
+
+    threads = torch.get_num_threads()
+    buf = torch.ones(PROBE_BYTES // 4)
+    a, b = torch.randn(GEMM_SIZE, GEMM_SIZE), torch.randn(GEMM_SIZE, GEMM_SIZE)
+    rates = {}
+    try:
+        for n in sorted({1, threads}):
+            torch.set_num_threads(n)
+            buf.sum()
+            rates[f"memory_gb_s_{n}_threads"] = round(PROBE_BYTES / _best_seconds(buf.sum, 5) / 1e9, 1)
+    finally:
+        torch.set_num_threads(threads)
+    a @ b
+    rates["gemm_gflop_s"] = round(2 * GEMM_SIZE**3 / _best_seconds(lambda: a @ b, 10) / 1e9, 1)
+    return rates
+
+
+def machine_record() -> dict:
+    """The record at the start of a run; `finish` adds the load after it."""
+    return {**cpu_info(), "load_before": round(os.getloadavg()[0], 2), **probe_rates()}
+
+
+def finish(record: dict) -> dict:
+    return {**record, "load_after": round(os.getloadavg()[0], 2)}
+
+
+def describe(record: dict) -> str:
+    """One line for a table's foot."""
+    memory = ", ".join(f"{v} GB/s" for k, v in record.items() if k.startswith("memory_gb_s"))
+    load = f"load {record['load_before']}" + (f" -> {record['load_after']}" if "load_after" in record else "")
+    return (
+        f"machine: {record['cpu']} ({' '.join(record['vector_flags']) or 'no vector flags'}), "
+        f"{record['cores']} cores; {load}; memory {memory} (1 thread, all); GEMM {record['gemm_gflop_s']} GFLOP/s"
+    )
+
+
+@contextlib.contextmanager
+def busy_processes(count: int):
+    """`count` processes that keep a core busy each, as other work on a shared machine does."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+if __name__ == "__main__":
+    print(describe(finish(machine_record())))
