@@ -10,6 +10,7 @@ Only the tokens each request asked for count.
 
 from __future__ import annotations
 
+import os
 import time
 
 
@@ -52,14 +53,15 @@ def compare(
     backend="cpu",
     batch_size=16,
     vllm_python=None,
-    vllm_work=None,
+    llama_cpp_python=None,
+    peer_work="bench-results",
     tensor_parallel_size=1,
     quantization=None,
 ) -> dict:
     """The workload through pagedllm, then each peer; prints the table and returns the results
     (report.SystemResult, pagedllm first, each with its greedy agreement with pagedllm)."""
     from . import report
-    from .peers import hf_continuous, hf_static, vllm_subprocess
+    from .peers import hf_continuous, hf_static, llama_cpp_subprocess, vllm_subprocess
 
     secs, ours, startup, stats = run_pagedllm(
         model_dir, prompts, max_tokens, dtype, kv_cache_memory, backend, tensor_parallel_size, quantization
@@ -80,13 +82,21 @@ def compare(
         elif peer == "vllm":
             print("running vLLM in its own environment (its start-up takes a minute or so)...", flush=True)
             s, toks, vllm_startup, versions["vllm"] = vllm_subprocess(
-                vllm_python, model_dir, prompts, max_tokens, dtype, vllm_work
+                vllm_python, model_dir, prompts, max_tokens, dtype, os.path.join(peer_work, "vllm-work")
             )
             results.append(report.account(f"vLLM {versions['vllm']} (CPU)", s, prompts, max_tokens, toks))
             results[-1].extra = {"startup_seconds": vllm_startup}
             print(
                 f"start-up: pagedllm {startup:.1f} s, vLLM {vllm_startup:.1f} s ({vllm_startup / startup:.1f}x faster)"
             )
+        elif peer == "llama.cpp":
+            print("running llama.cpp in its own environment (GGUF written first), one request at a time...", flush=True)
+            s, toks, llama_startup, versions["llama.cpp"] = llama_cpp_subprocess(
+                llama_cpp_python, model_dir, prompts, max_tokens, dtype, os.path.join(peer_work, "llama-cpp-work")
+            )
+            name = f"llama.cpp (llama-cpp-python {versions['llama.cpp']}, one at a time)"
+            results.append(report.account(name, s, prompts, max_tokens, toks))
+            results[-1].extra = {"startup_seconds": llama_startup}
         results[-1].agreement = report.agreement(ours, toks)
     print()
     print(report.format_table(results))

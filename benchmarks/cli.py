@@ -52,14 +52,48 @@ def load_dataset(spec: str, num: int, seed: int, tokenizer, vocab_size: int, max
 def _token_workload(args):
     """(model folder, prompt token ids, output lengths) for the modes that need no tokenizer."""
     from pagedllm.core.model_folder import model_folder
-    from pagedllm.entrypoints.default_model import default_model_dir
 
-    model_dir = args.model or default_model_dir()
+    model_dir = model_dir_of(args)
     folder = model_folder(model_dir)
     prompts, max_tokens = load_dataset(
         args.dataset, args.num_prompts, args.seed, None, folder.vocab_size, folder.max_position_embeddings
     )
     return model_dir, prompts, max_tokens
+
+
+RANDOM_MODEL_KEYS = {
+    "layers": "num_hidden_layers",
+    "hidden": "hidden_size",
+    "intermediate": "intermediate_size",
+    "heads": "num_attention_heads",
+    "kv_heads": "num_key_value_heads",
+}
+
+
+def random_model(spec: str, out_dir: str) -> str:
+    """`random:layers=2,hidden=192[,intermediate=,heads=,kv_heads=,vocab=]`: a seeded random-weight
+    Llama folder (fixtures/tiny_models.py), written once under out_dir — small models that anyone
+    can rebuild exactly. Defaults: intermediate 8/3 x hidden rounded up to 64, 4 heads, 2 KV
+    heads, a 400-token vocabulary."""
+    from pagedllm.fixtures.tiny_models import make_model_dir
+
+    values = dict(part.split("=", 1) for part in spec.removeprefix("random:").split(",") if part)
+    unknown = set(values) - set(RANDOM_MODEL_KEYS) - {"vocab"}
+    if unknown:
+        raise ValueError(f"--model {spec}: unknown key(s) {sorted(unknown)}; known: {[*RANDOM_MODEL_KEYS, 'vocab']}")
+    sizes = {RANDOM_MODEL_KEYS[k]: int(v) for k, v in values.items() if k != "vocab"}
+    hidden = sizes.setdefault("hidden_size", 64)
+    sizes.setdefault("intermediate_size", -(-hidden * 8 // 3 // 64) * 64)
+    name = "random-" + "-".join(f"{k}{v}" for k, v in sorted(values.items()))
+    return make_model_dir(os.path.join(out_dir, name), "llama", vocab_size=int(values.get("vocab", 400)), **sizes)
+
+
+def model_dir_of(args) -> str:
+    from pagedllm.entrypoints.default_model import default_model_dir
+
+    if args.model and args.model.startswith("random:"):
+        return random_model(args.model, args.out)
+    return args.model or default_model_dir()
 
 
 def _write_json(args, path: str, payload: dict) -> None:
@@ -127,16 +161,21 @@ def _throughput(args, out_dir: str) -> int:
         raise ValueError("--vs vllm needs --vllm-python: the interpreter of an environment with vLLM installed")
     if args.vllm_python and not os.access(args.vllm_python, os.X_OK):
         raise ValueError(f"--vllm-python: {args.vllm_python} is not an executable")
+    if args.llama_cpp_python and "llama.cpp" not in peers:
+        peers.append("llama.cpp")
+    if "llama.cpp" in peers and not (args.llama_cpp_python and os.access(args.llama_cpp_python, os.X_OK)):
+        raise ValueError(
+            "--vs llama.cpp needs --llama-cpp-python: the interpreter of an environment with "
+            "llama-cpp-python and gguf installed"
+        )
     import torch  # after the checks: a wrong flag is answered at once
     import transformers
     from transformers import AutoModelForCausalLM
 
-    from pagedllm.entrypoints.default_model import default_model_dir
-
     from . import report
     from .bench_throughput import compare
 
-    model_dir = args.model or default_model_dir()
+    model_dir = model_dir_of(args)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
     tokenizer = None
     if args.dataset not in ("synthetic", "uniform"):
@@ -161,7 +200,8 @@ def _throughput(args, out_dir: str) -> int:
         backend=args.backend,
         batch_size=args.batch_size,
         vllm_python=args.vllm_python,
-        vllm_work=os.path.join(out_dir, "vllm-work"),
+        llama_cpp_python=args.llama_cpp_python,
+        peer_work=out_dir,
         tensor_parallel_size=args.tensor_parallel_size,
         quantization=args.quantization,
     )
@@ -297,7 +337,12 @@ def _scaling(args, out_dir: str) -> int:
 def add_parser(sub) -> None:
     bench = sub.add_parser("bench", help="benchmark pagedllm against transformers on one workload")
     bench.add_argument("mode", choices=["throughput", "latency", "serving", "scaling", "memory"])
-    bench.add_argument("--model", default=None, help="model folder (default: the demo model)")
+    bench.add_argument(
+        "--model",
+        default=None,
+        help="model folder (default: the demo model), or random:layers=2,hidden=192[,intermediate=,heads=,"
+        "kv_heads=,vocab=]: a seeded random-weight Llama written under --out",
+    )
     bench.add_argument("--backend", default="cpu")
     bench.add_argument("--dtype", default="float32")
     bench.add_argument("--tensor-parallel-size", type=int, default=1, help="pagedllm's ranks")
@@ -317,12 +362,18 @@ def add_parser(sub) -> None:
     bench.add_argument(
         "--vs",
         default="hf-static,hf-cb",
-        help="comma-separated peers: hf-static, hf-cb, vllm (needs --vllm-python), or none",
+        help="comma-separated peers: hf-static, hf-cb, vllm (needs --vllm-python), llama.cpp (needs "
+        "--llama-cpp-python), or none",
     )
     bench.add_argument(
         "--vllm-python",
         default=None,
         help="python of an environment with vLLM installed; vLLM then joins the throughput table",
+    )
+    bench.add_argument(
+        "--llama-cpp-python",
+        default=None,
+        help="python of an environment with llama-cpp-python and gguf installed; llama.cpp then joins the table",
     )
     bench.add_argument("--batch-size", type=int, default=16, help="transformers static batch size")
     bench.add_argument("--kv-cache-memory", default="2GiB")

@@ -119,3 +119,43 @@ def vllm_subprocess(
     with open(result) as f:
         out = json.load(f)
     return out["seconds"], out["outputs"], out["startup_seconds"], out["vllm_version"]
+
+
+def llama_cpp_subprocess(
+    python: str,
+    model_dir: str,
+    prompts: list[list[int]],
+    max_tokens: list[int],
+    dtype: str,
+    work_dir: str,
+    timeout_s: float = 3600,
+):
+    """llama.cpp on the same token ids, run by `python` (an interpreter with llama-cpp-python
+    and gguf installed) through benchmarks/llama_cpp_peer.py, which writes the weights as GGUF
+    at `dtype` first. One request at a time (llama-cpp-python's Llama decodes one sequence).
+    Returns (seconds, outputs, startup seconds, version)."""
+    work_dir = os.path.abspath(work_dir)
+    os.makedirs(work_dir, exist_ok=True)
+    job, result = os.path.join(work_dir, "llama_cpp_job.json"), os.path.join(work_dir, "llama_cpp_result.json")
+    with open(job, "w") as f:
+        json.dump(
+            {
+                "model": os.path.abspath(model_dir),
+                "dtype": dtype,
+                "prompts": prompts,
+                "max_tokens": max_tokens,
+                "gguf": os.path.join(work_dir, f"model-{dtype}.gguf"),
+                "threads": torch.get_num_threads(),
+            },
+            f,
+        )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing of this environment leaks in
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "llama_cpp_peer.py")
+    proc = subprocess.run(
+        [python, script, job, result], env=env, capture_output=True, text=True, timeout=timeout_s, cwd=work_dir
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"llama.cpp ({python}) failed with code {proc.returncode}:\n{proc.stderr[-3000:]}")
+    with open(result) as f:
+        out = json.load(f)
+    return out["seconds"], out["outputs"], out["startup_seconds"], out["llama_cpp_version"]

@@ -12,7 +12,7 @@ import random
 
 import numpy as np
 
-PEERS = ("hf-static", "hf-cb", "vllm")  # the systems `bench throughput --vs` compares against
+PEERS = ("hf-static", "hf-cb", "vllm", "llama.cpp")  # the systems `bench throughput --vs` compares against
 
 
 def poisson_arrivals(num: int, rate: float, seed: int) -> list[float]:
