@@ -23,7 +23,7 @@ from .errors import EngineFailure, InvalidParameter
 from .ipc import Channel, PeerGone, remove_ipc_dir
 from .local_workers import LocalWorkers
 from .model_folder import model_folder
-from .outputs import SchedulerOutput
+from .outputs import SchedulerOutput, merge_deltas
 from .protocol import (
     AbortRequests,
     AddRequests,
@@ -79,6 +79,9 @@ class EngineCore:
         self.segments: list[str] = []
         self.scheduler: Scheduler | None = None
         self.pending: list[RequestOutputDelta] = []
+        # final_only requests (and their n > 1 samples): what they have produced, sent when they end
+        self.final_only: set[str] = set()
+        self.held: dict[str, RequestOutputDelta] = {}
         self.steps = 0
         self.planned_ahead = 0
         self.step_seconds = 0.0
@@ -359,7 +362,23 @@ class EngineCore:
         for rid, lps in prompt_logprobs.items():
             if rid in requests:
                 outputs.append(RequestOutputDelta(rid, [], prompt_logprobs=lps))
-        self.pending.extend(outputs)
+        self._emit(outputs)
+
+    def _emit(self, outputs: list[RequestOutputDelta]) -> None:
+        """Outputs for the frontend; a final_only request's are held and merged until it ends."""
+        held = self.held
+        for out in outputs:
+            rid = out.request_id
+            if rid not in self.final_only:
+                self.pending.append(out)
+                continue
+            if rid in held:
+                out = merge_deltas(held.pop(rid), out)
+            if out.finish_reason is None and out.beams is None:
+                held[rid] = out
+            else:
+                self.final_only.discard(rid)
+                self.pending.append(out)
 
     def _flush_outputs(self) -> None:
         if self.pending:
@@ -393,7 +412,7 @@ class EngineCore:
                     self._add_request(request)
             elif isinstance(msg, AbortRequests):
                 self._abort_compiling(msg.request_ids)
-                self.pending.extend(self.scheduler.abort_requests(msg.request_ids))
+                self._emit(self.scheduler.abort_requests(msg.request_ids))
             elif isinstance(msg, Shutdown):
                 self.stopping = True
                 return
@@ -406,6 +425,9 @@ class EngineCore:
             return
         try:
             self.scheduler.add_request(request, matcher)
+            if request.final_only:
+                rid = request.request_id
+                self.final_only.update([rid] + [child_request_id(rid, i) for i in range(1, request.sampling_params.n)])
         except InvalidParameter as e:
             self._to_frontend(RequestRejected(request.request_id, e.field, str(e)))
         except Exception as e:  # noqa: BLE001 - a bug met by this request must not end the engine (logged)
@@ -452,7 +474,7 @@ class EngineCore:
             entry = self.compiling.pop(rid, None)
             if entry is not None:
                 n = entry[0].sampling_params.n
-                self.pending.extend(
+                self._emit(
                     RequestOutputDelta(eid, [], "abort")
                     for eid in [rid] + [child_request_id(rid, i) for i in range(1, n)]
                 )
@@ -463,6 +485,8 @@ class EngineCore:
         if also is not None and all(rid != also for rid, _ in failures):
             failures.append((also, "the engine failed while admitting this request; the server log has why"))
         for rid, message in failures:
+            for held in [h for h in self.held if h == rid or h.startswith(rid + "#")]:
+                del self.held[held]
             self._to_frontend(RequestRejected(rid, None, message, internal=True))
 
     # --- shutdown -------------------------------------------------------------------------

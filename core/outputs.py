@@ -97,6 +97,33 @@ class RequestOutputDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_logprobs: PromptLogprobs | None = None
 
 
+def merge_deltas(earlier: RequestOutputDelta, later: RequestOutputDelta) -> RequestOutputDelta:
+    """One delta that says what two consecutive ones of the same request say."""
+    logprobs = earlier.logprobs
+    if later.logprobs is not None:
+        logprobs = (logprobs or []) + later.logprobs
+    return RequestOutputDelta(
+        request_id=later.request_id,
+        new_token_ids=earlier.new_token_ids + later.new_token_ids,
+        finish_reason=later.finish_reason,
+        stop_reason=later.stop_reason,
+        logprobs=logprobs,
+        num_cached_tokens=later.num_cached_tokens or earlier.num_cached_tokens,
+        beams=later.beams,
+        queued_seconds=earlier.queued_seconds if earlier.queued_seconds is not None else later.queued_seconds,
+        prompt_logprobs=_merge_prompt_logprobs(earlier.prompt_logprobs, later.prompt_logprobs),
+    )
+
+
+def _merge_prompt_logprobs(earlier: PromptLogprobs | None, later: PromptLogprobs | None) -> PromptLogprobs | None:
+    """Consecutive chunks' prompt logprobs as one run; positions reported again (a recomputed
+    prompt) keep their first report, as the frontend does."""
+    if earlier is None or later is None:
+        return earlier or later
+    end = earlier.start + len(earlier.entries)
+    return PromptLogprobs(earlier.start, earlier.entries + later.entries[max(0, end - later.start) :])
+
+
 class Fragmentation(msgspec.Struct):
     """How well the KV pool's blocks are used and placed."""
 

@@ -19,6 +19,9 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     sampling_params: SamplingParams
     eos_token_ids: list[int] = []  # any of them ends the request (models may list several)
     arrival_time: float = 0.0
+    # the frontend wants this request's tokens once, when it finishes (offline generation with
+    # no stop strings to watch): one hand-off to the frontend per request, not one per step
+    final_only: bool = False
 
 
 class RequestStatus(enum.IntEnum):

@@ -91,8 +91,9 @@ class InputProcessor:
                 f"{max(self.max_model_len - len(ids), 0)}, got {params.max_tokens}",
             )
 
-    def engine_request(self, tracker: RequestTracker, arrival_time: float) -> EngineRequest:
+    def engine_request(self, tracker: RequestTracker, arrival_time: float, final_only: bool = False) -> EngineRequest:
         return EngineRequest(
+            final_only=final_only,
             request_id=tracker.request_id,
             prompt_token_ids=tracker.output.prompt_token_ids,
             sampling_params=tracker.params,

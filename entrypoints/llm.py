@@ -123,7 +123,9 @@ class LLM:
             t.timing.submitted = now
         bar = _progress(len(trackers)) if use_tqdm else None
         try:
-            self.engine.add_requests([self.inputs.engine_request(t, now) for t in trackers])
+            # nothing reads tokens before a request ends unless a stop string is watched for
+            requests = [self.inputs.engine_request(t, now, final_only=not t.params.stop) for t in trackers]
+            self.engine.add_requests(requests)
             remaining = len(trackers)
             while remaining:
                 msg = self.engine.recv(100)

@@ -2,6 +2,7 @@
 
 import asyncio
 
+import msgspec
 import pytest
 
 from pagedllm import LLM, InvalidParameter, SamplingParams
@@ -222,3 +223,47 @@ def test_max_model_len_past_the_models_positions_is_refused_unless_allowed(tiny_
     scaled.config["rope_parameters"] = {**scaled.config["rope_parameters"], "rope_type": "linear", "factor": 4.0}
     assert scaled.position_limit()[0] == 4096
     scaled.check_max_model_len(4096)
+
+
+def test_offline_requests_reach_the_frontend_once_unless_a_stop_string_is_watched(llm):
+    """LLM.generate reads a request's tokens when it ends: the core holds them until then (one
+    hand-off per request, not one per step), and streams per step only where the frontend must
+    watch for a stop string. The tokens are the same either way."""
+    messages = []
+    recv = llm.engine.recv
+
+    def counting_recv(timeout_ms):
+        msg = recv(timeout_ms)
+        if msg is not None:
+            messages.append(msg)
+        return msg
+
+    llm.engine.recv = counting_recv
+    prompts = [[10, 11, 12], list(range(20, 60))]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, n=2, seed=3)
+    try:
+        held = llm.generate(prompts, params, use_tqdm=False)
+        assert len(messages) <= 4, f"{len(messages)} messages for 2 requests x n=2"
+        messages.clear()
+        watched = llm.generate(prompts, msgspec.structs.replace(params, stop=["\x00never"]), use_tqdm=False)
+        assert len(messages) >= 20, "a watched request streams step by step"
+    finally:
+        llm.engine.recv = recv
+    for a, b in zip(held, watched):
+        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+        assert all(len(c.token_ids) == 24 for c in a.outputs)
+
+
+def test_merged_deltas_say_what_the_steps_said():
+    from pagedllm.core.outputs import PromptLogprobs, RequestOutputDelta, TokenLogprobs, merge_deltas
+
+    lp = [TokenLogprobs(-float(i), 1, [], []) for i in range(6)]
+    first = RequestOutputDelta("r", [], prompt_logprobs=PromptLogprobs(1, lp[:3]), queued_seconds=0.5)
+    second = RequestOutputDelta("r", [7], logprobs=[lp[0]], prompt_logprobs=PromptLogprobs(2, lp[1:5]))
+    last = RequestOutputDelta("r", [8, 9], "length", logprobs=[lp[1], lp[2]], num_cached_tokens=16)
+    merged = merge_deltas(merge_deltas(first, second), last)
+    assert merged.new_token_ids == [7, 8, 9] and merged.finish_reason == "length"
+    assert merged.logprobs == [lp[0], lp[1], lp[2]]
+    assert merged.queued_seconds == 0.5 and merged.num_cached_tokens == 16
+    # positions 1-3 from the first chunk, 4-5 from the second (its report of 2-3 again is dropped)
+    assert merged.prompt_logprobs.start == 1 and merged.prompt_logprobs.entries == lp[:5]
