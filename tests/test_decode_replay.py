@@ -51,3 +51,18 @@ def test_what_a_replay_does_not_take():
     assert not replay.fits([SeqInput([1], 512, table)])  # past the captured context
     _, quantized = runner_and_replay("float32", quantization="int8")
     assert quantized is None  # its linear layers are not on the panel kernel: eager steps
+
+
+def test_a_backend_built_on_the_cpu_one_keeps_its_own_decode_ops():
+    """A port (or a planted bug) that overrides decode attention must run it: no replay."""
+
+    class OwnAttention(CpuAttentionOps):
+        def decode_attention(self, query, kv_cache, meta, scale):
+            return super().decode_attention(query, kv_cache, meta, scale)
+
+    model = load_model(shipped_model_dir(), dtype="float32")
+    kv = allocate_kv_caches(model, 8, BLOCK)
+    ops = OwnAttention()
+    ModelRunner(model, ops, kv, BLOCK)
+    assert ops.capture_graphs(model, kv, BLOCK, 4, 128) is None
+    assert CpuAttentionOps().capture_graphs(model, kv, BLOCK, 4, 128) is not None

@@ -30,6 +30,7 @@ from .model_kernels import compute_in_float32, panel_float32_linear, use_fused_k
 from .packed_linear import bfloat16_arithmetic_allowed, pack_linear_layers
 from .quantized_linear import cpu_quantized_linear
 
+REPLAYED_OPS = ("decode_attention", "write_kv")  # what a replayed decode step calls of this class
 DECODE_GROUPS = 4  # at most this many context-length groups per decode batch
 DECODE_GROUP_MIN = 8  # requests per group, at least
 
@@ -119,6 +120,10 @@ class CpuAttentionOps(AttentionOps):
             compute_in_float32(model)
 
     def capture_graphs(self, model, kv_caches, block_size, max_batch, max_model_len):
+        # the replay calls this class's kernels itself: a subclass with its own decode ops
+        # (a port built on this backend, a planted bug) keeps them, in eager steps
+        if any(getattr(type(self), op) is not getattr(CpuAttentionOps, op) for op in REPLAYED_OPS):
+            return None
         return capture_decode_replay(model, kv_caches, block_size, max_batch, max_model_len)
 
     def argmax(self, scores):
