@@ -51,3 +51,16 @@ def test_a_folder_without_a_config_still_loads(tiny_model, tmp_path):
     theirs.save_pretrained(tmp_path)
     assert not (tmp_path / "config.json").exists()
     assert load_tokenizer(str(tmp_path)).encode(TEXTS[0]) == theirs.encode(TEXTS[0])
+
+
+def test_the_demo_models_tokenizer_loads_without_torch():
+    """The frontend's start is on the engine's critical path: torch (1.8 s of CPU time here)
+    is the workers' to import, not the tokenizer's."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from pagedllm.entrypoints.tokenizer import load_tokenizer; "
+        f"load_tokenizer({shipped_model_dir()!r}); print('torch' in sys.modules)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
