@@ -1,10 +1,8 @@
 """pagedllm: PagedAttention and continuous batching over pluggable backends."""
 
 # Absolute imports: pytest imports this file as the root package of the checkout, under the
-# checkout folder's name, when it collects tests/.
-from pagedllm.core.errors import InvalidParameter, RequestFailed
-from pagedllm.core.sampling_params import BeamSearchParams, SamplingParams
-from pagedllm.core.structured import StructuredOutputsParams
+# checkout folder's name, when it collects tests/. Every name loads on first use: the engine's
+# processes import their own modules, not the user API's.
 
 __version__ = "0.1.0"
 __all__ = [
@@ -25,6 +23,18 @@ __all__ = [
 
 def __getattr__(name):
     # LLM pulls in the frontend (transformers); `import pagedllm.core` must stay light.
+    if name in ("InvalidParameter", "RequestFailed"):
+        from pagedllm.core import errors
+
+        return getattr(errors, name)
+    if name in ("SamplingParams", "BeamSearchParams"):
+        from pagedllm.core import sampling_params
+
+        return getattr(sampling_params, name)
+    if name == "StructuredOutputsParams":
+        from pagedllm.core.structured import StructuredOutputsParams
+
+        return StructuredOutputsParams
     if name == "LLM":
         from pagedllm.entrypoints.llm import LLM
 

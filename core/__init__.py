@@ -1,18 +1,24 @@
-"""The hardware-agnostic core: block pool, KV cache manager, scheduler. Never imports torch."""
+"""The hardware-agnostic core: block pool, KV cache manager, scheduler. Never imports torch.
 
-from .config import CacheConfig, SchedulerConfig
-from .errors import InvalidParameter
-from .request import EngineRequest, Request, RequestStatus
-from .sampling_params import SamplingParams
-from .scheduler import Scheduler
+The names below load on first use: a process that needs one module of the core (the engine
+core's entry point starting the worker launcher first thing) does not wait for the rest."""
 
-__all__ = [
-    "CacheConfig",
-    "SchedulerConfig",
-    "InvalidParameter",
-    "EngineRequest",
-    "Request",
-    "RequestStatus",
-    "SamplingParams",
-    "Scheduler",
-]
+import importlib
+
+_EXPORTS = {
+    "CacheConfig": "config",
+    "SchedulerConfig": "config",
+    "InvalidParameter": "errors",
+    "EngineRequest": "request",
+    "Request": "request",
+    "RequestStatus": "request",
+    "SamplingParams": "sampling_params",
+    "Scheduler": "scheduler",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
