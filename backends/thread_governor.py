@@ -79,17 +79,22 @@ class ThreadGovernor:
     def end(self) -> None:
         size, threads, start, tokens = self._running
         self._running = None
-        size.samples.setdefault(threads, deque(maxlen=SAMPLES)).append((self.clock() - start) / tokens)
-        if size.trials and size.trials[0] == threads and len(size.samples[threads]) >= SAMPLES:
+        took = (self.clock() - start) / tokens
+        size.samples.setdefault(threads, deque(maxlen=SAMPLES)).append(took)
+        if not size.trials or size.trials[0] != threads:
+            return
+        # a re-measured count that is clearly slower than the choice is dropped after one step
+        # (on a shared machine a step on too many threads can take 10x as long)
+        clearly_slower = size.choice and threads != size.choice and took > DRIFT * size.median(size.choice)
+        if clearly_slower or len(size.samples[threads]) >= SAMPLES:
             size.trials.pop(0)
             if not size.trials:
                 self._decide(size)
 
     def _pick(self, size: _Size) -> int:
         if not size.trials:
-            unmeasured = [n for n in self.choices if len(size.samples.get(n, ())) < SAMPLES]
-            if unmeasured:
-                size.trials = unmeasured
+            if not size.choice:  # a size not seen before: measure every count
+                size.trials = list(self.choices)
             elif size.steps >= size.next_check or size.drifted():
                 size.trials = [n for n in self.choices if n != size.choice]
                 for n in size.trials:  # measured afresh: old samples are of another load

@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import time
 
+import msgspec
+
 
 def run_pagedllm(
     model_dir, prompts, max_tokens, dtype, kv_cache_memory, backend="cpu", tensor_parallel_size=1, quantization=None
@@ -32,10 +34,18 @@ def run_pagedllm(
     startup = time.perf_counter() - t0
     try:
         params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+        llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up, as each peer gets one
+        before = llm.last_stats
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - t0
-        stats = llm.last_stats
+        after = llm.last_stats
+        stats = msgspec.structs.replace(  # this run's steps, without the warm-up's
+            after,
+            steps=after.steps - before.steps,
+            step_seconds=after.step_seconds - before.step_seconds,
+            forward_seconds=after.forward_seconds - before.forward_seconds,
+        )
     finally:
         llm.shutdown()
     return seconds, [o.outputs[0].token_ids for o in outs], startup, stats

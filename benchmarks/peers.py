@@ -31,6 +31,8 @@ def hf_static(model, prompts: list[list[int]], max_tokens: list[int], batch_size
     """transformers generate() over fixed batches in arrival order; each batch runs until its
     longest request is done. Returns (seconds, useful output tokens, tokens per request)."""
     outputs: list[list[int]] = []
+    warm = torch.tensor([prompts[0]], device=model.device)  # warm-up, as every system gets one
+    model.generate(input_ids=warm, attention_mask=torch.ones_like(warm), generation_config=_greedy_config(model, 2))
     t0 = time.perf_counter()
     for start in range(0, len(prompts), batch_size):
         batch = prompts[start : start + batch_size]

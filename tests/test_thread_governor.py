@@ -2,6 +2,8 @@
 follow the machine's load when it changes, and spend few steps measuring; and a step's result
 must not depend on the thread count it picked."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -63,7 +65,9 @@ def test_it_follows_the_load_when_another_process_takes_a_core():
     m.cost = {1: 1.3, 2: 6.0}  # a busy neighbour: every parallel region waits for a descheduled thread
     picked = m.run(gov, 500)
     assert picked.index(1) <= 3, "the slowdown is noticed at once"
-    assert picked[10:].count(2) <= 0.03 * len(picked)
+    # each re-measurement of two threads costs one step, not three: it is clearly slower
+    checks = sum(1 for a, b in itertools.pairwise(picked[10:]) if a == 1 and b == 2)
+    assert picked[10:].count(2) == checks <= 5
     m.cost = {1: 1.0, 2: 0.6}  # the neighbour is gone
     picked = m.run(gov, 2 * LAST_INTERVAL + 20)
     assert picked[-1] == 2
