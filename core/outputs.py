@@ -98,21 +98,19 @@ class RequestOutputDelta(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 def merge_deltas(earlier: RequestOutputDelta, later: RequestOutputDelta) -> RequestOutputDelta:
-    """One delta that says what two consecutive ones of the same request say."""
-    logprobs = earlier.logprobs
+    """`earlier`, extended in place to say what it and the next delta of the same request say
+    (in place: a request held for thousands of steps is not copied at each)."""
+    earlier.new_token_ids.extend(later.new_token_ids)
     if later.logprobs is not None:
-        logprobs = (logprobs or []) + later.logprobs
-    return RequestOutputDelta(
-        request_id=later.request_id,
-        new_token_ids=earlier.new_token_ids + later.new_token_ids,
-        finish_reason=later.finish_reason,
-        stop_reason=later.stop_reason,
-        logprobs=logprobs,
-        num_cached_tokens=later.num_cached_tokens or earlier.num_cached_tokens,
-        beams=later.beams,
-        queued_seconds=earlier.queued_seconds if earlier.queued_seconds is not None else later.queued_seconds,
-        prompt_logprobs=_merge_prompt_logprobs(earlier.prompt_logprobs, later.prompt_logprobs),
-    )
+        if earlier.logprobs is None:
+            earlier.logprobs = []
+        earlier.logprobs.extend(later.logprobs)
+    earlier.finish_reason, earlier.stop_reason, earlier.beams = later.finish_reason, later.stop_reason, later.beams
+    earlier.num_cached_tokens = later.num_cached_tokens or earlier.num_cached_tokens
+    if earlier.queued_seconds is None:
+        earlier.queued_seconds = later.queued_seconds
+    earlier.prompt_logprobs = _merge_prompt_logprobs(earlier.prompt_logprobs, later.prompt_logprobs)
+    return earlier
 
 
 def _merge_prompt_logprobs(earlier: PromptLogprobs | None, later: PromptLogprobs | None) -> PromptLogprobs | None:
