@@ -87,39 +87,16 @@ def vllm_subprocess(
     """vLLM's LLM.generate on the same token ids, run by `python` (an interpreter with vllm
     installed) through benchmarks/vllm_peer.py. Returns (seconds, outputs, startup seconds,
     vLLM version). Its caches go under work_dir."""
-    work_dir = os.path.abspath(work_dir)
-    os.makedirs(work_dir, exist_ok=True)
-    job, result = os.path.join(work_dir, "vllm_job.json"), os.path.join(work_dir, "vllm_result.json")
     context = model_folder(model_dir).max_position_embeddings
-    with open(job, "w") as f:
-        json.dump(
-            {
-                "model": os.path.abspath(model_dir),
-                "dtype": dtype,
-                "prompts": prompts,
-                "max_tokens": max_tokens,
-                "max_num_seqs": max_num_seqs,
-                "max_model_len": context,
-            },
-            f,
-        )
+    job = _job(model_dir, dtype, prompts, max_tokens, max_num_seqs=max_num_seqs, max_model_len=context)
     env = {
-        **os.environ,
         "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}",  # all cores (it keeps one back by default)
         "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),  # GiB, allocated at start-up
-        "VLLM_CACHE_ROOT": os.path.join(work_dir, "vllm-cache"),
-        "TORCHINDUCTOR_CACHE_DIR": os.path.join(work_dir, "inductor-cache"),
+        "VLLM_CACHE_ROOT": os.path.join(os.path.abspath(work_dir), "vllm-cache"),
+        "TORCHINDUCTOR_CACHE_DIR": os.path.join(os.path.abspath(work_dir), "inductor-cache"),
         "VLLM_LOGGING_LEVEL": "WARNING",
     }
-    env.pop("PYTHONPATH", None)  # nothing of this environment may leak into vLLM's
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_peer.py")
-    proc = subprocess.run(
-        [python, script, job, result], env=env, capture_output=True, text=True, timeout=timeout_s, cwd=work_dir
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"vLLM ({python}) failed with code {proc.returncode}:\n{proc.stderr[-3000:]}")
-    with open(result) as f:
-        out = json.load(f)
+    out = _run_peer_script("vLLM", python, "vllm_peer.py", job, work_dir, env, timeout_s)
     return out["seconds"], out["outputs"], out["startup_seconds"], out["vllm_version"]
 
 
@@ -136,28 +113,33 @@ def llama_cpp_subprocess(
     and gguf installed) through benchmarks/llama_cpp_peer.py, which writes the weights as GGUF
     at `dtype` first. One request at a time (llama-cpp-python's Llama decodes one sequence).
     Returns (seconds, outputs, startup seconds, version)."""
+    gguf = os.path.join(os.path.abspath(work_dir), f"model-{dtype}.gguf")
+    job = _job(model_dir, dtype, prompts, max_tokens, gguf=gguf, threads=torch.get_num_threads())
+    out = _run_peer_script("llama.cpp", python, "llama_cpp_peer.py", job, work_dir, {}, timeout_s)
+    return out["seconds"], out["outputs"], out["startup_seconds"], out["llama_cpp_version"]
+
+
+def _job(model_dir: str, dtype: str, prompts, max_tokens, **extra) -> dict:
+    """A peer script's job: the model, the dtype and the workload, and what that peer needs."""
+    return {"model": os.path.abspath(model_dir), "dtype": dtype, "prompts": prompts, "max_tokens": max_tokens, **extra}
+
+
+def _run_peer_script(name: str, python: str, script: str, job: dict, work_dir: str, env: dict, timeout_s: float):
+    """Run benchmarks/SCRIPT under `python` (a peer's own environment) on the job, in work_dir,
+    with `env` added to this one's (PYTHONPATH left out: nothing of this environment may leak
+    into the peer's); its result as a dict."""
     work_dir = os.path.abspath(work_dir)
     os.makedirs(work_dir, exist_ok=True)
-    job, result = os.path.join(work_dir, "llama_cpp_job.json"), os.path.join(work_dir, "llama_cpp_result.json")
-    with open(job, "w") as f:
-        json.dump(
-            {
-                "model": os.path.abspath(model_dir),
-                "dtype": dtype,
-                "prompts": prompts,
-                "max_tokens": max_tokens,
-                "gguf": os.path.join(work_dir, f"model-{dtype}.gguf"),
-                "threads": torch.get_num_threads(),
-            },
-            f,
-        )
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing of this environment leaks in
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "llama_cpp_peer.py")
+    stem = os.path.splitext(script)[0]
+    job_path, result = os.path.join(work_dir, f"{stem}_job.json"), os.path.join(work_dir, f"{stem}_result.json")
+    with open(job_path, "w") as f:
+        json.dump(job, f)
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, **env}
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), script)
     proc = subprocess.run(
-        [python, script, job, result], env=env, capture_output=True, text=True, timeout=timeout_s, cwd=work_dir
+        [python, path, job_path, result], env=env, capture_output=True, text=True, timeout=timeout_s, cwd=work_dir
     )
     if proc.returncode != 0:
-        raise RuntimeError(f"llama.cpp ({python}) failed with code {proc.returncode}:\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"{name} ({python}) failed with code {proc.returncode}:\n{proc.stderr[-3000:]}")
     with open(result) as f:
-        out = json.load(f)
-    return out["seconds"], out["outputs"], out["startup_seconds"], out["llama_cpp_version"]
+        return json.load(f)
