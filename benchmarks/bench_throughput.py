@@ -34,7 +34,8 @@ def run_pagedllm(
     startup = time.perf_counter() - t0
     try:
         params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
-        llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up, as each peer gets one
+        warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        llm.generate(prompts[:2], [warm, warm], use_tqdm=False)  # warm-up, as each peer gets one
         before = llm.last_stats
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
