@@ -485,8 +485,9 @@ class EngineCore:
         if also is not None and all(rid != also for rid, _ in failures):
             failures.append((also, "the engine failed while admitting this request; the server log has why"))
         for rid, message in failures:
-            for held in [h for h in self.held if h == rid or h.startswith(rid + "#")]:
-                del self.held[held]
+            for ended in [h for h in self.final_only if h == rid or h.startswith(rid + "#")]:
+                self.final_only.discard(ended)
+                self.held.pop(ended, None)
             self._to_frontend(RequestRejected(rid, None, message, internal=True))
 
     # --- shutdown -------------------------------------------------------------------------
