@@ -45,7 +45,7 @@ from .protocol import (
     WorkerReady,
 )
 from .recovery import RESTART_WINDOW_S, RestartBudget
-from .request import EngineRequest, child_request_id
+from .request import EngineRequest, is_sample_of, sample_request_ids
 from .scheduler import Scheduler
 from .structured import Grammars
 from .worker_group import WorkerFailure, WorkerGroup
@@ -426,8 +426,7 @@ class EngineCore:
         try:
             self.scheduler.add_request(request, matcher)
             if request.final_only:
-                rid = request.request_id
-                self.final_only.update([rid] + [child_request_id(rid, i) for i in range(1, request.sampling_params.n)])
+                self.final_only.update(sample_request_ids(request.request_id, request.sampling_params.n))
         except InvalidParameter as e:
             self._to_frontend(RequestRejected(request.request_id, e.field, str(e)))
         except Exception as e:  # noqa: BLE001 - a bug met by this request must not end the engine (logged)
@@ -474,10 +473,7 @@ class EngineCore:
             entry = self.compiling.pop(rid, None)
             if entry is not None:
                 n = entry[0].sampling_params.n
-                self._emit(
-                    RequestOutputDelta(eid, [], "abort")
-                    for eid in [rid] + [child_request_id(rid, i) for i in range(1, n)]
-                )
+                self._emit([RequestOutputDelta(eid, [], "abort") for eid in sample_request_ids(rid, n)])
 
     def _report_failures(self, also: str | None = None) -> None:
         """Tell the frontend which requests the scheduler ended because handling them raised."""
@@ -485,7 +481,7 @@ class EngineCore:
         if also is not None and all(rid != also for rid, _ in failures):
             failures.append((also, "the engine failed while admitting this request; the server log has why"))
         for rid, message in failures:
-            for ended in [h for h in self.final_only if h == rid or h.startswith(rid + "#")]:
+            for ended in [eid for eid in self.final_only if is_sample_of(eid, rid)]:
                 self.final_only.discard(ended)
                 self.held.pop(ended, None)
             self._to_frontend(RequestRejected(rid, None, message, internal=True))

@@ -45,9 +45,22 @@ _FINISH_REASONS = {
 }
 
 
+SAMPLE_SEPARATOR = "#"  # between a request's id and a sample's index, in the ids of its samples
+
+
 def child_request_id(parent_id: str, index: int) -> str:
     """The id of sample `index` (1..n-1) of a request with n > 1; sample 0 keeps the parent id."""
-    return f"{parent_id}#{index}"
+    return f"{parent_id}{SAMPLE_SEPARATOR}{index}"
+
+
+def sample_request_ids(parent_id: str, n: int) -> list[str]:
+    """The engine ids of a request's first n samples: its own, then its children's."""
+    return [parent_id] + [child_request_id(parent_id, i) for i in range(1, n)]
+
+
+def is_sample_of(engine_id: str, parent_id: str) -> bool:
+    """Whether `engine_id` is the request `parent_id` or one of its samples."""
+    return engine_id == parent_id or engine_id.startswith(parent_id + SAMPLE_SEPARATOR)
 
 
 def child_seed(seed: int, index: int) -> int:

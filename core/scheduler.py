@@ -27,7 +27,7 @@ from .config import CacheConfig, SchedulerConfig, check_fits
 from .errors import InvalidParameter
 from .kv_cache_manager import KVCacheManager
 from .outputs import Fragmentation, RequestOutputDelta, SchedulerOutput, SchedulerStats
-from .request import EngineRequest, Request, RequestStatus, child_request_id, child_seed
+from .request import EngineRequest, Request, RequestStatus, child_request_id, child_seed, sample_request_ids
 from .request_queue import RequestQueue
 from .sampling_params import SamplingParams
 from .step_builder import StepBuilder, WorkerView
@@ -133,7 +133,7 @@ class Scheduler:
         if not ended:
             return []
         unforked = ended[0].forks_pending if group is None else 0
-        return [rid] + [child_request_id(rid, i) for i in range(1, unforked + 1)]
+        return sample_request_ids(rid, unforked + 1)
 
     def fail_request(self, rid: str, error: BaseException) -> None:
         """An error while handling one request: that request ends (its blocks freed), the

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagedllm.core.outputs import PromptLogprobs, RequestOutputDelta, TokenLogprobs
-from pagedllm.core.request import child_request_id
+from pagedllm.core.request import sample_request_ids
 from pagedllm.core.sampling_params import SamplingParams
 
 from .detokenizer import IncrementalDetokenizer, find_stop
@@ -66,7 +66,7 @@ class RequestTracker:
             self.output.prompt_logprobs = [None]
         # a beam search is one engine request, whose n best beams are the completions
         num_engine_requests = 1 if params.beam_width else params.n
-        self.engine_ids = [request_id] + [child_request_id(request_id, i) for i in range(1, num_engine_requests)]
+        self.engine_ids = sample_request_ids(request_id, num_engine_requests)
         self._index = {rid: i for i, rid in enumerate(self.engine_ids)}
         self._detok = [
             IncrementalDetokenizer(tokenizer, prompt_token_ids) if tokenizer is not None else None
