@@ -107,14 +107,15 @@ def _write_json(args, path: str, payload: dict) -> None:
 def cmd_bench(args) -> int:
     from .machine import busy_processes, describe, finish, machine_record
 
+    peers = _throughput_peers(args) if args.mode == "throughput" else []  # before the probe: a wrong flag fails fast
     args.machine = {**machine_record(), "busy_processes": args.busy}  # probed before the busy ones start
     with busy_processes(args.busy):
-        code = _run_mode(args)
+        code = _run_mode(args, peers)
     print(describe(finish(args.machine)) + (f"; {args.busy} busy processes beside the run" if args.busy else ""))
     return code
 
 
-def _run_mode(args) -> int:
+def _run_mode(args, peers: list[str]) -> int:
     from . import report
 
     out_dir = report.ensure_dir(args.out)
@@ -145,30 +146,38 @@ def _run_mode(args) -> int:
         )
         report.plot_kv_usage(os.path.join(out_dir, "kv_usage.png"), r["series"], r["block_size"])
         return 0
-    return _throughput(args, out_dir)
+    return _throughput(args, out_dir, peers)
 
 
-def _throughput(args, out_dir: str) -> int:
+# peers run in their own environment: (flag, argument, what that environment must have)
+PEER_INTERPRETERS = {
+    "vllm": ("--vllm-python", "vllm_python", "vLLM"),
+    "llama.cpp": ("--llama-cpp-python", "llama_cpp_python", "llama-cpp-python and gguf"),
+}
+
+
+def _throughput_peers(args) -> list[str]:
+    """The peers --vs and the interpreter flags ask for; a wrong flag is answered here, before
+    anything is imported or measured."""
     from .workload import PEERS
 
     peers = [p for p in args.vs.split(",") if p and p != "none"]
     unknown = set(peers) - set(PEERS)
     if unknown:
         raise ValueError(f"--vs: unknown peer(s) {sorted(unknown)}; available: {', '.join(PEERS)}")
-    if args.vllm_python and "vllm" not in peers:
-        peers.append("vllm")
-    if "vllm" in peers and not args.vllm_python:
-        raise ValueError("--vs vllm needs --vllm-python: the interpreter of an environment with vLLM installed")
-    if args.vllm_python and not os.access(args.vllm_python, os.X_OK):
-        raise ValueError(f"--vllm-python: {args.vllm_python} is not an executable")
-    if args.llama_cpp_python and "llama.cpp" not in peers:
-        peers.append("llama.cpp")
-    if "llama.cpp" in peers and not (args.llama_cpp_python and os.access(args.llama_cpp_python, os.X_OK)):
-        raise ValueError(
-            "--vs llama.cpp needs --llama-cpp-python: the interpreter of an environment with "
-            "llama-cpp-python and gguf installed"
-        )
-    import torch  # after the checks: a wrong flag is answered at once
+    for peer, (flag, attr, needs) in PEER_INTERPRETERS.items():
+        python = getattr(args, attr)
+        if python and peer not in peers:
+            peers.append(peer)
+        if peer in peers and not python:
+            raise ValueError(f"--vs {peer} needs {flag}: the interpreter of an environment with {needs} installed")
+        if python and not os.access(python, os.X_OK):
+            raise ValueError(f"{flag}: {python} is not an executable")
+    return peers
+
+
+def _throughput(args, out_dir: str, peers: list[str]) -> int:
+    import torch
     import transformers
     from transformers import AutoModelForCausalLM
 
