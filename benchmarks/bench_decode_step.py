@@ -14,7 +14,6 @@ import os
 import shutil
 import statistics
 import tempfile
-import time
 
 import torch
 
@@ -23,6 +22,8 @@ from pagedllm.backends.models.loader import load_model
 from pagedllm.backends.runner import ModelRunner, SeqInput, allocate_kv_caches
 from pagedllm.core.utils import cdiv
 from pagedllm.fixtures.small_llama import small_llama_dir
+
+from .machine import time_steps
 
 
 def scratch_dir() -> str:
@@ -90,15 +91,6 @@ def cpu_peak_flops() -> tuple[float, str]:
     if measured > nominal:
         return measured, f"a measured float32 GEMM's {measured / 1e9:.0f} GFLOP/s, above the nominal {how}"
     return nominal, f"{how}; a float32 GEMM measured {measured / 1e9:.0f}"
-
-
-def time_steps(fn, steps: int) -> list[float]:
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return times
 
 
 @torch.inference_mode()

@@ -38,13 +38,14 @@ def cpu_info() -> dict:
     }
 
 
-def _best_seconds(fn, rounds: int) -> float:
-    best = float("inf")
-    for _ in range(rounds):
+def time_steps(fn, steps: int) -> list[float]:
+    """Seconds of each of `steps` calls of fn."""
+    times = []
+    for _ in range(steps):
         t0 = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 def probe_rates() -> dict:
@@ -60,11 +61,11 @@ def probe_rates() -> dict:
         for n in sorted({1, threads}):
             torch.set_num_threads(n)
             buf.sum()
-            rates[f"memory_gb_s_{n}_threads"] = round(PROBE_BYTES / _best_seconds(buf.sum, 5) / 1e9, 1)
+            rates[f"memory_gb_s_{n}_threads"] = round(PROBE_BYTES / min(time_steps(buf.sum, 5)) / 1e9, 1)
     finally:
         torch.set_num_threads(threads)
     a @ b
-    rates["gemm_gflop_s"] = round(2 * GEMM_SIZE**3 / _best_seconds(lambda: a @ b, 10) / 1e9, 1)
+    rates["gemm_gflop_s"] = round(2 * GEMM_SIZE**3 / min(time_steps(lambda: a @ b, 10)) / 1e9, 1)
     return rates
 
 
