@@ -6,6 +6,7 @@ killed mid-document."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -151,42 +152,21 @@ def test_tool_calls_follow_the_functions_schema(demo_server):
     }
     clock = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
     messages = [{"role": "user", "content": "What is the weather?"}]
-    named = c.chat.completions.create(
-        model="pagedllm-demo",
-        messages=messages,
-        max_tokens=80,
-        temperature=0.8,
-        seed=3,
-        tools=[weather, clock],
-        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    ask = functools.partial(
+        c.chat.completions.create, model="pagedllm-demo", messages=messages, temperature=0.8, tools=[weather, clock]
     )
+    get_weather = {"type": "function", "function": {"name": "get_weather"}}
+    named = ask(max_tokens=80, seed=3, tool_choice=get_weather)
     named_call = named.choices[0].message.tool_calls[0]
     assert named.choices[0].finish_reason == "tool_calls" and named_call.function.name == "get_weather"
     arguments = json.loads(named_call.function.arguments)
     jsonschema.validate(arguments, weather["function"]["parameters"])
-    required = c.chat.completions.create(
-        model="pagedllm-demo",
-        messages=messages,
-        max_tokens=120,
-        temperature=0.8,
-        seed=4,
-        tools=[weather, clock],
-        tool_choice="required",
-    )
+    required = ask(max_tokens=120, seed=4, tool_choice="required")
     calls = required.choices[0].message.tool_calls
     assert calls and all(call.function.name in ("get_weather", "get_time") for call in calls)
     for call in calls:
         json.loads(call.function.arguments)
-    streamed = c.chat.completions.create(
-        model="pagedllm-demo",
-        messages=messages,
-        max_tokens=80,
-        temperature=0.8,
-        seed=3,
-        tools=[weather, clock],
-        tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        stream=True,
-    )
+    streamed = ask(max_tokens=80, seed=3, tool_choice=get_weather, stream=True)
     pieces = [ch.choices[0].delta.tool_calls for ch in streamed if ch.choices and ch.choices[0].delta.tool_calls]
     assert pieces[0][0].function.name == "get_weather"  # the same seed: the same call, in pieces
     assert json.loads("".join(p[0].function.arguments or "" for p in pieces)) == arguments
