@@ -12,6 +12,7 @@ Slot s is block s // block_size, offset s % block_size.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from dataclasses import dataclass
 
@@ -81,6 +82,29 @@ class AttentionOps(Platform):
     supported_block_sizes: tuple[int, ...] | None = None
     supported_head_sizes: tuple[int, ...] | None = None
     max_context_len: int | None = None
+    # optional attention features (contract v4): the attention kernels take `window` (sliding-
+    # window attention: a query sees only the last `window` positions, its own included) and
+    # `soft_cap` (scores become soft_cap * tanh(score / soft_cap) before the softmax, Gemma 2)
+    # as keyword arguments. A model whose layers need one is refused on a backend that does
+    # not declare it; the conformance suite tests what is declared.
+    supports_sliding_window: bool = False
+    supports_soft_cap: bool = False
+
+    def unsupported_features(self, needs: set[str]) -> str | None:
+        """Which of the attention features a model `needs` ("sliding_window", "soft_cap")
+        these ops do not declare, or None. A declaration counts only where the kernels take
+        the keyword (a subclass that overrides a kernel without it does not inherit it)."""
+        missing = []
+        for feature, keyword in (("sliding_window", "window"), ("soft_cap", "soft_cap")):
+            if feature in needs and not self.supports(feature, keyword):
+                missing.append(f"{feature.replace('_', '-')} attention (AttentionOps.supports_{feature})")
+        return " and ".join(missing) or None
+
+    def supports(self, feature: str, keyword: str) -> bool:
+        if not getattr(self, f"supports_{feature}"):
+            return False
+        kernels = (self.decode_attention, self.prefill_attention)
+        return all(keyword in inspect.signature(k).parameters for k in kernels)
 
     def unsupported(self, dtype: torch.dtype, head_size: int, block_size: int, max_model_len: int | None) -> str | None:
         """What of a configuration these ops do not declare support for, or None."""
@@ -127,16 +151,32 @@ class AttentionOps(Platform):
         raise NotImplementedError
 
     def decode_attention(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: DecodeMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: DecodeMetadata,
+        scale: float,
+        *,
+        window: int | None = None,
+        soft_cap: float | None = None,
     ) -> torch.Tensor:
-        """query: [D, H, Dh], one token per request; returns [D, H, Dh]."""
+        """query: [D, H, Dh], one token per request; returns [D, H, Dh]. window / soft_cap:
+        see supports_sliding_window / supports_soft_cap; passed only when a layer has them."""
         raise NotImplementedError
 
     def prefill_attention(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: PrefillMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: PrefillMetadata,
+        scale: float,
+        *,
+        window: int | None = None,
+        soft_cap: float | None = None,
     ) -> torch.Tensor:
         """query: [Tp, H, Dh]; query i of request r sits at position context_len - query_len + i
-        and attends causally to every cached position up to its own. Returns [Tp, H, Dh]."""
+        and attends causally to every cached position up to its own (with a window, only to
+        the last `window` of them). Returns [Tp, H, Dh]."""
         raise NotImplementedError
 
     def copy_blocks(self, kv_caches: torch.Tensor, pairs: list[tuple[int, int]]) -> None:

@@ -23,9 +23,10 @@ from .thread_governor import ThreadGovernor
 
 # 1: AttentionOps alone (device, kv_in_shared_memory, device_count, prepare_process and the
 #    kernels); 2: the platform face below; 3: compute_threads. An older backend runs on the
-#    defaults of what it does not define.
-CONTRACT_VERSION = 3
-SUPPORTED_CONTRACT_VERSIONS = (1, 2, 3)
+#    defaults of what it does not define. 4: sliding windows and soft-capping (supports_* and
+#    the kernels' window / soft_cap keywords), which an older backend does not declare.
+CONTRACT_VERSION = 4
+SUPPORTED_CONTRACT_VERSIONS = (1, 2, 3, 4)
 
 
 class Platform:

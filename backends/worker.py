@@ -85,6 +85,7 @@ class Worker:
         dtype = self.ops.default_dtype(config.model, config.dtype)
         wanted = ModelConfig.from_pretrained(config.model, dtype)  # refused before any weight loads
         problem = self.ops.unsupported(wanted.dtype, wanted.head_dim, config.block_size, config.max_model_len)
+        problem = problem or self.ops.unsupported_features(wanted.attention_features())
         if problem:
             raise ValueError(f"backend {config.backend} does not support {problem}")
         # rotary tables as long as the context (a config past the model's positions was refused
@@ -116,7 +117,7 @@ class Worker:
             rank=self.rank,
             kv_spec=kv_spec,
             max_position_embeddings=cfg.max_position_embeddings,
-            sliding_window=cfg.sliding_window,
+            sliding_window=cfg.uniform_window,
             kv_in_shared_memory=self.ops.kv_in_shared_memory,
             num_device_blocks=self._profile_num_blocks(kv_spec.bytes_per_block_slot),
         )

@@ -43,6 +43,8 @@ def declarations(cls) -> dict:
         "block_sizes": sizes(cls.supported_block_sizes),
         "head_sizes": sizes(cls.supported_head_sizes),
         "max_context_len": cls.max_context_len,
+        "sliding_window": bool(cls.supports_sliding_window),
+        "soft_cap": bool(cls.supports_soft_cap),
     }
 
 
@@ -57,7 +59,8 @@ def _declared_lines(d: dict) -> list[str]:
         f"- contract version {d['contract_version']}; device `{d['device']}`; KV pool in {pool}; "
         f"ranks joined by {d['distributed_backend']}",
         f"- declares: dtypes {', '.join(d['dtypes'])}; block sizes {_sizes(d['block_sizes'])}; "
-        f"head sizes {_sizes(d['head_sizes'])}; contexts {context}",
+        f"head sizes {_sizes(d['head_sizes'])}; contexts {context}; attention features "
+        f"{', '.join(f.replace('_', '-') for f in ('sliding_window', 'soft_cap') if d.get(f)) or 'none'}",
         f"- its own: {', '.join(d['overrides']) or 'nothing (every optional member as the base class has it)'}",
     ]
 

@@ -30,6 +30,12 @@ class PagedCase:
     block_tables: torch.Tensor  # [R, max_blocks] int32
     expected: torch.Tensor  # [T, H, D] float64
     scale: float
+    window: int | None = None
+    soft_cap: float | None = None
+
+    def limits(self) -> dict:
+        """The keyword arguments of the attention ops this case needs (none for plain attention)."""
+        return {k: v for k, v in (("window", self.window), ("soft_cap", self.soft_cap)) if v is not None}
 
     def cast(self, dtype: torch.dtype, device="cpu") -> PagedCase:
         """The same case in `dtype` on `device` (exact when the inputs were drawn for it)."""
@@ -60,17 +66,30 @@ class PagedCase:
         )
 
 
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [L, H, D] at the last L of S positions; k/v [S, KVH, D]; causal; float64. The query
-    heads that share a KV head go through one matmul (no repeated K/V)."""
+def dense_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    soft_cap: float | None = None,
+) -> torch.Tensor:
+    """q [L, H, D] at the last L of S positions; k/v [S, KVH, D]; causal (with a window: the
+    last `window` positions up to the query's own); float64. The query heads that share a KV
+    head go through one matmul (no repeated K/V)."""
     q_len, num_heads, head_size = q.shape
     ctx, num_kv_heads = k.shape[0], k.shape[1]
     group = num_heads // num_kv_heads
     q = q.double().view(q_len, num_kv_heads, group, head_size).permute(1, 2, 0, 3)
     q = q.reshape(num_kv_heads, group * q_len, head_size)
     scores = torch.matmul(q, k.double().permute(1, 2, 0)) * scale  # [KVH, G * L, S]
+    if soft_cap:
+        scores = torch.tanh(scores / soft_cap) * soft_cap
     q_pos = torch.arange(ctx - q_len, ctx).repeat(group)[:, None]
-    scores.masked_fill_(torch.arange(ctx)[None, :] > q_pos, float("-inf"))
+    k_pos = torch.arange(ctx)[None, :]
+    scores.masked_fill_(k_pos > q_pos, float("-inf"))
+    if window:
+        scores.masked_fill_(k_pos <= q_pos - window, float("-inf"))
     out = torch.matmul(scores.softmax(-1), v.double().transpose(0, 1))  # [KVH, G * L, D]
     return out.view(num_kv_heads, group, q_len, head_size).permute(2, 0, 1, 3).reshape(q_len, num_heads, head_size)
 
@@ -103,13 +122,16 @@ def make_case(
     spare_blocks: int = 3,
     scale: float | None = None,
     dominant_logits: list[float] | None = None,
+    window: int | None = None,
+    soft_cap: float | None = None,
 ) -> PagedCase:
     """Requests r with context_lens[r] tokens of which the last query_lens[r] are queries.
     With share_prefix_blocks, every request's first blocks are the same physical blocks, and
     their K/V is the same tokens' (as after a prefix-cache hit or a fork). With
     dominant_logits, request r's queries share a direction and one key that all of them see
     scores dominant_logits[r] against them (a softmax that skips subtracting the max
-    overflows). The returned case is in `dtype` on `device`."""
+    overflows). window / soft_cap: the answer is sliding-window / soft-capped attention's. The
+    returned case is in `dtype` on `device`."""
     return _base_case(
         tuple(query_lens),
         tuple(context_lens),
@@ -123,6 +145,8 @@ def make_case(
         spare_blocks,
         scale,
         tuple(dominant_logits) if dominant_logits else None,
+        window,
+        soft_cap,
     ).cast(dtype, device)
 
 
@@ -140,6 +164,8 @@ def _base_case(
     spare_blocks,
     scale,
     dominant_logits,
+    window,
+    soft_cap,
 ) -> PagedCase:
     """The case in float32 holding values exact in `dtype`'s precision class, with its reference."""
     gen = torch.Generator().manual_seed(seed)
@@ -175,12 +201,13 @@ def _base_case(
         kv[0].view(-1, num_kv_heads, head_size)[slots] = k
         kv[1].view(-1, num_kv_heads, head_size)[slots] = v
         queries.append(q)
-        expected.append(dense_attention(q, k, v, scale))
+        expected.append(dense_attention(q, k, v, scale, window, soft_cap))
     width = max(blocks_per)
     table_t = torch.zeros(len(tables), width, dtype=torch.int32)
     for r, t in enumerate(tables):
         table_t[r, : len(t)] = torch.tensor(t, dtype=torch.int32)
-    return PagedCase(kv, torch.cat(queries), list(query_lens), list(context_lens), table_t, torch.cat(expected), scale)
+    queries, expected = torch.cat(queries), torch.cat(expected)
+    return PagedCase(kv, queries, list(query_lens), list(context_lens), table_t, expected, scale, window, soft_cap)
 
 
 def _plant_dominant_key(q: torch.Tensor, k: torch.Tensor, last_visible: int, logit: float, scale: float, gen) -> None:

@@ -39,11 +39,14 @@ class Case:
     scale: float | None = None
     dominant_logits: tuple | None = None
     share_prefix_blocks: int = 0
+    window: int | None = None
+    soft_cap: float | None = None
 
     def label(self, dtype) -> str:
         scale = "" if self.scale is None else f" scale={self.scale:.4g}"
+        limits = "".join(f" {k}={v}" for k, v in (("window", self.window), ("soft_cap", self.soft_cap)) if v)
         shape = f"block_size={self.block_size} head_size={self.head_size} gqa={self.group}:1"
-        return f"{self.what}: {shape}{scale} {DTYPE_NAMES[dtype]}"
+        return f"{self.what}: {shape}{scale}{limits} {DTYPE_NAMES[dtype]}"
 
     def build(self, dtype, device):
         return make_case(
@@ -59,6 +62,8 @@ class Case:
             device=device,
             scale=self.scale,
             dominant_logits=list(self.dominant_logits) if self.dominant_logits else None,
+            window=self.window,
+            soft_cap=self.soft_cap,
         )
 
 
@@ -157,6 +162,56 @@ def large_score_cases(ops, quick: bool) -> list[Case]:
     return cases
 
 
+def window_cases(ops, quick: bool) -> list[Case]:
+    """Sliding-window attention (supports_sliding_window) in decode, prefill and chunked
+    prefill: windows shorter than a block, equal to one, not a multiple of one, and longer
+    than the context; contexts far past the window; a window that starts inside a block."""
+    bs, hs, grp = _long_point(ops)
+    long = 120 if quick else FULL_GRID["long"]  # quick: still three times the longer window
+    cases = []
+    windows = (5, 2 * bs + 5) if quick else (5, bs, 2 * bs + 5, long + 10)
+    for i, window in enumerate(windows):
+        ctx = (1, window - 1 if window > 1 else 1, window, window + 1, bs + 3, long)
+        cases.append(Case("decode", (1,) * len(ctx), ctx, bs, hs, grp, seed=400 + i, window=window))
+        q_lens = (bs + 3, long)
+        cases.append(Case("prefill", q_lens, q_lens, bs, hs, grp, seed=410 + i, window=window))
+        q_lens, ctx = (1, 7, bs + 1, 40), (bs + 1, 3 * bs, 2 * bs + 3, long)  # after a cached prefix
+        cases.append(Case("prefill", q_lens, ctx, bs, hs, grp, seed=420 + i, window=window))
+    if not quick:  # past a decode partition
+        cases.append(Case("decode", (1, 1, 1), (700, 4097, 2500), bs, hs, grp, seed=430, window=1000))
+    return cases
+
+
+def soft_cap_cases(ops, quick: bool) -> list[Case]:
+    """Soft-capped scores (supports_soft_cap: Gemma 2's 50), with scores large enough that a
+    missing cap changes the answer. (Windows and caps together: Gemma 2's end-to-end rows.)"""
+    bs, hs, grp = _long_point(ops)
+    cases = []
+    for i, cap in enumerate((5.0,) if quick else (50.0, 5.0)):
+        for phase, q_lens, ctx in (("decode", (1, 1, 1), (1, bs + 1, 300)), ("prefill", (1, 5, 40), (40, 100, 40))):
+            dominant = (20.0, 60.0, 100.0)
+            cases.append(Case(phase, q_lens, ctx, bs, hs, grp, 500 + i, dominant_logits=dominant, soft_cap=cap))
+    return cases
+
+
+def check_limits(ops, quick: bool, dtypes, what: str) -> list[CheckResult]:
+    """The sliding_window or soft_cap rows: skipped, saying so, where the backend does not
+    declare the feature (a model that needs it is refused on that backend)."""
+    feature, keyword, cases = {
+        "sliding_window": ("sliding_window", "window", window_cases),
+        "soft_cap": ("soft_cap", "soft_cap", soft_cap_cases),
+    }[what]
+    rows = _rows(what, dtypes)
+    if not ops.supports(feature, keyword):
+        for row in rows.values():
+            row.skipped = f"not declared (AttentionOps.supports_{feature}); models that need it are refused"
+        return list(rows.values())
+    for spec in cases(ops, quick):
+        for dt in dtypes:
+            _check(rows[dt], ops, spec, spec.what, dt, ops.device)
+    return list(rows.values())
+
+
 def _rows(name: str, dtypes) -> dict:
     return {dt: CheckResult(f"{name} {DTYPE_NAMES[dt]}", tolerance_text((dt,))) for dt in dtypes}
 
@@ -174,8 +229,8 @@ def _per_request_errors(out, case, dtype) -> str:
 
 def _run_op(ops, case, phase: str):
     if phase == "decode":
-        return ops.decode_attention(case.query, case.kv_cache, case.decode_metadata(), case.scale)
-    return ops.prefill_attention(case.query, case.kv_cache, case.prefill_metadata(), case.scale)
+        return ops.decode_attention(case.query, case.kv_cache, case.decode_metadata(), case.scale, **case.limits())
+    return ops.prefill_attention(case.query, case.kv_cache, case.prefill_metadata(), case.scale, **case.limits())
 
 
 def _check(row: CheckResult, ops, spec: Case, phase: str, dtype, device) -> None:
@@ -382,6 +437,8 @@ def op_checks(ops, quick: bool = False, only_dtypes=None) -> list[tuple[str, obj
         ("prefill_attention", lambda: check_attention(ops, quick, "prefill", dtypes)),
         ("chunked_prefill_attention", lambda: check_attention(ops, quick, "chunked", dtypes)),
         ("large_scores", lambda: check_large_scores(ops, quick, dtypes)),
+        ("sliding_window", lambda: check_limits(ops, quick, dtypes, "sliding_window")),
+        ("soft_cap", lambda: check_limits(ops, quick, dtypes, "soft_cap")),
         ("shared_blocks", lambda: check_shared_blocks(ops, device)),
         ("output_buffers", lambda: check_output_buffers(ops, device)),
         ("copy_blocks / swap_blocks", lambda: check_copy_and_swap(ops, device)),

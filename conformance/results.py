@@ -62,10 +62,12 @@ def declared_support(ops) -> str:
 
     dtypes = ", ".join(DTYPE_NAMES.get(d, str(d)) for d in ops.supported_dtypes)
     context = "any" if ops.max_context_len is None else f"up to {ops.max_context_len}"
+    features = [f.replace("_", "-") for f in ("sliding_window", "soft_cap") if getattr(ops, f"supports_{f}")]
     return (
         f"contract version {ops.contract_version}; declared support: dtypes {dtypes}; "
         f"block sizes {listed(ops.supported_block_sizes)}; "
-        f"head sizes {listed(ops.supported_head_sizes)}; context lengths {context}"
+        f"head sizes {listed(ops.supported_head_sizes)}; context lengths {context}; "
+        f"attention features {', '.join(features) or 'none'}"
     )
 
 

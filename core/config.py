@@ -43,6 +43,7 @@ class CacheConfig(msgspec.Struct, kw_only=True):
     num_swap_blocks: int = 0  # host swap space, in blocks
     enable_prefix_caching: bool = True
     block_placement: str = "lru"  # which free block a request gets (core/free_blocks.py)
+    sliding_window: int | None = None  # every layer's window: blocks behind it are released
 
     def __post_init__(self):
         _check_block_size(self.block_size)
@@ -70,9 +71,20 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
 
 
 def check_fits(cache: CacheConfig, sched: SchedulerConfig) -> None:
-    """One request of max_model_len tokens must fit alone, or the scheduler could livelock."""
+    """One request of max_model_len tokens must fit alone, or the scheduler could livelock.
+    With a sliding window on every layer it holds at most the window and one step's tokens."""
     usable = cache.num_blocks - 1
     needed = cdiv(sched.max_model_len, cache.block_size)
+    if cache.sliding_window:
+        held = cache.sliding_window + sched.max_num_batched_tokens
+        needed = min(needed, cdiv(held, cache.block_size) + 1)
+    if needed > usable and cache.sliding_window and needed < cdiv(sched.max_model_len, cache.block_size):
+        raise InvalidParameter(
+            "max_num_batched_tokens",
+            f"a request holds its {cache.sliding_window}-token window and a step of up to "
+            f"{sched.max_num_batched_tokens} tokens: {needed} KV blocks of {cache.block_size}, but the cache has "
+            f"{usable}; lower max_num_batched_tokens or give the KV cache more memory",
+        )
     if needed > usable:
         raise InvalidParameter(
             "max_model_len",

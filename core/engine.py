@@ -151,11 +151,9 @@ class EngineCore:
 
     def _size_cache(self, hellos: list[WorkerHello]) -> tuple[CacheConfig, SchedulerConfig]:
         """The KV pool from the configured memory (or the worker's profile on a GPU), and the
-        context length: the model's own, no longer than a sliding window or what the pool holds."""
+        context length: the model's own, no longer than what the pool holds."""
         cfg, hello = self.config, hellos[0]  # every rank has the same model; pools of its own heads
         max_model_len = cfg.max_model_len or hello.max_position_embeddings
-        if hello.sliding_window and max_model_len > hello.sliding_window:
-            max_model_len = hello.sliding_window  # attention beyond the window is not implemented
         block_bytes = hello.kv_spec.bytes_per_block_slot * cfg.block_size
         if cfg.num_kv_blocks:
             num_blocks = cfg.num_kv_blocks
@@ -164,7 +162,7 @@ class EngineCore:
         else:
             num_blocks = cfg.kv_cache_memory // block_bytes
         num_blocks = max(num_blocks, 2)
-        if cfg.max_model_len is None:
+        if cfg.max_model_len is None and not hello.sliding_window:
             max_model_len = min(max_model_len, (num_blocks - 1) * cfg.block_size)
         cache = CacheConfig(
             block_size=cfg.block_size,
@@ -172,6 +170,7 @@ class EngineCore:
             num_swap_blocks=cfg.swap_space // block_bytes,
             enable_prefix_caching=cfg.enable_prefix_caching,
             block_placement=cfg.block_placement,
+            sliding_window=hello.sliding_window,
         )
         sched = SchedulerConfig(
             max_num_seqs=cfg.max_num_seqs,

@@ -1,5 +1,12 @@
 """Per-request block tables on top of the BlockPool: slot allocation, prefix-cache hits,
-forks with copy-on-write, swap to host and back."""
+forks with copy-on-write, swap to host and back.
+
+With a sliding window on every layer of the model, a block that every future query has slid
+past goes back to the pool (into the prefix cache, where it is full and hashed): its table
+entry becomes the null block 0, which no kernel reads (a query sees only the last `window`
+positions). Workers are not told: their copy of the table still names the old block, which
+their kernels never read again either. A request then holds at most window + one block of KV
+plus what its current step writes."""
 
 from __future__ import annotations
 
@@ -25,12 +32,16 @@ class KVCacheManager:
         enable_caching: bool = True,
         num_swap_blocks: int = 0,
         placement: str = "lru",
+        sliding_window: int | None = None,
     ):
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, placement)
+        self.null = self.pool.blocks[0]  # the entry of a block released behind the window
+        self.sliding_window = sliding_window
         self.tables: dict[str, list[KVBlock]] = {}
         self._num_hashed: dict[str, int] = {}  # leading blocks already registered in the cache
+        self._num_released: dict[str, int] = {}  # leading entries released behind the window
         self.num_swap_blocks = num_swap_blocks
         self._swap_free: list[int] = list(range(num_swap_blocks - 1, -1, -1))
         self.swapped: dict[str, list[int]] = {}  # request id -> swap block ids
@@ -142,7 +153,12 @@ class KVCacheManager:
     def _register(self, request_id: str, table: list[KVBlock]) -> list[KVBlock]:
         self.tables[request_id] = table
         self._num_hashed[request_id] = 0
+        self._num_released[request_id] = 0
         return table
+
+    def _held(self, table: list[KVBlock]) -> list[KVBlock]:
+        """The table's blocks, without the null entries of blocks released behind the window."""
+        return [b for b in table if b is not self.null]
 
     def _shared_partial_block(self, table: list[KVBlock], start: int) -> KVBlock | None:
         """The partly written block that the token at position `start` goes into, if others
@@ -169,6 +185,8 @@ class KVCacheManager:
         bs = self.block_size
         start = request.num_computed_tokens + len(computed_blocks) * bs
         end = start + num_new_tokens
+        if table is not None and self.sliding_window:
+            self._release_behind_window(rid, table, start)
         if not computed_blocks and self._holds_own_slots(table, start, end):
             # the common decode step: the table already holds the slots, and they are its own
             if self.enable_caching and end // bs > self._num_hashed[rid]:
@@ -208,6 +226,8 @@ class KVCacheManager:
         for i, request in enumerate(requests):
             table = tables.get(request.request_id)
             end = request.num_computed_tokens + 1
+            if table is not None and self.sliding_window:
+                self._release_behind_window(request.request_id, table, end - 1)
             if self._holds_own_slots(table, end - 1, end) and (
                 not self.enable_caching or end // bs <= self._num_hashed[request.request_id]
             ):
@@ -219,6 +239,22 @@ class KVCacheManager:
         for i in rest:
             deltas[i] = self.allocate_slots(requests[i], 1)
         return deltas
+
+    def _release_behind_window(self, rid: str, table: list[KVBlock], start: int) -> None:
+        """Release the blocks no query from position `start` on can see: those wholly before
+        start - window + 1. With prefix caching, a block stays until the one after it is hashed
+        (its key chains from it)."""
+        done = self._num_released[rid]
+        first_seen = start - self.sliding_window + 1
+        upto = min(first_seen // self.block_size, len(table) - 1)
+        if self.enable_caching:
+            upto = min(upto, self._num_hashed[rid] - 1)
+        if upto <= done:
+            return
+        released = [b for b in table[done:upto] if b is not self.null]  # a fork's null entries
+        table[done:upto] = [self.null] * (upto - done)
+        self.pool.free(reversed(released))
+        self._num_released[rid] = upto
 
     def blocks_needed(self, requests: list[Request], num_new_tokens: int) -> int:
         """Free blocks that allocate_slots(r, num_new_tokens) for each of `requests`, in order,
@@ -240,16 +276,17 @@ class KVCacheManager:
         """The child shares every block of the parent; the first write into a shared
         partial block copies it (see allocate_slots)."""
         table = self.tables[parent.request_id]
-        self.pool.touch(table)
+        self.pool.touch(self._held(table))
         self._register(child.request_id, list(table))
         self._num_hashed[child.request_id] = self._num_hashed[parent.request_id]
+        self._num_released[child.request_id] = self._num_released[parent.request_id]
 
     def free(self, request: Request) -> None:
         rid = request.request_id
         table = self.tables.pop(rid, None)
         if table is not None:
-            self.pool.free(reversed(table))
-            del self._num_hashed[rid]
+            self.pool.free(reversed(self._held(table)))
+            del self._num_hashed[rid], self._num_released[rid]
         swap_ids = self.swapped.pop(rid, None)
         if swap_ids is not None:
             self._swap_free.extend(reversed(swap_ids))
@@ -264,17 +301,21 @@ class KVCacheManager:
         if table is None:
             return
         first = request.num_computed_tokens // self.block_size
-        for block in table[first : self._num_hashed[rid]]:
+        for block in self._held(table[first : self._num_hashed[rid]]):
             self.pool.uncache(block)
         self._num_hashed[rid] = min(self._num_hashed[rid], first)
         keep = cdiv(request.num_computed_tokens, self.block_size)
-        self.pool.free(reversed(table[keep:]))
+        self.pool.free(reversed(self._held(table[keep:])))
         del table[keep:]
+        self._num_released[rid] = min(self._num_released[rid], keep)
 
     # --- swap -----------------------------------------------------------------------------
     def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
         """Move a request's blocks to the swap space: (device block, swap block) pairs to copy,
-        or None if the swap space is too full."""
+        or None if the swap space is too full — or if it released blocks behind its window
+        (it is recomputed instead: swapped back in, they would be blocks without their K/V)."""
+        if self._num_released.get(request.request_id):
+            return None
         table = self.tables.get(request.request_id, [])
         if len(table) > len(self._swap_free):
             return None
@@ -300,7 +341,7 @@ class KVCacheManager:
 
     # --- checks ---------------------------------------------------------------------------
     def check_invariants(self) -> None:
-        holders = Counter(b.block_id for table in self.tables.values() for b in table)
+        holders = Counter(b.block_id for table in self.tables.values() for b in self._held(table))
         self.pool.check_invariants(holders)
         held_swap = [s for ids in self.swapped.values() for s in ids]
         assert len(set(held_swap)) == len(held_swap), "a swap block is held twice"

@@ -143,7 +143,7 @@ class WorkerHello(FromWorkerMessage, tag="hello", kw_only=True):
     rank: int
     kv_spec: KVSpec
     max_position_embeddings: int
-    sliding_window: int | None
+    sliding_window: int | None  # every layer's window, where all have one: blocks out of it are freed
     kv_in_shared_memory: bool  # the backend keeps its KV pool in host shared memory
     num_device_blocks: int | None  # GPU backends: blocks that fit after profiling
 

@@ -48,6 +48,7 @@ class Scheduler:
             cache_config.enable_prefix_caching,
             cache_config.num_swap_blocks,
             cache_config.block_placement,
+            cache_config.sliding_window,
         )
         self.by_priority = by_priority = scheduler_config.policy == "priority"
         self.requests: dict[str, Request] = {}

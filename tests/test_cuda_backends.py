@@ -103,8 +103,8 @@ namespace pagedllm {
 STUB(launch_write_kv, DType, const void*, const void*, void*, void*, const int64_t*, int, int, int, int, int64_t,
      int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, void*)
 STUB(launch_paged_attention, DType, void*, const void*, const void*, const void*, const int*, const int*,
-     const int*, int, int, int, int, int, int, float, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-     int64_t, int, int, float*, float*, float*, void*)
+     const int*, int, int, int, int, int, int, float, int, float, int64_t, int64_t, int64_t, int64_t, int64_t,
+     int64_t, int64_t, int, int, float*, float*, float*, void*)
 STUB(launch_reduce, DType, void*, const float*, const float*, const float*, int, int, int, int, int64_t, int64_t,
      void*)
 STUB(launch_copy_blocks, DType, void*, const int64_t*, int, int, int64_t, int64_t, void*)
@@ -216,6 +216,8 @@ def test_triton_kernels_compile_for_hopper(dtype):
     for group, head in ((1, 64), (8, 128), (4, 80)):
         block_d = 1 << (head - 1).bit_length()
         common = {"q_ptr": p, "k_cache_ptr": p, "v_cache_ptr": p, "tables_ptr": "*i32", "out_ptr": p, "scale": "fp32"}
+        common["soft_cap"] = "fp32"
+        soft_cap = group == 4  # one shape compiles the soft-capped scores
         _compile_for_hopper(
             k.decode_kernel,
             {**common, "ctx_ptr": "*i32", "part_acc_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32"},
@@ -229,6 +231,7 @@ def test_triton_kernels_compile_for_hopper(dtype):
                 "PARTITION": 512,
                 "SPLIT": True,
                 "FP32": fp32,
+                "SOFT_CAP": soft_cap,
             },
         )
         _compile_for_hopper(
@@ -242,6 +245,7 @@ def test_triton_kernels_compile_for_hopper(dtype):
                 "BLOCK_M": 32,
                 "TILE": 32,
                 "FP32": fp32,
+                "SOFT_CAP": soft_cap,
             },
         )
         _compile_for_hopper(

@@ -27,12 +27,13 @@ DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # kernels.h DT
 SHIM = """
 extern "C" const char* emulated_attention(int dtype, void* out, const void* query, const void* k_cache,
     const void* v_cache, const int* tables, const int* row_request, const int* row_position, int rows,
-    int num_heads, int kv_heads, int head_size, int block_size, int max_blocks, float scale, int64_t qsr,
-    int64_t qsh, int64_t osr, int64_t osh, int64_t csb, int64_t css, int64_t csh, int partition_size,
-    int partitions, float* part_out, float* part_max, float* part_sum) {
+    int num_heads, int kv_heads, int head_size, int block_size, int max_blocks, float scale, int window,
+    float soft_cap, int64_t qsr, int64_t qsh, int64_t osr, int64_t osh, int64_t csb, int64_t css, int64_t csh,
+    int partition_size, int partitions, float* part_out, float* part_max, float* part_sum) {
   using namespace pagedllm;
   const char* e = launch_paged_attention(static_cast<DType>(dtype), out, query, k_cache, v_cache, tables,
-      row_request, row_position, rows, num_heads, kv_heads, head_size, block_size, max_blocks, scale, qsr, qsh,
+      row_request, row_position, rows, num_heads, kv_heads, head_size, block_size, max_blocks, scale, window,
+      soft_cap, qsr, qsh,
       osr, osh, csb, css, csh, partition_size, partitions, part_out, part_max, part_sum, nullptr);
   if (e || partitions == 1) return e;
   return launch_reduce(static_cast<DType>(dtype), out, part_out, part_max, part_sum, rows, num_heads, head_size,
@@ -65,7 +66,8 @@ def library(tmp_path_factory):
     fn = ctypes.CDLL(str(lib)).emulated_attention
     fn.restype = ctypes.c_char_p
     i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [i32, *[ptr] * 7, *[i32] * 6, ctypes.c_float, *[i64] * 7, i32, i32, *[ptr] * 3]
+    fn.argtypes = [i32, *[ptr] * 7, *[i32] * 6, ctypes.c_float, i32, ctypes.c_float, *[i64] * 7, i32, i32]
+    fn.argtypes += [ptr] * 3
     return fn
 
 
@@ -98,6 +100,8 @@ def run_attention(fn, case, rows_request, rows_position, partitions):
         k_cache.shape[1],
         tables.shape[1],
         case.scale,
+        case.window or 0,
+        case.soft_cap or 0.0,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -137,6 +141,21 @@ def test_decode_matches_the_reference(library, dtype, head_size, group, contexts
     assert torch.isfinite(out.float()).all(), "non-finite output"
     err = (out.double() - case.expected).abs().max().item()
     assert err <= TOLERANCE[dtype], f"max error {err:.2e}"
+
+
+def test_windows_and_soft_caps_in_decode_and_prefill(library):
+    """A window that empties whole partitions (decode past 1,300 positions, window 600) and
+    starts inside a block; a window shorter than a chunk in prefill; soft-capped scores."""
+    contexts = [1, 40, 700, 1300]
+    case = make_case([1] * 4, contexts, 16, 64, 2, 4, dtype=torch.bfloat16, seed=3, window=600, soft_cap=5.0)
+    out = run_attention(library, case, list(range(4)), [c - 1 for c in contexts], -(-1300 // PARTITION))
+    assert (out.double() - case.expected).abs().max().item() <= TOLERANCE[torch.bfloat16]
+    query_lens, contexts = [12, 8], [142, 8]
+    case = make_case(query_lens, contexts, 16, 128, 2, 2, seed=8, window=37, soft_cap=50.0)
+    request = [r for r, n in enumerate(query_lens) for _ in range(n)]
+    position = [p for n, c in zip(query_lens, contexts) for p in range(c - n, c)]
+    out = run_attention(library, case, request, position, 1)
+    assert (out.double() - case.expected).abs().max().item() <= TOLERANCE[torch.float32]
 
 
 @pytest.mark.parametrize("dtype,head_size,group", [(torch.bfloat16, 96, 4), (torch.float32, 128, 2)])

@@ -34,7 +34,10 @@ def replayable(model: CausalLM, kv_caches: torch.Tensor) -> bool:
     """Whether every op of a decode step runs on a compiled kernel this module can call."""
     if native.unavailable_reason() is not None or model.tp.size != 1 or not kv_caches.is_contiguous():
         return False
-    if kv_caches.dtype not in native.ATTENTION_SUFFIX or getattr(model.config, "sliding_window", None):
+    cfg = model.config
+    if kv_caches.dtype not in native.ATTENTION_SUFFIX or type(model) is not CausalLM:
+        return False
+    if cfg.embed_scale or cfg.sandwich_norms or model.local_rope is not None:  # steps the replay does not have
         return False
     for layer in model.layers:
         linears = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
@@ -42,6 +45,8 @@ def replayable(model: CausalLM, kv_caches: torch.Tensor) -> bool:
         if not all(isinstance(m, PanelLinear) for m in linears) or not all(isinstance(n, FusedRMSNorm) for n in norms):
             return False
         if layer.q_norm is not None or layer.act is not native.silu_and_mul or layer.rotate is not native.rotate:
+            return False
+        if layer.soft_cap:
             return False
     return isinstance(model.norm, FusedRMSNorm)
 
@@ -105,6 +110,7 @@ class DecodeReplay:
         first = model.layers[0].input_layernorm
         rp, wp, np_ = _ptr(self.residual), _ptr(first.weight), _ptr(self.normed)
         calls.append(lambda rows, threads: lib.pagedllm_rms_norm_f32(rp, wp, first.eps, np_, rows, hidden, threads))
+        shape = (heads, kv_heads, d, block_size)
         for i, layer in enumerate(model.layers):
             if i:  # the previous layer's output joins the residual stream in this layer's norm
                 calls.append(add_norm(layer.input_layernorm, self.out, self.normed))
@@ -112,7 +118,7 @@ class DecodeReplay:
             calls += self._rotations(lib, width, heads, kv_heads, d, q_size)
             calls.append(self._write_kv(lib, i, row_bytes))
             calls.append(
-                self._attend(attention, kv_caches[i], heads, kv_heads, d, block_size, layer.scale, dot_products)
+                self._attend(attention, kv_caches[i], (*shape, layer.scale, layer.window or 0, 0.0), dot_products)
             )
             calls.append(linear(layer.o_proj, self.attn, self.out))
             calls.append(add_norm(layer.post_attention_layernorm, self.out, self.normed))
@@ -154,10 +160,10 @@ class DecodeReplay:
 
         return write_rounded
 
-    def _attend(self, attention, cache, heads, kv_heads, d, block_size, scale, dot_products):
+    def _attend(self, attention, cache, shape, dot_products):
+        """shape: heads, KV heads, head size, block size, scale, window (0: none), soft cap (0: none)."""
         q, kc, vc, tables, rows_p = _ptr(self.q), _ptr(cache[0]), _ptr(cache[1]), _ptr(self.tables), _ptr(self.rows)
         ctx, out, stride = _ptr(self.context), _ptr(self.attn), self.max_blocks
-        shape = (heads, kv_heads, d, block_size, scale)
 
         def attend(rows, threads):
             attention(q, kc, vc, tables, stride, rows_p, ctx, rows, *shape, out, threads, dot_products)

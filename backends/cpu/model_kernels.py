@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..models.decoder import DecoderLayer, RMSNorm
+from ..models.decoder import DecoderLayer, RMSNorm, silu_and_mul
 from ..models.parallel import VocabParallelEmbedding
 from . import native
 from .packed_linear import PackedLinear, native_bfloat16_matmul, packed_linear, plain_linears
@@ -115,7 +115,9 @@ def use_fused_kernels(model: nn.Module) -> None:
             if isinstance(child, RMSNorm):
                 setattr(parent, name, FusedRMSNorm(child))
         if isinstance(parent, DecoderLayer):
-            parent.act, parent.rotate = native.silu_and_mul, native.rotate
+            parent.rotate = native.rotate
+            if parent.act is silu_and_mul:  # other activations keep torch's
+                parent.act = native.silu_and_mul
 
 
 def compute_in_float32(model: nn.Module) -> int:

@@ -93,8 +93,9 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     except (OSError, RuntimeError) as e:
         return None, f"building {', '.join(map(os.path.basename, SOURCES))}: {e}"
     # q, k, v, tables, table stride, row table, row context, rows, heads, KV heads, head size,
-    # block size, scale, out, threads, dot products
-    attention = [_p, _p, _p, _p, _i64, _p, _p, *[_i64] * 5, ctypes.c_float, _p, ctypes.c_int, ctypes.c_int]
+    # block size, scale, window, soft cap, out, threads, dot products
+    attention = [_p, _p, _p, _p, _i64, _p, _p, *[_i64] * 5, ctypes.c_float, _i64, ctypes.c_float, _p]
+    attention += [ctypes.c_int, ctypes.c_int]
     signatures = {
         **{f"pagedllm_paged_attention_{suffix}": attention for suffix in ATTENTION_SUFFIX.values()},
         "pagedllm_set_prefetch": [ctypes.c_int],
@@ -306,6 +307,8 @@ def paged_attention(
     row_context: torch.Tensor,
     scale: float,
     dot_products: bool = False,
+    window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """query [R, H, Dh], one row per query token; k_cache/v_cache [N, bs, KVH, Dh] float32,
     bfloat16 or float16, contiguous; block_tables [S, max_blocks] int32; row r uses table
@@ -313,7 +316,8 @@ def paged_attention(
     Computes in float32; returns [R, H, Dh] in the query's dtype. dot_products: bfloat16
     blocks of head size 32, 64 or 128 go to AVX-512 BF16's dot products where the kernels were
     built for them (bfloat16_dot_products()), the query and the probabilities rounded to
-    bfloat16 first; elsewhere it changes nothing."""
+    bfloat16 first; elsewhere it changes nothing. window: a row sees only the last `window`
+    of its tokens; soft_cap: scores soft-capped (AttentionOps.supports_soft_cap)."""
     num_rows, num_heads, head_size = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     suffix = ATTENTION_SUFFIX.get(k_cache.dtype)
@@ -339,6 +343,8 @@ def paged_attention(
         head_size,
         block_size,
         scale,
+        window or 0,
+        soft_cap or 0.0,
         out.data_ptr(),
         torch.get_num_threads(),
         int(dot_products),

@@ -36,7 +36,13 @@ DECODE_GROUP_MIN = 8  # requests per group, at least
 
 
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor, scale: float, dtype: torch.dtype
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    hidden: torch.Tensor,
+    scale: float,
+    dtype: torch.dtype,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """q [..., M, D], k/v [..., S, D] in float32 holding `dtype` values; hidden [..., M, S]
     (True: may not attend). Rounds to `dtype` exactly where transformers' eager attention
@@ -45,7 +51,10 @@ def attend(
     scores = torch.matmul(q, k.transpose(-1, -2))
     if dtype != torch.float32:
         scores = scores.to(dtype)
-    scores = (scores * scale).masked_fill(hidden, float("-inf"))
+    scores = scores * scale
+    if soft_cap:
+        scores = torch.tanh(scores / soft_cap) * soft_cap
+    scores = scores.masked_fill(hidden, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
     if dtype != torch.float32:
         probs = probs.to(dtype).float()
@@ -98,8 +107,19 @@ def _compiled(query, kv_cache, meta) -> bool:
     return True
 
 
+def outside_window(k_pos: torch.Tensor, q_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[len(q_pos), len(k_pos)]: True where a query may not attend a key (in the future, or,
+    with a window, more than window - 1 positions back)."""
+    hidden = k_pos[None, :] > q_pos[:, None]
+    if window:
+        hidden |= k_pos[None, :] <= q_pos[:, None] - window
+    return hidden
+
+
 class CpuAttentionOps(AttentionOps):
     name = "cpu"
+    supports_sliding_window = True
+    supports_soft_cap = True
 
     def prepare_process(self) -> None:
         keep_freed_memory()
@@ -152,7 +172,7 @@ class CpuAttentionOps(AttentionOps):
         kv_cache[0].view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, key)
         kv_cache[1].view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, value)
 
-    def decode_attention(self, query, kv_cache, meta: DecodeMetadata, scale):
+    def decode_attention(self, query, kv_cache, meta: DecodeMetadata, scale, *, window=None, soft_cap=None):
         """The torch path sorts requests by context length and attends in a few groups, so
         that short contexts are not padded to the longest one in the batch."""
         if _compiled(query, kv_cache, meta):
@@ -166,11 +186,14 @@ class CpuAttentionOps(AttentionOps):
                 meta.context_lens,
                 scale,
                 bfloat16_dot_products(),
+                window,
+                soft_cap,
             )
         num_seqs = query.shape[0]
         ctx = meta.context_lens
+        limits = (scale, window, soft_cap)
         if num_seqs <= DECODE_GROUP_MIN:
-            return self._decode_group(query, kv_cache, meta.block_tables, ctx, meta.max_context_len, scale)
+            return self._decode_group(query, kv_cache, meta.block_tables, ctx, meta.max_context_len, *limits)
         order = torch.argsort(ctx)
         out = torch.empty_like(query)
         for rows in order.tensor_split(min(DECODE_GROUPS, num_seqs // DECODE_GROUP_MIN)):
@@ -181,11 +204,11 @@ class CpuAttentionOps(AttentionOps):
                 meta.block_tables.index_select(0, rows),
                 group_ctx,
                 int(group_ctx.max()),
-                scale,
+                *limits,
             )
         return out
 
-    def _decode_group(self, query, kv_cache, block_tables, context_lens, max_context_len, scale):
+    def _decode_group(self, query, kv_cache, block_tables, context_lens, max_context_len, scale, window, soft_cap):
         num_seqs, num_heads, head_size = query.shape
         _, _, block_size, num_kv_heads, _ = kv_cache.shape
         group = num_heads // num_kv_heads
@@ -193,13 +216,13 @@ class CpuAttentionOps(AttentionOps):
         blocks = block_tables[:, :max_blocks].reshape(-1).long()
         q = query.view(num_seqs, num_kv_heads, group, head_size).to(kv_cache.dtype).float()
         positions = torch.arange(max_blocks * block_size, device=query.device)
-        hidden = (positions[None, :] >= context_lens[:, None])[:, None, :]  # [D, 1, S]
+        hidden = outside_window(positions, context_lens - 1, window)[:, None, :]  # [D, 1, S]
         keys = gather_heads(kv_cache, 0, blocks, num_seqs)  # [KVH, D, S, Dh]
         values = gather_heads(kv_cache, 1, blocks, num_seqs)
-        out = attend(q.transpose(0, 1), keys, values, hidden, scale, kv_cache.dtype)  # [KVH, D, G, Dh]
+        out = attend(q.transpose(0, 1), keys, values, hidden, scale, kv_cache.dtype, soft_cap)  # [KVH, D, G, Dh]
         return out.transpose(0, 1).reshape(num_seqs, num_heads, head_size).to(query.dtype)
 
-    def prefill_attention(self, query, kv_cache, meta: PrefillMetadata, scale):
+    def prefill_attention(self, query, kv_cache, meta: PrefillMetadata, scale, *, window=None, soft_cap=None):
         if _compiled(query, kv_cache, meta):
             # one row per new token: its request's table, and the context up to its own position
             request, position = prefill_token_rows(meta, query.shape[0], query.device)
@@ -212,6 +235,8 @@ class CpuAttentionOps(AttentionOps):
                 position + 1,
                 scale,
                 bfloat16_dot_products(),
+                window,
+                soft_cap,
             )
         _, num_heads, head_size = query.shape
         _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -227,10 +252,10 @@ class CpuAttentionOps(AttentionOps):
             # query j sits at position ctx_len - q_len + j and sees keys up to that position
             q_pos = torch.arange(ctx_len - q_len, ctx_len, device=query.device)
             k_pos = torch.arange(ctx_len, device=query.device)
-            hidden = (k_pos[None, :] > q_pos[:, None]).repeat(group, 1)
+            hidden = outside_window(k_pos, q_pos, window).repeat(group, 1)
             keys = gather_heads(kv_cache, 0, blocks, 1)[:, 0, :ctx_len]  # [KVH, ctx, Dh]
             values = gather_heads(kv_cache, 1, blocks, 1)[:, 0, :ctx_len]
-            o = attend(q, keys, values, hidden, scale, kv_cache.dtype)
+            o = attend(q, keys, values, hidden, scale, kv_cache.dtype, soft_cap)
             o = o.view(num_kv_heads, group, q_len, head_size).permute(2, 0, 1, 3)
             out[start : start + q_len] = o.reshape(q_len, num_heads, head_size).to(query.dtype)
             start += q_len

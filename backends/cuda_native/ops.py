@@ -23,6 +23,8 @@ PARTITION = 512  # context positions per program in decode; longer contexts spli
 
 class NativeCudaAttentionOps(CudaPlatform, AttentionOps):
     name = "cuda-native"
+    supports_sliding_window = True
+    supports_soft_cap = True
     supported_head_sizes = tuple(range(8, 257, 8))  # kernels.h: up to 256, whole 16-byte loads
 
     def __init__(self):
@@ -52,7 +54,7 @@ class NativeCudaAttentionOps(CudaPlatform, AttentionOps):
             self._stream(),
         )
 
-    def _attend(self, query, kv_cache, tables, row_request, row_position, scale, partitions):
+    def _attend(self, query, kv_cache, tables, row_request, row_position, scale, partitions, window, soft_cap):
         rows, heads, head_size = query.shape
         query = last_dim_contiguous(query).to(kv_cache.dtype)
         out = torch.empty(rows, heads, head_size, dtype=kv_cache.dtype, device=query.device)
@@ -71,6 +73,8 @@ class NativeCudaAttentionOps(CudaPlatform, AttentionOps):
             row_request,
             row_position,
             scale,
+            window or 0,
+            soft_cap or 0.0,
             PARTITION,
             part_out,
             part_max,
@@ -79,7 +83,7 @@ class NativeCudaAttentionOps(CudaPlatform, AttentionOps):
         )
         return out
 
-    def decode_attention(self, query, kv_cache, meta: DecodeMetadata, scale):
+    def decode_attention(self, query, kv_cache, meta: DecodeMetadata, scale, *, window=None, soft_cap=None):
         n = query.shape[0]
         rows = torch.arange(n, dtype=torch.int32, device=query.device)
         return self._attend(
@@ -90,11 +94,15 @@ class NativeCudaAttentionOps(CudaPlatform, AttentionOps):
             meta.context_lens - 1,
             scale,
             cdiv(meta.max_context_len, PARTITION),
+            window,
+            soft_cap,
         )
 
-    def prefill_attention(self, query, kv_cache, meta: PrefillMetadata, scale):
+    def prefill_attention(self, query, kv_cache, meta: PrefillMetadata, scale, *, window=None, soft_cap=None):
         request, position = prefill_token_rows(meta, query.shape[0], query.device)
-        return self._attend(query, kv_cache, meta.block_tables, request.int(), position.int(), scale, 1)
+        return self._attend(
+            query, kv_cache, meta.block_tables, request.int(), position.int(), scale, 1, window, soft_cap
+        )
 
     def copy_blocks(self, kv_caches, pairs):
         if not pairs:

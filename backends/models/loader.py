@@ -13,7 +13,7 @@ from pagedllm.core.model_folder import model_folder
 from pagedllm.core.quantization import checkpoint_quantization, resolve_quantization
 
 from .config import ModelConfig
-from .decoder import CausalLM
+from .decoder import CausalLM, RMSNorm
 from .parallel import SINGLE, Shards, TensorParallel
 from .quantized import QUANTIZED_PROJECTIONS, QuantizedLinear, QuantizedWeight, quantize_model
 from .quantized_checkpoint import QUANTIZED_SUFFIXES, read_quantized
@@ -33,10 +33,24 @@ _LAYER_NAMES = {
     "mlp.down_proj": ("down_proj", None),
     "input_layernorm": ("input_layernorm", None),
     "post_attention_layernorm": ("post_attention_layernorm", None),
+    "block_sparse_moe.gate": ("experts.router", None),  # Mixtral's router
+    "mlp.gate": ("experts.router", None),  # Qwen3-MoE's
+    "pre_feedforward_layernorm": ("pre_feedforward_layernorm", None),  # Gemma
+    "post_feedforward_layernorm": ("post_feedforward_layernorm", None),
 }
 # our fused projection -> its Hugging Face parts, in shard order (q, k, v; gate, up)
 _PARTS = {ours: [hf for hf, (p, _) in _LAYER_NAMES.items() if p == ours] for ours, _ in _LAYER_NAMES.values()}
 _TOP_NAMES = {"model.embed_tokens": "embed_tokens", "model.norm": "norm", "lm_head": "lm_head"}
+# an expert's projection (Mixtral's w1/w3/w2, Qwen3-MoE's names) -> (our stacked parameter, part)
+_EXPERT = re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)$")
+_EXPERT_PARTS = {
+    "w1": ("w13", 0),
+    "gate_proj": ("w13", 0),
+    "w3": ("w13", 1),
+    "up_proj": ("w13", 1),
+    "w2": ("w2", None),
+    "down_proj": ("w2", None),
+}
 # buffers some checkpoints carry that are recomputed here
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 
@@ -61,6 +75,10 @@ def _target(name: str) -> tuple[str, int | None] | None:
     if m and m.group(2) in _LAYER_NAMES:
         param, shard = _LAYER_NAMES[m.group(2)]
         return f"layers.{m.group(1)}.{param}.{kind}", shard
+    expert = _EXPERT.match(m.group(2)) if m and kind == "weight" else None
+    if expert:  # one expert's slice of the stacked [experts, ...] parameter: (expert, part)
+        param, part = _EXPERT_PARTS[expert.group(2)]
+        return f"layers.{m.group(1)}.experts.{param}", (int(expert.group(1)), part)
     return None
 
 
@@ -99,11 +117,16 @@ def load_model(
     cfg = ModelConfig.from_dict(folder.config, dtype)
     method = resolve_quantization(quantization, folder.config)
     saved = checkpoint_quantization(folder.config)
+    if cfg.num_experts and (method or saved):
+        raise ValueError(f"quantization: {method or saved[0]} of a mixture-of-experts model is not supported yet")
     # the rotary tables are computed, not loaded: outside the meta device (where computing them
     # would pull in torch's meta kernels, a second and a half of every worker's start)
-    rope = RotaryEmbedding(cfg.head_dim, cfg.rope, max(max_positions or 0, cfg.max_position_embeddings))
+    positions = max(max_positions or 0, cfg.max_position_embeddings)
+    rope = RotaryEmbedding(cfg.head_dim, cfg.rope, positions)
+    local = next((r for r in cfg.layer_ropes if r), None)
+    local_rope = RotaryEmbedding(cfg.head_dim, local, positions) if local else None
     with torch.device("meta"):
-        model = CausalLM(cfg, tp=tp, rope=rope)
+        model = CausalLM(cfg, tp=tp, rope=rope, local_rope=local_rope)
         if saved is not None:  # no full-precision weights for the projections saved quantized
             for layer in model.layers:
                 for name in QUANTIZED_PROJECTIONS:
@@ -112,6 +135,7 @@ def load_model(
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rope = rope.to(device)
+    model.local_rope = local_rope.to(device) if local_rope else None
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     unexpected: list[str] = []
@@ -149,6 +173,11 @@ def load_model(
             f"model: checkpoint in {model_dir!r} does not match {cfg.architecture}: "
             f"missing weights {missing or 'none'}; unexpected weights {unexpected or 'none'}"
         )
+    if cfg.norm_offset:  # Gemma's norms scale by 1 + weight
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(module, RMSNorm):
+                    module.weight += cfg.norm_offset
     if method is not None and saved is None:
         quantize_model(model, method, _ROW_PARALLEL)
     model.eval()
@@ -215,6 +244,7 @@ def _range(kind: str, shards: Shards, cfg: ModelConfig) -> tuple[int, int]:
         "heads": (shards.head_start * d, shards.num_heads * d),
         "kv_heads": (shards.kv_head_start * d, shards.num_kv_heads * d),
         "intermediate": (shards.intermediate_start, shards.intermediate_size),
+        "expert_intermediate": (shards.expert_intermediate_start, shards.expert_intermediate_size),
         "vocab": (shards.vocab_start, shards.vocab_rows),
     }[kind]
 
@@ -224,6 +254,9 @@ def _read_slice(f, name: str, shards: Shards, cfg: ModelConfig, tp: TensorParall
     rows past the vocabulary (its padding) are zeros."""
     stem, _, kind = name.rpartition(".")
     split = next((v for k, v in _SPLITS.items() if stem == k or stem.endswith("." + k)), None)
+    expert = _EXPERT.search(stem.partition(".layers.")[2].partition(".")[2])
+    if expert:  # every expert's slice of the intermediate dimension (models/moe.py)
+        split = (1 if _EXPERT_PARTS[expert.group(2)][0] == "w2" else 0, "expert_intermediate")
     if tp.size == 1 or split is None:
         return f.get_tensor(name)
     dim, what = split
@@ -260,6 +293,10 @@ def _copy_into(
     with torch.no_grad():
         if shard is None:
             dst = param
+        elif isinstance(shard, tuple):  # (expert, part of its fused gate/up or None)
+            expert, part = shard
+            size = shards.expert_intermediate_size
+            dst = param[expert] if part is None else param[expert, part * size : (part + 1) * size]
         else:
             offsets = _shard_offsets(param_name, shards, cfg)
             dst = param[offsets[shard] : offsets[shard + 1]]
@@ -271,6 +308,10 @@ def _copy_into(
 def _expected_loads(params: dict, cfg: ModelConfig):
     for name in params:
         if cfg.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        if name.endswith((".experts.w13", ".experts.w2")):
+            parts = (0, 1) if name.endswith("w13") else (None,)
+            yield name, {f"{name}#{(e, p)}" for e in range(cfg.num_experts) for p in parts}
             continue
         fused = ".qkv_proj." in name or ".gate_up_proj." in name
         shards = range(3 if ".qkv_proj." in name else 2) if fused else [None]

@@ -68,6 +68,8 @@ class Shards:
     kv_head_start: int
     intermediate_size: int
     intermediate_start: int
+    expert_intermediate_size: int  # each expert's slice (mixture of experts: models/moe.py)
+    expert_intermediate_start: int
     vocab_rows: int  # rows of the embedding and the LM head on this rank
     vocab_start: int
     vocab_size: int  # the model's, without padding
@@ -82,9 +84,25 @@ class Shards:
         else:  # fewer KV heads than ranks: each is replicated on tp.size / num_kv_heads ranks
             kv_heads, kv_start = 1, tp.rank // (tp.size // cfg.num_kv_heads)
         inter = cfg.intermediate_size // tp.size
+        if cfg.expert_intermediate_size % tp.size:
+            raise ValueError(
+                f"tensor_parallel_size: {tp.size} does not divide the experts' intermediate size "
+                f"{cfg.expert_intermediate_size}"
+            )
+        expert = cfg.expert_intermediate_size // tp.size
         rows = cdiv(cfg.vocab_size, tp.size)
         return cls(
-            heads, tp.rank * heads, kv_heads, kv_start, inter, tp.rank * inter, rows, tp.rank * rows, cfg.vocab_size
+            heads,
+            tp.rank * heads,
+            kv_heads,
+            kv_start,
+            inter,
+            tp.rank * inter,
+            expert,
+            tp.rank * expert,
+            rows,
+            tp.rank * rows,
+            cfg.vocab_size,
         )
 
 

@@ -51,14 +51,17 @@ def write_kv_kernel(
 
 
 @triton.jit
-def _scores(q, k, scale, FP32: tl.constexpr):
+def _scores(q, k, scale, soft_cap, FP32: tl.constexpr, SOFT_CAP: tl.constexpr):
     # FP32: float32 operands at IEEE precision. Set for float32 caches, and under Triton's
     # interpreter, whose dot mishandles 16-bit floats (triton 3.9).
     if FP32:
         s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
-    return s * scale
+    s = s * scale
+    if SOFT_CAP:  # soft_cap * tanh(s / soft_cap), tanh from exp (1 - 2 / (e^2x + 1) saturates cleanly)
+        s = soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * s / soft_cap) + 1.0))
+    return s
 
 
 @triton.jit
@@ -83,6 +86,7 @@ def _tile_step(
     d,
     dmask,
     scale,
+    soft_cap,
     m_i,
     l_i,
     acc,
@@ -91,6 +95,7 @@ def _tile_step(
     stride_kh,
     BLOCK_SIZE: tl.constexpr,
     FP32: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
 ):
     """One tile of context positions: gather their K/V through the block table and fold them
     into the running max, sum and weighted values (online softmax)."""
@@ -98,10 +103,12 @@ def _tile_step(
     off = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kvh * stride_kh
     kv_mask = pmask[:, None] & dmask[None, :]
     k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    s = tl.where(visible, _scores(q, k, scale, FP32), float("-inf"))
+    s = tl.where(visible, _scores(q, k, scale, soft_cap, FP32, SOFT_CAP), float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp(m_i - m_new)
-    p = tl.exp(s - m_new[:, None])
+    # a row that has seen nothing yet (a window starts past this tile) keeps max -inf: shift by 0
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None] + _weighted(p, v, FP32)
@@ -120,6 +127,8 @@ def decode_kernel(
     part_max_ptr,
     part_sum_ptr,
     scale,
+    soft_cap,
+    window,
     stride_qs,
     stride_qh,
     stride_kb,
@@ -139,13 +148,16 @@ def decode_kernel(
     PARTITION: tl.constexpr,
     SPLIT: tl.constexpr,
     FP32: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(ctx_ptr + seq)
+    end = tl.minimum(split * PARTITION + PARTITION, ctx)
     start = split * PARTITION
-    end = tl.minimum(start + PARTITION, ctx)
+    if window > 0:  # the first position the window shows; a partition before it stays empty
+        start = tl.maximum(start, ctx - window)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     gmask = g < GROUP
@@ -174,6 +186,7 @@ def decode_kernel(
             d,
             dmask,
             scale,
+            soft_cap,
             m_i,
             l_i,
             acc,
@@ -182,6 +195,7 @@ def decode_kernel(
             stride_kh,
             BLOCK_SIZE,
             FP32,
+            SOFT_CAP,
         )
     if SPLIT:
         # partials, unnormalised; a partition past the context leaves max -inf and sum 0
@@ -242,6 +256,8 @@ def prefill_kernel(
     ctx_ptr,
     out_ptr,
     scale,
+    soft_cap,
+    window,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -257,6 +273,7 @@ def prefill_kernel(
     BLOCK_M: tl.constexpr,
     TILE: tl.constexpr,
     FP32: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
 ):
     req = tl.program_id(0)
     qblock = tl.program_id(1)
@@ -281,11 +298,16 @@ def prefill_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for t in range(0, hi, TILE):
+        lo = 0
+        if window > 0:  # no query of this block looks further back
+            lo = tl.maximum(prefix + qblock * BLOCK_M - window + 1, 0)
+        for t in range(lo, hi, TILE):
             pos = t + tl.arange(0, TILE)
             pmask = pos < hi
-            # causal; position 0 is visible to every row, so no row's maximum stays -inf
+            # causal (and within the window); each row sees its own position
             visible = (pos[None, :] <= q_pos[:, None]) & pmask[None, :]
+            if window > 0:
+                visible = visible & (pos[None, :] > q_pos[:, None] - window)
             m_i, l_i, acc = _tile_step(
                 q,
                 k_cache_ptr,
@@ -298,6 +320,7 @@ def prefill_kernel(
                 d,
                 dmask,
                 scale,
+                soft_cap,
                 m_i,
                 l_i,
                 acc,
@@ -306,6 +329,7 @@ def prefill_kernel(
                 stride_kh,
                 BLOCK_SIZE,
                 FP32,
+                SOFT_CAP,
             )
         out = acc / l_i[:, None]
         tl.store(

@@ -42,6 +42,8 @@ def decode_config(interpret: bool) -> tuple[int, int]:
 
 class TritonAttentionOps(CudaPlatform, AttentionOps):
     name = "cuda-triton"
+    supports_sliding_window = True
+    supports_soft_cap = True
 
     def __init__(self):
         reason = self.unavailable_reason()
@@ -100,7 +102,7 @@ class TritonAttentionOps(CudaPlatform, AttentionOps):
             BLOCK_D=_next_pow2(head_size),
         )
 
-    def decode_attention(self, query, kv_cache, meta: DecodeMetadata, scale):
+    def decode_attention(self, query, kv_cache, meta: DecodeMetadata, scale, *, window=None, soft_cap=None):
         num_seqs, num_heads, head_size = query.shape
         _, _, block_size, kv_heads, _ = kv_cache.shape
         group = num_heads // kv_heads
@@ -130,6 +132,8 @@ class TritonAttentionOps(CudaPlatform, AttentionOps):
             part_max,
             part_sum,
             scale,
+            soft_cap or 0.0,
+            window or 0,
             query.stride(0),
             query.stride(1),
             k_cache.stride(0),
@@ -149,6 +153,7 @@ class TritonAttentionOps(CudaPlatform, AttentionOps):
             PARTITION=self.partition,
             SPLIT=split,
             FP32=self._fp32_dots(kv_cache),
+            SOFT_CAP=bool(soft_cap),
             num_warps=self.decode_warps,
         )
         if split:
@@ -167,7 +172,7 @@ class TritonAttentionOps(CudaPlatform, AttentionOps):
             )
         return out
 
-    def prefill_attention(self, query, kv_cache, meta: PrefillMetadata, scale):
+    def prefill_attention(self, query, kv_cache, meta: PrefillMetadata, scale, *, window=None, soft_cap=None):
         num_tokens, num_heads, head_size = query.shape
         _, _, block_size, kv_heads, _ = kv_cache.shape
         query = last_dim_contiguous(query).to(kv_cache.dtype)
@@ -187,6 +192,8 @@ class TritonAttentionOps(CudaPlatform, AttentionOps):
             meta.context_lens,
             out,
             scale,
+            soft_cap or 0.0,
+            window or 0,
             query.stride(0),
             query.stride(1),
             k_cache.stride(0),
@@ -202,6 +209,7 @@ class TritonAttentionOps(CudaPlatform, AttentionOps):
             BLOCK_M=self.block_m,
             TILE=self.tile,
             FP32=self._fp32_dots(kv_cache),
+            SOFT_CAP=bool(soft_cap),
         )
         return out
 

@@ -287,6 +287,14 @@ void block_values(const float* p, const T* v, int64_t n, int64_t num_heads, int6
   }
 }
 
+// Gemma 2's soft-capping: scores[h][0:n] = cap * tanh(score / cap); cap <= 0: unchanged.
+inline void cap_scores(float* scores, int64_t n, int64_t num_heads, int64_t block_size, float cap) {
+  if (cap <= 0.f) return;
+  const float inv = 1.f / cap;
+  for (int64_t h = 0; h < num_heads; ++h)
+    for (float *s = scores + h * block_size, *e = s + n; s != e; ++s) *s = cap * std::tanh(*s * inv);
+}
+
 // The online softmax over one more block: scores[h][0:n] become exp(score - running max); the
 // running sums and the unnormalised outputs are rescaled to the new max.
 inline void softmax_update(float* scores, int64_t n, int64_t num_heads, int64_t head_size, int64_t block_size,
@@ -394,9 +402,10 @@ void block_values_dot(const float* p, const bf16* v, int64_t n, int64_t num_head
 
 template <int64_t HS>
 void attend_block_dot(const bf16* q16, const bf16* k_block, const bf16* v_block, int64_t n, int64_t num_heads,
-                      int64_t group, int64_t token_stride, int64_t block_size, float scale, float* scores,
-                      float* max, float* sum, float* acc, bf16* p16, Prefetcher& pf) {
+                      int64_t group, int64_t token_stride, int64_t block_size, float scale, float soft_cap,
+                      float* scores, float* max, float* sum, float* acc, bf16* p16, Prefetcher& pf) {
   block_scores_dot<HS>(q16, k_block, n, num_heads, group, token_stride, block_size, scale, scores, pf);
+  cap_scores(scores, n, num_heads, block_size, soft_cap);
   softmax_update(scores, n, num_heads, HS, block_size, max, sum, acc);
   block_values_dot<HS>(scores, v_block, n, num_heads, group, token_stride, block_size, acc, p16, pf);
 }
@@ -407,23 +416,25 @@ void attend_block_dot(const bf16* q16, const bf16* k_block, const bf16* v_block,
 template <int64_t HS, class T>
 void attend_block(const float* qs, const T* k_block, const T* v_block, int64_t n, int64_t num_heads,
                   int64_t group, int64_t head_size, int64_t token_stride, int64_t block_size, float scale,
-                  float* scores, float* max, float* sum, float* acc, float* k_wide, float* v_wide,
+                  float soft_cap, float* scores, float* max, float* sum, float* acc, float* k_wide, float* v_wide,
                   Prefetcher& pf) {
   if constexpr (!in_place<HS, T>()) {
     pagedllm::widen(k_block, n * token_stride, k_wide);
     pagedllm::widen(v_block, n * token_stride, v_wide);
     attend_block<HS, float>(qs, k_wide, v_wide, n, num_heads, group, head_size, token_stride, block_size, scale,
-                            scores, max, sum, acc, nullptr, nullptr, pf);
+                            soft_cap, scores, max, sum, acc, nullptr, nullptr, pf);
   } else {
     block_scores<HS, T>(qs, k_block, n, num_heads, group, head_size, token_stride, block_size, scale, scores, pf);
+    cap_scores(scores, n, num_heads, block_size, soft_cap);
     softmax_update(scores, n, num_heads, head_size, block_size, max, sum, acc);
     block_values<HS, T>(scores, v_block, n, num_heads, group, head_size, token_stride, block_size, acc, pf);
   }
 }
 
 // Attention of query rows over paged K/V. Row r belongs to the request whose block table is
-// block_tables[row_table[r]] and attends to its first row_context[r] tokens: a decode is one row
-// per request; a prefill chunk of a request one row per new token, each with its causal limit.
+// block_tables[row_table[r]] and attends to its first row_context[r] tokens (window > 0: to the
+// last `window` of them): a decode is one row per request; a prefill chunk of a request one row
+// per new token, each with its causal limit. soft_cap > 0: scores are soft-capped (Gemma 2).
 // q, out: [num_rows, num_heads, head_size] float32; k_cache, v_cache: [num_blocks, block_size,
 // num_kv_heads, head_size] of T; block_tables: [*, table_stride].
 // Rows go to threads a few at a time, each row in one pass with an online softmax: each block's
@@ -434,7 +445,7 @@ template <class T>
 void paged_attention(const float* q, const T* k_cache, const T* v_cache, const int32_t* block_tables,
                      int64_t table_stride, const int32_t* row_table, const int32_t* row_context, int64_t num_rows,
                      int64_t num_heads, int64_t num_kv_heads, int64_t head_size, int64_t block_size, float scale,
-                     float* out, int num_threads, bool dot_products) {
+                     int64_t window, float soft_cap, float* out, int num_threads, bool dot_products) {
   constexpr bool widened = !std::is_same_v<T, float>;  // head sizes other than 32, 64 and 128 need the buffers
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_size;
@@ -462,6 +473,7 @@ void paged_attention(const float* q, const T* k_cache, const T* v_cache, const i
     for (int64_t first = 0; first < num_rows; first += chunk)
     for (int64_t row = first, last = std::min(num_rows, first + chunk); row < last; ++row) {
       const int64_t ctx = row_context[row];
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;  // the first position seen
       const int32_t* table = block_tables + row_table[row] * table_stride;
       const float* qs = q + row * num_heads * head_size;
       std::fill(max.begin(), max.end(), -std::numeric_limits<float>::infinity());
@@ -470,10 +482,11 @@ void paged_attention(const float* q, const T* k_cache, const T* v_cache, const i
 #ifdef PAGEDLLM_AVX512_BF16
       if (dot) round_to_bf16(qs, num_heads * head_size, q16.data());
 #endif
-      for (int64_t start = 0; start < ctx; start += block_size) {
-        const int64_t n = std::min(block_size, ctx - start);
-        const T* k_block = k_cache + table[start / block_size] * block_stride;
-        const T* v_block = v_cache + table[start / block_size] * block_stride;
+      for (int64_t start = lo / block_size * block_size; start < ctx; start += block_size) {
+        const int64_t skip = std::max<int64_t>(0, lo - start);  // the window starts inside this block
+        const int64_t n = std::min(block_size, ctx - start) - skip;
+        const T* k_block = k_cache + table[start / block_size] * block_stride + skip * token_stride;
+        const T* v_block = v_cache + table[start / block_size] * block_stride + skip * token_stride;
         // prefetch steps: one per 8 tokens (or per token) in the scores, one per token in the values
         const int64_t steps = num_heads * (n + (n + 7) / 8);
         if (start + block_size < ctx) {
@@ -481,8 +494,10 @@ void paged_attention(const float* q, const T* k_cache, const T* v_cache, const i
           const int64_t rows = std::min(block_size, ctx - start - block_size);
           pf.start(k_cache + next, v_cache + next, rows * token_stride * sizeof(T), steps);
         } else if (row + 1 < last && row_context[row + 1] > 0) {
-          const int64_t next = block_tables[row_table[row + 1] * table_stride] * block_stride;
-          const int64_t rows = std::min<int64_t>(block_size, row_context[row + 1]);
+          const int64_t next_ctx = row_context[row + 1];
+          const int64_t next_block = window > 0 ? std::max<int64_t>(0, next_ctx - window) / block_size : 0;
+          const int64_t next = block_tables[row_table[row + 1] * table_stride + next_block] * block_stride;
+          const int64_t rows = std::min<int64_t>(block_size, next_ctx - next_block * block_size);
           pf.start(k_cache + next, v_cache + next, rows * token_stride * sizeof(T), steps);
         } else {
           pf.stop();
@@ -492,8 +507,8 @@ void paged_attention(const float* q, const T* k_cache, const T* v_cache, const i
           if (dot) {
             const auto block = [&](auto hs) {
               attend_block_dot<decltype(hs)::value>(q16.data(), k_block, v_block, n, num_heads, group, token_stride,
-                                                    block_size, scale, scores.data(), max.data(), sum.data(),
-                                                    acc.data(), p16.data(), pf);
+                                                    block_size, scale, soft_cap, scores.data(), max.data(),
+                                                    sum.data(), acc.data(), p16.data(), pf);
             };
             if (head_size == 32) block(std::integral_constant<int64_t, 32>());
             else if (head_size == 64) block(std::integral_constant<int64_t, 64>());
@@ -503,10 +518,10 @@ void paged_attention(const float* q, const T* k_cache, const T* v_cache, const i
         }
 #endif
         switch (head_size) {
-          case 32: attend_block<32>(qs, k_block, v_block, n, num_heads, group, head_size, token_stride, block_size, scale, scores.data(), max.data(), sum.data(), acc.data(), k_wide.data(), v_wide.data(), pf); break;
-          case 64: attend_block<64>(qs, k_block, v_block, n, num_heads, group, head_size, token_stride, block_size, scale, scores.data(), max.data(), sum.data(), acc.data(), k_wide.data(), v_wide.data(), pf); break;
-          case 128: attend_block<128>(qs, k_block, v_block, n, num_heads, group, head_size, token_stride, block_size, scale, scores.data(), max.data(), sum.data(), acc.data(), k_wide.data(), v_wide.data(), pf); break;
-          default: attend_block<0>(qs, k_block, v_block, n, num_heads, group, head_size, token_stride, block_size, scale, scores.data(), max.data(), sum.data(), acc.data(), k_wide.data(), v_wide.data(), pf);
+          case 32: attend_block<32>(qs, k_block, v_block, n, num_heads, group, head_size, token_stride, block_size, scale, soft_cap, scores.data(), max.data(), sum.data(), acc.data(), k_wide.data(), v_wide.data(), pf); break;
+          case 64: attend_block<64>(qs, k_block, v_block, n, num_heads, group, head_size, token_stride, block_size, scale, soft_cap, scores.data(), max.data(), sum.data(), acc.data(), k_wide.data(), v_wide.data(), pf); break;
+          case 128: attend_block<128>(qs, k_block, v_block, n, num_heads, group, head_size, token_stride, block_size, scale, soft_cap, scores.data(), max.data(), sum.data(), acc.data(), k_wide.data(), v_wide.data(), pf); break;
+          default: attend_block<0>(qs, k_block, v_block, n, num_heads, group, head_size, token_stride, block_size, scale, soft_cap, scores.data(), max.data(), sum.data(), acc.data(), k_wide.data(), v_wide.data(), pf);
         }
       }
       float* os = out + row * num_heads * head_size;
@@ -527,11 +542,11 @@ extern "C" {
                                          const int32_t* block_tables, int64_t table_stride,                      \
                                          const int32_t* row_table, const int32_t* row_context, int64_t num_rows, \
                                          int64_t num_heads, int64_t num_kv_heads, int64_t head_size,             \
-                                         int64_t block_size, float scale, float* out, int num_threads,           \
-                                         int dot_products) {                                                     \
+                                         int64_t block_size, float scale, int64_t window, float soft_cap,        \
+                                         float* out, int num_threads, int dot_products) {                        \
     paged_attention(q, static_cast<const T*>(k_cache), static_cast<const T*>(v_cache), block_tables,             \
                     table_stride, row_table, row_context, num_rows, num_heads, num_kv_heads, head_size,          \
-                    block_size, scale, out, num_threads, dot_products != 0);                                     \
+                    block_size, scale, window, soft_cap, out, num_threads, dot_products != 0);                   \
   }
 void pagedllm_set_prefetch(int on) { prefetch_on = on != 0; }
 

@@ -50,7 +50,7 @@ void write_kv(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v
 // row_request/row_position [rows] int32
 void paged_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
                      at::Tensor block_tables, at::Tensor row_request, at::Tensor row_position,
-                     double scale, int64_t partition_size, at::Tensor part_out, at::Tensor part_max,
+                     double scale, int64_t window, double soft_cap, int64_t partition_size, at::Tensor part_out, at::Tensor part_max,
                      at::Tensor part_sum, int64_t stream) {
   check_cuda(query, "query");
   check_cuda(k_cache, "k_cache");
@@ -75,6 +75,7 @@ void paged_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::T
       dtype_of(query), out.data_ptr(), query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
       block_tables.data_ptr<int>(), row_request.data_ptr<int>(), row_position.data_ptr<int>(), query.size(0),
       num_heads, kv_heads, head_size, k_cache.size(1), block_tables.size(1), static_cast<float>(scale),
+      static_cast<int>(window), static_cast<float>(soft_cap),
       query.stride(0), query.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
       k_cache.stride(2), partition_size, partitions, part_out.data_ptr<float>(), part_max.data_ptr<float>(),
       part_sum.data_ptr<float>(), stream_of(stream)),

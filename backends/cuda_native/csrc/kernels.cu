@@ -38,7 +38,8 @@ template <typename T> struct Attention {
   }
   static void run(void* out, const void* query, const void* k_cache, const void* v_cache, const int* tables,
                   const int* row_request, const int* row_position, int rows, int num_heads, int kv_heads,
-                  int head_size, int block_size, int max_blocks, float scale, int64_t qsr, int64_t qsh, int64_t osr,
+                  int head_size, int block_size, int max_blocks, float scale, int window, float soft_cap,
+                  int64_t qsr, int64_t qsh, int64_t osr,
                   int64_t osh, int64_t csb, int64_t css, int64_t csh, int partition_size, int partitions,
                   float* part_out, float* part_max, float* part_sum, cudaStream_t stream) {
     const int group = num_heads / kv_heads;
@@ -49,7 +50,8 @@ template <typename T> struct Attention {
       launch<decltype(bound)::value>(grid, smem, stream, static_cast<T*>(out), static_cast<const T*>(query),
                                      static_cast<const T*>(k_cache), static_cast<const T*>(v_cache), tables,
                                      row_request, row_position, num_heads, kv_heads, head_size, block_size,
-                                     max_blocks, scale, qsr, qsh, osr, osh, csb, css, csh, partition_size,
+                                     max_blocks, scale, window, soft_cap, qsr, qsh, osr, osh, csb, css, csh,
+                                     partition_size,
                                      partitions, part_out, part_max, part_sum);
     };
     static_assert(kMaxGroup == 16, "the dispatch below covers groups up to 16");
@@ -101,13 +103,15 @@ const char* launch_write_kv(DType dtype, const void* key, const void* value, voi
 const char* launch_paged_attention(DType dtype, void* out, const void* query, const void* k_cache, const void* v_cache,
                             const int* block_tables, const int* row_request, const int* row_position, int rows,
                             int num_heads, int kv_heads, int head_size, int block_size, int max_blocks_per_request,
-                            float scale, int64_t q_stride_row, int64_t q_stride_head, int64_t out_stride_row,
+                            float scale, int window, float soft_cap, int64_t q_stride_row, int64_t q_stride_head,
+                            int64_t out_stride_row,
                             int64_t out_stride_head, int64_t cache_stride_block, int64_t cache_stride_slot,
                             int64_t cache_stride_head, int partition_size, int partitions, float* part_out,
                             float* part_max, float* part_sum, void* stream) {
   if (rows == 0) return nullptr;
   dispatch<Attention>(dtype, out, query, k_cache, v_cache, block_tables, row_request, row_position, rows, num_heads,
-                      kv_heads, head_size, block_size, max_blocks_per_request, scale, q_stride_row, q_stride_head,
+                      kv_heads, head_size, block_size, max_blocks_per_request, scale, window, soft_cap,
+                      q_stride_row, q_stride_head,
                       out_stride_row, out_stride_head, cache_stride_block, cache_stride_slot, cache_stride_head,
                       partition_size, partitions, part_out, part_max, part_sum, static_cast<cudaStream_t>(stream));
   return launch_error();

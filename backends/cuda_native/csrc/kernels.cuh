@@ -103,7 +103,7 @@ __global__ void __launch_bounds__(kThreads, 4) paged_attention_kernel(
     T* __restrict__ out, const T* __restrict__ query, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
     const int* __restrict__ block_tables, const int* __restrict__ row_request, const int* __restrict__ row_position,
     int num_heads, int kv_heads, int head_size, int block_size, int max_blocks_per_request, float scale,
-    int64_t q_stride_row, int64_t q_stride_head, int64_t out_stride_row, int64_t out_stride_head,
+    int window, float soft_cap, int64_t q_stride_row, int64_t q_stride_head, int64_t out_stride_row, int64_t out_stride_head,
     int64_t cache_stride_block, int64_t cache_stride_slot, int64_t cache_stride_head, int partition_size,
     int partitions, float* __restrict__ part_out, float* __restrict__ part_max, float* __restrict__ part_sum) {
   constexpr int VEC = kVec<T>;
@@ -113,8 +113,9 @@ __global__ void __launch_bounds__(kThreads, 4) paged_attention_kernel(
   const int group = num_heads / kv_heads;
   const int request = row_request[row];
   const int context = row_position[row] + 1;
-  const int start = part * partition_size;
-  const int end = min(start + partition_size, context);
+  // a window that starts past this partition leaves it empty, as a partition past the context is
+  const int start = window > 0 ? max(part * partition_size, context - window) : part * partition_size;
+  const int end = min(part * partition_size + partition_size, context);
   const int* table = block_tables + static_cast<int64_t>(request) * max_blocks_per_request;
 
   extern __shared__ float smem[];
@@ -125,7 +126,7 @@ __global__ void __launch_bounds__(kThreads, 4) paged_attention_kernel(
   float* scores = q_s + group * head_size;
   float* partials = q_s;
 
-  if (start >= end) {  // a partition past this row's context contributes nothing
+  if (start >= end) {  // a partition outside this row's context (or window) contributes nothing
     if (partitions > 1 && tid < group) {
       const int64_t idx = (static_cast<int64_t>(row) * num_heads + kvh * group + tid) * partitions + part;
       part_max[idx] = -FLT_MAX;
@@ -194,7 +195,10 @@ __global__ void __launch_bounds__(kThreads, 4) paged_attention_kernel(
           for (int i = 0; i < VEC; ++i) dot += q[i] * k[it][i];
         }
         dot = lanes_sum(dot, lanes_per_pos);
-        if (valid && sub_lane == 0) scores[g * kChunk + t] = dot * scale;
+        if (valid && sub_lane == 0) {
+          const float s = dot * scale;
+          scores[g * kChunk + t] = soft_cap > 0.f ? soft_cap * tanhf(s / soft_cap) : s;
+        }
       }
     }
     __syncthreads();

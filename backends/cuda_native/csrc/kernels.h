@@ -18,14 +18,16 @@ const char* launch_write_kv(DType dtype, const void* key, const void* value, voi
                      void* stream);
 
 // One "row" is one query token: it belongs to request row_request[row] and attends to the
-// positions 0..row_position[row] of that request (causal, the cached prefix included).
+// positions 0..row_position[row] of that request (causal, the cached prefix included); with
+// window > 0 only to the last `window` of them. soft_cap > 0: scores are soft-capped,
+// soft_cap * tanh(score / soft_cap), before the softmax (Gemma 2).
 // grid: rows x kv_heads x partitions; each block handles the query heads of one KV head.
 // partitions > 1: partial results go to part_out [rows, heads, partitions, head_size] and
 // part_max / part_sum [rows, heads, partitions], and launch_reduce combines them into out.
 const char* launch_paged_attention(DType dtype, void* out, const void* query, const void* k_cache, const void* v_cache,
                             const int* block_tables, const int* row_request, const int* row_position,
                             int rows, int num_heads, int kv_heads, int head_size, int block_size,
-                            int max_blocks_per_request, float scale,
+                            int max_blocks_per_request, float scale, int window, float soft_cap,
                             int64_t q_stride_row, int64_t q_stride_head, int64_t out_stride_row,
                             int64_t out_stride_head, int64_t cache_stride_block, int64_t cache_stride_slot,
                             int64_t cache_stride_head, int partition_size, int partitions,

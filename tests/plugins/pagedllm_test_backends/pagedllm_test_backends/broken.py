@@ -205,3 +205,27 @@ class BitmaskLastWordDropped(CpuAttentionOps):
     def apply_token_bitmask(self, logits, bitmask):
         whole = logits.shape[-1] // 32
         super().apply_token_bitmask(logits[:, : whole * 32], bitmask[:, :whole])
+
+
+class WindowIgnored(CpuAttentionOps):
+    """Declares sliding-window attention and takes the keyword, but attends to the whole context."""
+
+    name = "broken-window-ignored"
+
+    def decode_attention(self, query, kv_cache, meta, scale, *, window=None, soft_cap=None):
+        return super().decode_attention(query, kv_cache, meta, scale, soft_cap=soft_cap)
+
+    def prefill_attention(self, query, kv_cache, meta, scale, *, window=None, soft_cap=None):
+        return super().prefill_attention(query, kv_cache, meta, scale, soft_cap=soft_cap)
+
+
+class SoftCapIgnored(CpuAttentionOps):
+    """Declares soft-capping and takes the keyword, but never caps the scores."""
+
+    name = "broken-soft-cap-ignored"
+
+    def decode_attention(self, query, kv_cache, meta, scale, *, window=None, soft_cap=None):
+        return super().decode_attention(query, kv_cache, meta, scale, window=window)
+
+    def prefill_attention(self, query, kv_cache, meta, scale, *, window=None, soft_cap=None):
+        return super().prefill_attention(query, kv_cache, meta, scale, window=window)

@@ -1,0 +1,83 @@
+"""Gemma 2 and 3, Mixtral and Qwen3-MoE against transformers on odd-shaped random models:
+head sizes 80 and 96, GQA and MQA, a 400-token vocabulary, windows shorter than the prompts,
+soft-capped scores and logits, 4 experts top-2 renormalised and 8 experts top-1 not."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.backends.models.config import ModelConfig
+from pagedllm.backends.runner import SeqInput
+from pagedllm.fixtures.tiny_models import MORE_ARCHITECTURES, load_hf
+
+from model_helpers import greedy_batched, hf_greedy, make_runner, shuffled_tables
+
+
+def random_prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 400) for _ in range(n)]
+
+
+@pytest.mark.parametrize("arch", MORE_ARCHITECTURES)
+def test_prefill_chunks_and_batched_greedy_match_transformers(tiny_model, arch):
+    path = tiny_model(arch)
+    hf = load_hf(path)
+    runner = make_runner(path)
+    prompt = random_prompt(70, seed=1)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    (table,) = shuffled_tables(1, 8, 256, seed=4)
+    for start, end in ((0, 23), (23, 50), (50, 70)):  # past every window
+        logits = runner.execute([SeqInput(prompt[start:end], start, table)])[0]
+        assert (logits - ref[end - 1]).abs().max() <= 1e-4, f"chunk ending at {end}"
+    prompts = [random_prompt(n, seed=10 + i) for i, n in enumerate((5, 17, 40))]
+    ours = greedy_batched(runner, prompts, max_new=16, start_steps=[0, 1, 3])
+    for prompt, got in zip(prompts, ours):
+        assert got == hf_greedy(hf, prompt, 16), f"prompt of {len(prompt)} tokens"
+
+
+@pytest.mark.parametrize("arch,blocks", [("gemma2", 24), ("mixtral", 10)])
+def test_engine_tokens_and_top5_logprobs_under_preemption_and_prefix_hits(tiny_model, arch, blocks):
+    """Through the engine: six requests whose prompts share 48 tokens, in a pool that forces
+    preemption and steps that chunk the prompts; each request's greedy tokens and top-5
+    logprobs are transformers' (one forward pass over prompt + output). Mixtral's window is on
+    every layer, so its requests hold only their windows' blocks: a smaller pool."""
+    path = tiny_model(arch)
+    shared = random_prompt(48, seed=3)
+    prompts = [shared + random_prompt(5 + 9 * i, seed=20 + i) for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
+    engine = dict(num_kv_blocks=blocks, max_num_batched_tokens=48, max_model_len=256, skip_tokenizer_init=True)
+    with LLM(path, **engine) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        stats = llm.last_stats.scheduler
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0, stats
+    hf = load_hf(path)
+    for prompt, out in zip(prompts, outputs):
+        tokens = out.outputs[0].token_ids
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :]
+        want = torch.log_softmax(logits.float(), dim=-1)
+        assert tokens == want.argmax(-1).tolist()
+        for step, top in enumerate(out.outputs[0].logprobs):
+            values, ids = want[step].topk(5)
+            assert set(ids.tolist()) <= set(top), f"step {step}"
+            for i, v in zip(ids.tolist(), values.tolist()):
+                assert math.isclose(top[i].logprob, v, abs_tol=1e-4), (step, i)
+
+
+def test_unsupported_variants_are_refused_naming_the_field():
+    base = dict(vocab_size=400, hidden_size=64, intermediate_size=48, num_hidden_layers=2)
+    base.update(num_attention_heads=4, num_local_experts=4, num_experts_per_tok=2)
+    for change, field in (
+        (dict(hidden_act="relu"), "hidden_act 'relu'"),
+        (dict(num_experts_per_tok=5), "num_experts_per_tok"),
+        (dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+    ):
+        with pytest.raises(ValueError, match=field):
+            ModelConfig.from_dict({**base, **change, "architectures": ["MixtralForCausalLM"]})
+    qwen = {**base, "architectures": ["Qwen3MoeForCausalLM"], "moe_intermediate_size": 16}
+    with pytest.raises(ValueError, match="shared_expert_intermediate_size"):
+        ModelConfig.from_dict({**qwen, "shared_expert_intermediate_size": 32})

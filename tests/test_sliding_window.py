@@ -1,0 +1,98 @@
+"""Sliding-window attention end to end: the runner against transformers on models whose layers
+are all windowed (Mistral) or some of them (Qwen2's max_window_layers), and the engine holding
+only the window's blocks while generating far past it."""
+
+import random
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.backends.cpu import CpuAttentionOps
+from pagedllm.backends.runner import SeqInput
+from pagedllm.core.utils import cdiv
+from pagedllm.fixtures.tiny_models import load_hf
+
+from model_helpers import greedy_batched, hf_greedy, make_runner, shuffled_tables
+
+
+def random_prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 400) for _ in range(n)]
+
+
+def teacher_forced_argmax(hf, tokens: list[int]) -> list[int]:
+    """transformers' greedy choice after each prefix of `tokens`, from one forward pass."""
+    with torch.no_grad():
+        return hf(torch.tensor([tokens])).logits[0].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize(
+    "arch,config",
+    [
+        ("mistral", dict(sliding_window=12)),  # every layer, a window shorter than a block
+        ("qwen2", dict(use_sliding_window=True, sliding_window=21, max_window_layers=1)),  # layer 1 only
+    ],
+)
+def test_windowed_models_match_transformers_in_prefill_chunks_and_batches(tiny_model, arch, config):
+    path = tiny_model(arch, **config)
+    hf = load_hf(path)
+    runner = make_runner(path)
+    want = [None, 21] if arch == "qwen2" else [12, 12]
+    assert [layer.window for layer in runner.model.layers] == want
+    prompt = random_prompt(70, seed=1)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    (table,) = shuffled_tables(1, 8, 256, seed=4)
+    for start, end in ((0, 23), (23, 50), (50, 70)):  # chunks that start past the window
+        logits = runner.execute([SeqInput(prompt[start:end], start, table)])[0]
+        assert (logits - ref[end - 1]).abs().max() <= 1e-4, f"chunk ending at {end}"
+    prompts = [random_prompt(n, seed=10 + i) for i, n in enumerate((5, 17, 40))]
+    ours = greedy_batched(runner, prompts, max_new=20, start_steps=[0, 1, 3])
+    for prompt, got in zip(prompts, ours):
+        assert got == hf_greedy(hf, prompt, 20), f"prompt of {len(prompt)} tokens"
+    # the windows matter here: attending to the whole context gives other tokens
+    full = make_runner(path)
+    for layer in full.model.layers:
+        layer.attn_options = {}
+    assert greedy_batched(full, prompts, max_new=20, start_steps=[0, 1, 3]) != ours
+
+
+def test_a_backend_without_windows_is_refused_a_windowed_model(tiny_model, plugins_installed):
+    """A port whose kernels do not take the window (or do not declare it) is refused at start."""
+    from pagedllm.backends.worker import Worker
+    from pagedllm.core.config import EngineConfig
+
+    class OldKernels(CpuAttentionOps):
+        def decode_attention(self, query, kv_cache, meta, scale):
+            return super().decode_attention(query, kv_cache, meta, scale)
+
+    assert OldKernels().unsupported_features({"sliding_window"}) == (
+        "sliding-window attention (AttentionOps.supports_sliding_window)"
+    )
+    assert CpuAttentionOps().unsupported_features({"sliding_window", "soft_cap"}) is None
+    path = tiny_model("mistral", sliding_window=12)
+    with pytest.raises(ValueError, match="does not support sliding-window attention"):
+        Worker(EngineConfig(model=path, backend="broken-no-softmax-scale"))
+
+
+def test_mistral_window_generates_2048_tokens_like_transformers_holding_the_window_and_one_block(tiny_model):
+    """A 256-token window, 2,048 greedy tokens after a 100-token prompt: every token is
+    transformers' greedy choice (checked in one forward pass over the whole sequence under
+    its sliding-window mask), and the request never holds more than window + one block of KV
+    (in a pool that could not hold a tenth of its context)."""
+    window, block_size = 256, 16
+    path = tiny_model("mistral", sliding_window=window, max_position_embeddings=4096)
+    prompt = random_prompt(100, seed=2)
+    params = SamplingParams(max_tokens=2048, temperature=0, ignore_eos=True)
+    engine = dict(block_size=block_size, num_kv_blocks=64, max_num_batched_tokens=512, enable_prefix_caching=False)
+    with LLM(path, **engine) as llm:
+        out = llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].token_ids
+        stats = llm.last_stats.scheduler
+    assert len(out) == 2048
+    assert stats.peak_blocks_used <= cdiv(window, block_size) + 1, stats
+    hf = load_hf(path)
+    tokens = prompt + list(out)
+    predicted = teacher_forced_argmax(hf, tokens[:-1])[len(prompt) - 1 :]
+    first_wrong = next((i for i, (a, b) in enumerate(zip(predicted, out)) if a != b), None)
+    assert first_wrong is None, f"token {first_wrong} of 2048 is not transformers' choice"
