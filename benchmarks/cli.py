@@ -67,14 +67,17 @@ RANDOM_MODEL_KEYS = {
     "intermediate": "intermediate_size",
     "heads": "num_attention_heads",
     "kv_heads": "num_key_value_heads",
+    "experts": "num_local_experts",  # a Mixtral (its window off), with top_k experts a token
+    "top_k": "num_experts_per_tok",
 }
 
 
 def random_model(spec: str, out_dir: str) -> str:
-    """`random:layers=2,hidden=192[,intermediate=,heads=,kv_heads=,vocab=]`: a seeded random-weight
-    Llama folder (fixtures/tiny_models.py), written once under out_dir — small models that anyone
-    can rebuild exactly. Defaults: intermediate 8/3 x hidden rounded up to 64, 4 heads, 2 KV
-    heads, a 400-token vocabulary."""
+    """`random:layers=2,hidden=192[,intermediate=,heads=,kv_heads=,vocab=,experts=,top_k=]`: a
+    seeded random-weight Llama folder (fixtures/tiny_models.py) — a Mixtral with `experts` —
+    written once under out_dir: small models that anyone can rebuild exactly. Defaults:
+    intermediate 8/3 x hidden rounded up to 64 (each expert's, for a Mixtral), 4 heads, 2 KV
+    heads, a 400-token vocabulary, top-2 routing."""
     from pagedllm.fixtures.tiny_models import make_model_dir
 
     values = dict(part.split("=", 1) for part in spec.removeprefix("random:").split(",") if part)
@@ -85,7 +88,14 @@ def random_model(spec: str, out_dir: str) -> str:
     hidden = sizes.setdefault("hidden_size", 64)
     sizes.setdefault("intermediate_size", -(-hidden * 8 // 3 // 64) * 64)
     name = "random-" + "-".join(f"{k}{v}" for k, v in sorted(values.items()))
-    return make_model_dir(os.path.join(out_dir, name), "llama", vocab_size=int(values.get("vocab", 400)), **sizes)
+    arch = "llama"
+    if "num_local_experts" in sizes:
+        arch = "mixtral"
+        sizes.setdefault("num_experts_per_tok", 2)
+        sizes.update(sliding_window=None, head_dim=hidden // sizes.get("num_attention_heads", 4))
+    elif "num_experts_per_tok" in sizes:
+        raise ValueError(f"--model {spec}: top_k needs experts")
+    return make_model_dir(os.path.join(out_dir, name), arch, vocab_size=int(values.get("vocab", 400)), **sizes)
 
 
 def model_dir_of(args) -> str:

@@ -14,17 +14,20 @@ from pagedllm.entrypoints.default_model import shipped_model_dir
 BLOCK = 16
 
 
-def runner_and_replay(dtype: str, quantization=None, max_batch: int = 8):
+def runner_and_replay(dtype: str, quantization=None, max_batch: int = 8, window=None):
     model = load_model(shipped_model_dir(), dtype=dtype, quantization=quantization)
+    if window:  # as a Mistral-style model's layers have it
+        for layer in model.layers:
+            layer.window, layer.attn_options = window, {"window": window}
     kv = allocate_kv_caches(model, 64, BLOCK)
     ops = CpuAttentionOps()
     runner = ModelRunner(model, ops, kv, BLOCK)
     return runner, ops.capture_graphs(model, kv, BLOCK, max_batch, 512)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_replayed_decode_step_equals_the_eager_one(dtype):
-    runner, replay = runner_and_replay(dtype)
+@pytest.mark.parametrize("dtype,window", [("float32", None), ("bfloat16", None), ("float32", 21)])
+def test_a_replayed_decode_step_equals_the_eager_one(dtype, window):
+    runner, replay = runner_and_replay(dtype, window=window)
     assert isinstance(replay, DecodeReplay)
     prompts = [list(range(10, 10 + n)) for n in (1, 15, 16, 130)]  # contexts across block edges
     tables = [list(range(1 + 10 * i, 11 + 10 * i)) for i in range(len(prompts))]
