@@ -495,13 +495,16 @@ class EngineCore:
             shm.unlink_segment(name)
         self.segments = []
         self.from_frontend.close()
-        self.to_frontend.close(linger_ms=2000)
+        self.to_frontend.close(linger_ms=2000 if os.getppid() == self.parent_pid else 0)
         self.ctx.term()
         if os.getppid() != self.parent_pid and self.input_endpoint.startswith("ipc://"):
             # the frontend died without cleaning up: its private socket folder goes too
             remove_ipc_dir(os.path.dirname(self.input_endpoint[len("ipc://") :]))
 
     def _to_frontend(self, message) -> None:
+        if os.getppid() != self.parent_pid:  # the frontend that started this core is gone: no waiting on a send
+            self.stopping = True
+            raise EngineFailure("frontend process is gone")
         try:
             self.to_frontend.send(message, peer_timeout_ms=FRONTEND_GONE_MS)
         except PeerGone:

@@ -328,7 +328,7 @@ g = torch.Generator().manual_seed(0)
 kv = torch.randn(2, 81, 16, 1, 16, generator=g)
 q = torch.randn(2, 2, 16, generator=g)
 tables = torch.arange(1, 81, dtype=torch.int32).view(2, 40)
-lens = torch.tensor([600, 10], dtype=torch.int32)  # 3 partitions of 256 for the first, 1 for the second
+lens = torch.tensor([600, 10], dtype=torch.int32)  # 2 partitions of 512 for the first, 1 for the second
 meta = DecodeMetadata(block_tables=tables, context_lens=lens, max_context_len=600)
 torch.empty = real_empty
 want = CpuAttentionOps().decode_attention(q, kv, meta, 0.25)

@@ -1,6 +1,7 @@
-"""Gemma 2 and 3, Mixtral and Qwen3-MoE against transformers on odd-shaped random models:
-head sizes 80 and 96, GQA and MQA, a 400-token vocabulary, windows shorter than the prompts,
-soft-capped scores and logits, 4 experts top-2 renormalised and 8 experts top-1 not."""
+"""Gemma 2 and 3, Mixtral, Qwen3-MoE and Phi-3 against transformers on odd-shaped random
+models: head sizes 80 and 96, GQA and MQA, a 400-token vocabulary, windows shorter than the
+prompts, soft-capped scores and logits, 4 experts top-2 renormalised and 8 experts top-1 not,
+projections saved fused and LongRoPE."""
 
 import math
 import random
@@ -9,9 +10,11 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.backends.cpu import CpuAttentionOps
 from pagedllm.backends.models.config import ModelConfig
-from pagedllm.backends.runner import SeqInput
-from pagedllm.fixtures.tiny_models import MORE_ARCHITECTURES, load_hf
+from pagedllm.backends.models.loader import load_model
+from pagedllm.backends.runner import ModelRunner, SeqInput, allocate_kv_caches
+from pagedllm.fixtures.tiny_models import load_hf
 
 from model_helpers import greedy_batched, hf_greedy, make_runner, shuffled_tables
 
@@ -21,7 +24,7 @@ def random_prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(3, 400) for _ in range(n)]
 
 
-@pytest.mark.parametrize("arch", MORE_ARCHITECTURES)
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "mixtral", "qwen3-moe"])
 def test_prefill_chunks_and_batched_greedy_match_transformers(tiny_model, arch):
     path = tiny_model(arch)
     hf = load_hf(path)
@@ -68,6 +71,31 @@ def test_engine_tokens_and_top5_logprobs_under_preemption_and_prefix_hits(tiny_m
                 assert math.isclose(top[i].logprob, v, abs_tol=1e-4), (step, i)
 
 
+def test_phi3_fused_projections_and_longrope_short_and_long_factors(tiny_model):
+    """Phi-3's LongRoPE takes one set of factors for the engine's life: the short ones when
+    max_model_len is within the pretraining length (64 here) — transformers' generation too,
+    while a sequence stays within it — and the long ones past it, which transformers uses for
+    a sequence longer than that (here one forward pass over 100 tokens)."""
+    path = tiny_model("phi3")
+    hf = load_hf(path)
+
+    def runner(max_model_len):
+        model = load_model(path, max_positions=max_model_len)
+        return ModelRunner(model, CpuAttentionOps(), allocate_kv_caches(model, 64, 16), 16)
+
+    prompts = [random_prompt(n, seed=10 + i) for i, n in enumerate((5, 17, 40))]
+    ours = greedy_batched(runner(64), prompts, max_new=20, start_steps=[0, 1, 3])
+    for prompt, got in zip(prompts, ours):
+        assert got == hf_greedy(hf, prompt, 20), f"prompt of {len(prompt)} tokens"
+    prompt = random_prompt(100, seed=1)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    long, (table,) = runner(1024), shuffled_tables(1, 8, 64, seed=4)
+    for start, end in ((0, 23), (23, 70), (70, 100)):
+        logits = long.execute([SeqInput(prompt[start:end], start, table)])[0]
+        assert (logits - ref[end - 1]).abs().max() <= 1e-4, f"chunk ending at {end}"
+
+
 def test_unsupported_variants_are_refused_naming_the_field():
     base = dict(vocab_size=400, hidden_size=64, intermediate_size=48, num_hidden_layers=2)
     base.update(num_attention_heads=4, num_local_experts=4, num_experts_per_tok=2)
@@ -78,6 +106,9 @@ def test_unsupported_variants_are_refused_naming_the_field():
     ):
         with pytest.raises(ValueError, match=field):
             ModelConfig.from_dict({**base, **change, "architectures": ["MixtralForCausalLM"]})
+    rope = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}
+    with pytest.raises(ValueError, match=r"partial_rotary_factor 0\.75"):
+        ModelConfig.from_dict({**base, "architectures": ["Phi3ForCausalLM"], "rope_parameters": rope})
     qwen = {**base, "architectures": ["Qwen3MoeForCausalLM"], "moe_intermediate_size": 16}
     with pytest.raises(ValueError, match="shared_expert_intermediate_size"):
         ModelConfig.from_dict({**qwen, "shared_expert_intermediate_size": 32})

@@ -37,7 +37,7 @@ MODELS = {  # name: (architecture, config overrides)
     # every expert's intermediate split by rows (its window off: released blocks would leave
     # this pool too roomy to preempt; test_model_coverage preempts it windowed, on one rank)
     "mixtral-experts": ("mixtral", {"sliding_window": None}),
-    "gemma3-local-global-mqa": ("gemma3", {}),  # sandwich norms, two rope bases, 1 KV head
+    "phi3-fused-longrope": ("phi3", {"sliding_window": None}),  # q/k/v, gate/up saved fused: cut per part
 }
 
 

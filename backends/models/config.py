@@ -17,6 +17,7 @@ SUPPORTED_ARCHITECTURES = (
     "Gemma3ForCausalLM",
     "MixtralForCausalLM",
     "Qwen3MoeForCausalLM",
+    "Phi3ForCausalLM",
 )
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -98,6 +99,13 @@ class ModelConfig:
         if cfg.get("use_bidirectional_attention"):
             raise ValueError("model: use_bidirectional_attention is not supported (a decoder attends causally)")
         rope, layer_ropes = rope_parameters(cfg), ()
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(
+                f"model: partial_rotary_factor {rope['partial_rotary_factor']} is not supported (1.0 only)"
+            )
+        if rope["rope_type"] == "longrope":  # Phi-3: its pretraining length, and the factor's default
+            rope.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+            rope.setdefault("max_position_embeddings", cfg.get("max_position_embeddings"))
         if isinstance(rope.get("full_attention"), dict):  # transformers 5's per-layer-type parameters (Gemma 3)
             by_type = {t: rope_parameters({"rope_parameters": p}) for t, p in rope.items() if isinstance(p, dict)}
             rope = by_type["full_attention"]
@@ -172,7 +180,7 @@ def experts_config(cfg: dict, arch: str) -> dict:
 
 def layer_windows(cfg: dict, arch: str) -> tuple[int | None, ...]:
     """Each layer's sliding window as transformers applies it: `layer_types` where the config
-    lists them; otherwise Mistral's (and Mixtral's) window on every layer, and Qwen2/Qwen3's
+    lists them; otherwise Mistral's (and Mixtral's, Phi-3's) window on every layer, and Qwen2/Qwen3's
     (when use_sliding_window) on the layers from max_window_layers on."""
     num_layers, window = cfg["num_hidden_layers"], cfg.get("sliding_window")
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") and not cfg.get("use_sliding_window"):

@@ -41,6 +41,11 @@ _LAYER_NAMES = {
 # our fused projection -> its Hugging Face parts, in shard order (q, k, v; gate, up)
 _PARTS = {ours: [hf for hf, (p, _) in _LAYER_NAMES.items() if p == ours] for ours, _ in _LAYER_NAMES.values()}
 _TOP_NAMES = {"model.embed_tokens": "embed_tokens", "model.norm": "norm", "lm_head": "lm_head"}
+# Hugging Face projections saved fused (Phi-3) -> ours, and the Shards range of each part
+_FUSED = {
+    "self_attn.qkv_proj": ("qkv_proj", ("heads", "kv_heads", "kv_heads")),
+    "mlp.gate_up_proj": ("gate_up_proj", ("intermediate", "intermediate")),
+}
 # an expert's projection (Mixtral's w1/w3/w2, Qwen3-MoE's names) -> (our stacked parameter, part)
 _EXPERT = re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)$")
 _EXPERT_PARTS = {
@@ -122,7 +127,13 @@ def load_model(
     # the rotary tables are computed, not loaded: outside the meta device (where computing them
     # would pull in torch's meta kernels, a second and a half of every worker's start)
     positions = max(max_positions or 0, cfg.max_position_embeddings)
-    rope = RotaryEmbedding(cfg.head_dim, cfg.rope, positions)
+    rope_params = cfg.rope
+    if rope_params["rope_type"] == "longrope":
+        # one set of factors for the engine's life, as vLLM does: the long ones when contexts may
+        # pass the pretraining length (transformers switches when a sequence does, recomputing it)
+        longest = max_positions or cfg.max_position_embeddings
+        rope_params = {**rope_params, "use_long": longest > rope_params["original_max_position_embeddings"]}
+    rope = RotaryEmbedding(cfg.head_dim, rope_params, positions)
     local = next((r for r in cfg.layer_ropes if r), None)
     local_rope = RotaryEmbedding(cfg.head_dim, local, positions) if local else None
     with torch.device("meta"):
@@ -146,6 +157,13 @@ def load_model(
                 stem, _, suffix = name.rpartition(".")
                 if saved is not None and suffix in QUANTIZED_SUFFIXES:
                     quantized.setdefault(stem, {})[suffix] = f.get_tensor(name)
+                    continue
+                fused = _fused_parts(f, name, model.shards, cfg, tp)
+                if fused is not None:  # each part cut to this rank's share, then fused our way
+                    param_name, parts = fused
+                    for shard, tensor in enumerate(parts):
+                        _copy_into(params[param_name], param_name, tensor, shard, model.shards, cfg, name)
+                        loaded.add(f"{param_name}#{shard}")
                     continue
                 target = _target(name)
                 if (
@@ -270,6 +288,24 @@ def _read_slice(f, name: str, shards: Shards, cfg: ModelConfig, tp: TensorParall
     if end - start < size:  # the vocabulary's padding
         part = torch.cat([part, part.new_zeros((size - (end - start), *part.shape[1:]))])
     return part
+
+
+def _fused_parts(f, name: str, shards: Shards, cfg: ModelConfig, tp: TensorParallel):
+    """(our parameter, this rank's part of each piece) for a weight saved fused, else None."""
+    stem, _, kind = name.rpartition(".")
+    m = _LAYER.match(stem)
+    if not m or m.group(2) not in _FUSED or kind != "weight":
+        return None
+    ours, ranges = _FUSED[m.group(2)]
+    whole = {"heads": cfg.num_heads * cfg.head_dim, "kv_heads": cfg.num_kv_heads * cfg.head_dim}
+    whole["intermediate"] = cfg.intermediate_size
+    tensor, parts, offset = f.get_tensor(name), [], 0
+    for what in ranges:
+        piece = tensor[offset : offset + whole[what]]
+        offset += whole[what]
+        start, size = _range(what, shards, cfg) if tp.size > 1 else (0, whole[what])
+        parts.append(piece[start : start + size])
+    return f"layers.{m.group(1)}.{ours}.weight", parts
 
 
 def _shard_offsets(param_name: str, shards: Shards, cfg: ModelConfig) -> list[int]:

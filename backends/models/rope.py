@@ -6,7 +6,7 @@ import math
 
 import torch
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 def inverse_frequencies(head_dim: int, rope: dict) -> torch.Tensor:
@@ -19,7 +19,19 @@ def inverse_frequencies(head_dim: int, rope: dict) -> torch.Tensor:
         inv_freq = inv_freq / rope["factor"]
     elif rope_type == "llama3":
         inv_freq = _llama3_scaling(inv_freq, rope)
+    elif rope_type == "longrope":
+        factors = rope["long_factor"] if rope.get("use_long") else rope["short_factor"]
+        inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float32)
     return inv_freq
+
+
+def longrope_scale(rope: dict) -> float:
+    """LongRoPE's attention factor, which scales cos and sin (Phi-3)."""
+    original = rope["original_max_position_embeddings"]
+    factor = rope.get("factor") or rope["max_position_embeddings"] / original
+    if rope.get("attention_factor") is not None:
+        return rope["attention_factor"]
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 def _llama3_scaling(inv_freq: torch.Tensor, rope: dict) -> torch.Tensor:
@@ -38,12 +50,12 @@ def _llama3_scaling(inv_freq: torch.Tensor, rope: dict) -> torch.Tensor:
 
 class RotaryEmbedding:
     def __init__(self, head_dim: int, rope: dict, max_positions: int):
-        inv_freq = inverse_frequencies(head_dim, rope)
         positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)
+        scale = longrope_scale(rope) if rope["rope_type"] == "longrope" else 1.0
+        freqs = torch.outer(positions, inverse_frequencies(head_dim, rope))
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos()  # [max_positions, head_dim], float32 like transformers
-        self.sin = emb.sin()
+        self.cos = emb.cos() * scale  # [max_positions, head_dim], float32 like transformers
+        self.sin = emb.sin() * scale
 
     def to(self, device) -> RotaryEmbedding:
         self.cos, self.sin = self.cos.to(device), self.sin.to(device)

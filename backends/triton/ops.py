@@ -57,12 +57,13 @@ class TritonAttentionOps(CudaPlatform, AttentionOps):
         # does), but the pool stays the worker's own, so that CPU tests take the GPU's paths,
         # recovery by recompute among them
         self.device = "cpu" if self.interpret else "cuda"
-        # the interpreter runs one Python step per tile: big tiles and short partitions (so the
-        # split-and-reduce path is exercised by small tests) keep it quick
+        # the interpreter runs one Python step per tile and pays per program: big tiles keep it
+        # quick; the partition is the GPU's (contexts past 512 tokens take the split-and-reduce
+        # path under test too, and half as many programs as 256-token partitions)
         self.tile = 128 if self.interpret else 32
         self.block_m = 128 if self.interpret else 32
         self.decode_tile, self.decode_warps = decode_config(self.interpret)
-        self.partition = 256 if self.interpret else 512
+        self.partition = 512
 
     @staticmethod
     def unavailable_reason() -> str | None:
