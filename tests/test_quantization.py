@@ -252,6 +252,38 @@ def test_load_time_int8_over_two_ranks_equals_one_rank(tiny_model):
     assert greedy(path, quantization="int8", tensor_parallel_size=2) == one_rank
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_expert_projections_quantize_and_compute_with_their_dequantized_weights(tiny_model, kind):
+    """A Mixtral quantized at load: every expert's projections become quantized layers (the
+    cpu kernels), and its logits are those of the float model holding the dequantized weights."""
+    path = tiny_model("mixtral", sliding_window=None, intermediate_size=64)
+    quantized = load_model(path, quantization=kind)
+    reference = load_model(path)
+    with torch.no_grad():
+        for q, ref in zip(quantized.layers, reference.layers):
+            for name in ("qkv_proj", "o_proj"):
+                getattr(ref, name).weight.copy_(getattr(q, name).weight.dequantize(torch.float32))
+            for e, (gate_up, down) in enumerate(zip(q.experts.gate_up, q.experts.down)):
+                ref.experts.w13[e].copy_(gate_up.weight.dequantize(torch.float32))
+                ref.experts.w2[e].copy_(down.weight.dequantize(torch.float32))
+    runner = make_runner(path, "float32", kind, 64)
+    assert all(isinstance(m, CpuQuantizedLinear) for m in runner.model.layers[0].experts.gate_up)
+    ours = in_process_greedy(runner, PROMPTS, 12)
+    from pagedllm.backends.cpu import CpuAttentionOps
+    from pagedllm.backends.runner import ModelRunner, allocate_kv_caches
+
+    ref_runner = ModelRunner(reference, CpuAttentionOps(), allocate_kv_caches(reference, 64, 16), 16)
+    assert ours == in_process_greedy(ref_runner, PROMPTS, 12)
+
+
+def test_load_time_int8_experts_over_two_ranks_equal_one_rank(tiny_model):
+    """Each rank quantizes its slice of every expert; the down projections' row scales come from
+    the whole row."""
+    path = tiny_model("mixtral", sliding_window=None, intermediate_size=64)
+    one_rank = in_process_greedy(make_runner(path, "float32", "int8", 64), PROMPTS, 24)
+    assert greedy(path, quantization="int8", tensor_parallel_size=2) == one_rank
+
+
 def test_quantized_checkpoints_load_as_codes_without_a_full_precision_copy(awq):
     model = load_model(awq[0])
     for layer in model.layers:

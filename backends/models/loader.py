@@ -122,8 +122,8 @@ def load_model(
     cfg = ModelConfig.from_dict(folder.config, dtype)
     method = resolve_quantization(quantization, folder.config)
     saved = checkpoint_quantization(folder.config)
-    if cfg.num_experts and (method or saved):
-        raise ValueError(f"quantization: {method or saved[0]} of a mixture-of-experts model is not supported yet")
+    if cfg.num_experts and saved:
+        raise ValueError(f"quantization: a {saved[0]} checkpoint of a mixture-of-experts model is not supported yet")
     # the rotary tables are computed, not loaded: outside the meta device (where computing them
     # would pull in torch's meta kernels, a second and a half of every worker's start)
     positions = max(max_positions or 0, cfg.max_position_embeddings)

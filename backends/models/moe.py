@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
+from .quantized import QuantizedLinear, quantize
 
 
 class ExpertsMLP(nn.Module):
@@ -24,6 +25,34 @@ class ExpertsMLP(nn.Module):
         self.router = nn.Linear(hidden, num, bias=False)
         self.w13 = nn.Parameter(torch.empty(num, 2 * intermediate_size, hidden))  # gate and up, fused
         self.w2 = nn.Parameter(torch.empty(num, hidden, intermediate_size))
+        # quantized (--quantization): each expert's two projections, in place of w13 and w2
+        self.gate_up: nn.ModuleList | None = None
+        self.down: nn.ModuleList | None = None
+
+    def quantize(self, kind: str, tp) -> int:
+        """Each expert's gate/up and down projections as QuantizedLinear layers (a backend may
+        swap its kernel in for each), the full-precision stacks freed. Under tensor parallelism
+        a down projection's slice is split by input channel: its int8 row scales come from the
+        whole row, as the dense down projection's do. Returns how many layers."""
+        experts = self.w13.shape[0]
+        self.gate_up = nn.ModuleList(QuantizedLinear(quantize(self.w13[e].detach(), kind), None) for e in range(experts))
+        downs = []
+        for e in range(experts):
+            w = self.w2[e].detach()
+            absmax = tp.all_reduce(w.float().abs().amax(1), op="max") if kind == "int8" and tp.size > 1 else None
+            downs.append(QuantizedLinear(quantize(w, kind, absmax), None))
+        self.down = nn.ModuleList(downs)
+        self.w13 = self.w2 = None
+        return 2 * experts
+
+    def expert(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert `index`'s MLP on the rows routed to it."""
+        if self.gate_up is not None:
+            return self.down[index](self.act(self.gate_up[index](x)))
+        w13, w2 = self.w13[index], self.w2[index]
+        if w13.dtype != x.dtype:  # 16-bit weights under float32 activations (the cpu backend's)
+            w13, w2 = w13.to(x.dtype), w2.to(x.dtype)
+        return self.act(x @ w13.t()) @ w2.t()
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts and their weights, [T, k] each: the softmax over all experts'
@@ -38,7 +67,7 @@ class ExpertsMLP(nn.Module):
         weights, experts = self.route(x)
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
-        counts = torch.bincount(flat, minlength=self.w13.shape[0]).tolist()
+        counts = torch.bincount(flat, minlength=self.router.out_features).tolist()
         rows_of = order // self.top_k
         weight_of = weights.flatten()[order]
         out = torch.zeros_like(x)
@@ -48,7 +77,7 @@ class ExpertsMLP(nn.Module):
             if n == 0:
                 continue
             rows = rows_of[start : start + n]
-            h = self.act(x.index_select(0, rows) @ self.w13[expert].t()) @ self.w2[expert].t()
+            h = self.expert(expert, x.index_select(0, rows))
             out.index_add_(0, rows, (h * weight_of[start : start + n, None]).to(x.dtype))
             start += n
         return out

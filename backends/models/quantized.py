@@ -195,8 +195,12 @@ def quantize_model(model: nn.Module, kind: str, row_parallel: frozenset[str] = f
     is a multiple of the group."""
     count = 0
     for layer in model.layers:
+        if getattr(layer, "experts", None) is not None:
+            count += layer.experts.quantize(kind, model.tp)
         for name in QUANTIZED_PROJECTIONS:
             linear = getattr(layer, name)
+            if linear is None:  # an experts layer's MLP
+                continue
             absmax = None
             if kind == "int8" and name in row_parallel and model.tp.size > 1:
                 absmax = model.tp.all_reduce(linear.weight.detach().float().abs().amax(1), op="max")
@@ -213,3 +217,8 @@ def use_kernels(model: nn.Module, kernel) -> None:
             child = getattr(layer, name)
             if isinstance(child, QuantizedLinear):
                 setattr(layer, name, kernel(child))
+        experts = getattr(layer, "experts", None)
+        if experts is not None and experts.gate_up is not None:
+            for layers in (experts.gate_up, experts.down):
+                for i, child in enumerate(layers):
+                    layers[i] = kernel(child)
