@@ -35,7 +35,8 @@ class ExpertsMLP(nn.Module):
         a down projection's slice is split by input channel: its int8 row scales come from the
         whole row, as the dense down projection's do. Returns how many layers."""
         experts = self.w13.shape[0]
-        self.gate_up = nn.ModuleList(QuantizedLinear(quantize(self.w13[e].detach(), kind), None) for e in range(experts))
+        gate_up = (QuantizedLinear(quantize(self.w13[e].detach(), kind), None) for e in range(experts))
+        self.gate_up = nn.ModuleList(gate_up)
         downs = []
         for e in range(experts):
             w = self.w2[e].detach()
