@@ -57,3 +57,33 @@ def hf_greedy(hf_model, prompt: list[int], max_new: int) -> list[int]:
         torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0
     )
     return out[0, len(prompt) :].tolist()
+
+
+def random_prompt(n: int, seed: int, vocab: int = 400) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def assert_chunk_logits_match(runner: ModelRunner, hf_model, prompt: list[int], ends: list[int]) -> None:
+    """The prompt prefilled in chunks ending at `ends`: each chunk's last logits are those of
+    transformers' one forward pass over the whole prompt."""
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([prompt])).logits[0]
+    (table,) = shuffled_tables(1, cdiv(len(prompt), runner.block_size), runner.kv_caches.shape[2], seed=4)
+    start = 0
+    for end in ends:
+        logits = runner.execute([SeqInput(prompt[start:end], start, table)])[0]
+        assert (logits - ref[end - 1]).abs().max() <= 1e-4, f"chunk ending at {end}"
+        start = end
+
+
+def assert_matches_transformers(runner: ModelRunner, hf_model, max_new: int) -> tuple[list, list]:
+    """A 70-token prompt in three chunks, then three prompts (5, 17, 40 tokens) decoded
+    together, joining at different steps, against transformers' generate alone. Returns the
+    prompts and the runner's tokens."""
+    assert_chunk_logits_match(runner, hf_model, random_prompt(70, seed=1), [23, 50, 70])
+    prompts = [random_prompt(n, seed=10 + i) for i, n in enumerate((5, 17, 40))]
+    ours = greedy_batched(runner, prompts, max_new=max_new, start_steps=[0, 1, 3])
+    for prompt, got in zip(prompts, ours):
+        assert got == hf_greedy(hf_model, prompt, max_new), f"prompt of {len(prompt)} tokens"
+    return prompts, ours

@@ -4,7 +4,6 @@ prompts, soft-capped scores and logits, 4 experts top-2 renormalised and 8 exper
 projections saved fused and LongRoPE."""
 
 import math
-import random
 
 import pytest
 import torch
@@ -13,33 +12,23 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.backends.cpu import CpuAttentionOps
 from pagedllm.backends.models.config import ModelConfig
 from pagedllm.backends.models.loader import load_model
-from pagedllm.backends.runner import ModelRunner, SeqInput, allocate_kv_caches
+from pagedllm.backends.runner import ModelRunner, allocate_kv_caches
 from pagedllm.fixtures.tiny_models import load_hf
 
-from model_helpers import greedy_batched, hf_greedy, make_runner, shuffled_tables
-
-
-def random_prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 400) for _ in range(n)]
+from model_helpers import (
+    assert_chunk_logits_match,
+    assert_matches_transformers,
+    greedy_batched,
+    hf_greedy,
+    make_runner,
+    random_prompt,
+)
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3", "mixtral", "qwen3-moe"])
 def test_prefill_chunks_and_batched_greedy_match_transformers(tiny_model, arch):
     path = tiny_model(arch)
-    hf = load_hf(path)
-    runner = make_runner(path)
-    prompt = random_prompt(70, seed=1)
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt])).logits[0]
-    (table,) = shuffled_tables(1, 8, 256, seed=4)
-    for start, end in ((0, 23), (23, 50), (50, 70)):  # past every window
-        logits = runner.execute([SeqInput(prompt[start:end], start, table)])[0]
-        assert (logits - ref[end - 1]).abs().max() <= 1e-4, f"chunk ending at {end}"
-    prompts = [random_prompt(n, seed=10 + i) for i, n in enumerate((5, 17, 40))]
-    ours = greedy_batched(runner, prompts, max_new=16, start_steps=[0, 1, 3])
-    for prompt, got in zip(prompts, ours):
-        assert got == hf_greedy(hf, prompt, 16), f"prompt of {len(prompt)} tokens"
+    assert_matches_transformers(make_runner(path), load_hf(path), max_new=16)  # chunks past every window
 
 
 @pytest.mark.parametrize("arch,blocks", [("gemma2", 24), ("mixtral", 10)])
@@ -87,13 +76,7 @@ def test_phi3_fused_projections_and_longrope_short_and_long_factors(tiny_model):
     ours = greedy_batched(runner(64), prompts, max_new=20, start_steps=[0, 1, 3])
     for prompt, got in zip(prompts, ours):
         assert got == hf_greedy(hf, prompt, 20), f"prompt of {len(prompt)} tokens"
-    prompt = random_prompt(100, seed=1)
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt])).logits[0]
-    long, (table,) = runner(1024), shuffled_tables(1, 8, 64, seed=4)
-    for start, end in ((0, 23), (23, 70), (70, 100)):
-        logits = long.execute([SeqInput(prompt[start:end], start, table)])[0]
-        assert (logits - ref[end - 1]).abs().max() <= 1e-4, f"chunk ending at {end}"
+    assert_chunk_logits_match(runner(1024), hf, random_prompt(100, seed=1), [23, 70, 100])
 
 
 def test_unsupported_variants_are_refused_naming_the_field():

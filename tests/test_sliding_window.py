@@ -2,23 +2,15 @@
 are all windowed (Mistral) or some of them (Qwen2's max_window_layers), and the engine holding
 only the window's blocks while generating far past it."""
 
-import random
-
 import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.backends.cpu import CpuAttentionOps
-from pagedllm.backends.runner import SeqInput
 from pagedllm.core.utils import cdiv
 from pagedllm.fixtures.tiny_models import load_hf
 
-from model_helpers import greedy_batched, hf_greedy, make_runner, shuffled_tables
-
-
-def random_prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 400) for _ in range(n)]
+from model_helpers import assert_matches_transformers, greedy_batched, make_runner, random_prompt
 
 
 def teacher_forced_argmax(hf, tokens: list[int]) -> list[int]:
@@ -40,17 +32,7 @@ def test_windowed_models_match_transformers_in_prefill_chunks_and_batches(tiny_m
     runner = make_runner(path)
     want = [None, 21] if arch == "qwen2" else [12, 12]
     assert [layer.window for layer in runner.model.layers] == want
-    prompt = random_prompt(70, seed=1)
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt])).logits[0]
-    (table,) = shuffled_tables(1, 8, 256, seed=4)
-    for start, end in ((0, 23), (23, 50), (50, 70)):  # chunks that start past the window
-        logits = runner.execute([SeqInput(prompt[start:end], start, table)])[0]
-        assert (logits - ref[end - 1]).abs().max() <= 1e-4, f"chunk ending at {end}"
-    prompts = [random_prompt(n, seed=10 + i) for i, n in enumerate((5, 17, 40))]
-    ours = greedy_batched(runner, prompts, max_new=20, start_steps=[0, 1, 3])
-    for prompt, got in zip(prompts, ours):
-        assert got == hf_greedy(hf, prompt, 20), f"prompt of {len(prompt)} tokens"
+    prompts, ours = assert_matches_transformers(runner, hf, max_new=20)  # chunks that start past the window
     # the windows matter here: attending to the whole context gives other tokens
     full = make_runner(path)
     for layer in full.model.layers:
