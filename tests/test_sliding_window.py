@@ -78,3 +78,19 @@ def test_mistral_window_generates_2048_tokens_like_transformers_holding_the_wind
     predicted = teacher_forced_argmax(hf, tokens[:-1])[len(prompt) - 1 :]
     first_wrong = next((i for i, (a, b) in enumerate(zip(predicted, out)) if a != b), None)
     assert first_wrong is None, f"token {first_wrong} of 2048 is not transformers' choice"
+
+
+def test_forks_release_shared_blocks_behind_the_window_and_free_every_block(tiny_model):
+    """n = 3 greedy samples of a prompt four windows long: the forks share the prompt's blocks
+    and each releases them (and its own) behind its window; every sample is transformers'
+    greedy continuation, and when they end no block is held."""
+    path = tiny_model("mistral", sliding_window=12)
+    prompt = random_prompt(50, seed=5)
+    params = SamplingParams(n=3, temperature=0, max_tokens=40, ignore_eos=True)
+    with LLM(path, num_kv_blocks=32, max_num_batched_tokens=64, skip_tokenizer_init=True) as llm:
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        stats = llm.last_stats.scheduler
+    hf = load_hf(path)
+    want = teacher_forced_argmax(hf, prompt + list(out.outputs[0].token_ids)[:-1])[len(prompt) - 1 :]
+    assert [list(c.token_ids) for c in out.outputs] == [want] * 3
+    assert stats.kv_cache_usage == 0.0 and stats.num_running == 0
