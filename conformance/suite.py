@@ -62,7 +62,12 @@ def run_suite(
             progress(rows)
         return rows
 
-    from .engine_checks import check_cache_placement, check_end_to_end, check_engine_behaviour
+    from .engine_checks import (
+        check_cache_placement,
+        check_end_to_end,
+        check_engine_behaviour,
+        check_windowed_end_to_end,
+    )
     from .op_checks import op_checks
 
     ops = load_backend(backend)
@@ -76,6 +81,8 @@ def run_suite(
         lambda: check_engine_behaviour(backend, models["llama"], quick, tensor_parallel_size, block_placement),
     )
     results += run("end_to_end_vs_transformers", lambda: check_end_to_end(backend, models, quick))
+    root = os.path.dirname(models["llama"])
+    results += run("windowed_end_to_end", lambda: check_windowed_end_to_end(backend, ops, root, quick))
     return results
 
 

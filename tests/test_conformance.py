@@ -88,6 +88,25 @@ def test_broken_backends_fail_on_the_right_rows(plugins_installed, backend, rows
             assert all("long contexts" in f for f in failed["decode_attention float32"])
 
 
+def test_the_windowed_end_to_end_row_passes_on_cpu_and_catches_a_kernel_ignoring_the_window(
+    plugins_installed, tmp_path
+):
+    """The engine row for windows: the cpu backend passes it; a backend whose kernels read the
+    whole context (released blocks included) fails it, at the first token that differs; a
+    backend that does not declare windows skips it, saying why."""
+    from pagedllm.backends.registry import load_backend
+    from pagedllm.conformance.engine_checks import check_windowed_end_to_end
+
+    passed = check_windowed_end_to_end("cpu", load_backend("cpu"), str(tmp_path), quick=True)
+    assert passed.ok and passed.cases == 1 and not passed.skipped
+    ignored = check_windowed_end_to_end(
+        "broken-window-ignored", load_backend("broken-window-ignored"), str(tmp_path), True
+    )
+    assert not ignored.ok and "token" in ignored.failures[0] and "differs" in ignored.failures[0]
+    skipped = check_windowed_end_to_end("example", load_backend("example"), str(tmp_path), quick=True)
+    assert skipped.skipped and "supports_sliding_window" in skipped.skipped
+
+
 def test_a_backend_is_checked_on_what_it_declares_and_refused_the_rest(plugins_installed, tiny_model):
     """The suite tests only the declared dtypes and sizes and prints them; a worker refuses a
     configuration outside them while starting (here in-process: what the worker process runs)."""
