@@ -232,27 +232,26 @@ def _run_placement_steps(res, sched, worker, ref, read_pool, bs) -> None:
         sched.update(plan, ref_tokens)
 
 
+def greedy_differences(backend: str, name: str, path: str, prompts, new_tokens: int, **engine) -> list[str]:
+    """Where the engine's greedy tokens part from transformers' generate, one line per prompt."""
+    hf = load_hf(path)
+    greedy = dict(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.inference_mode():
+        want = [hf.generate(torch.tensor([p]), **greedy)[0, len(p) :].tolist() for p in prompts]
+    with _engine(backend, path, **engine) as llm:
+        got = [g[0] for g in _generate(llm, prompts, [_greedy(new_tokens)] * len(prompts))]
+    return [
+        f"{name}: prompt of {len(p)} tokens vs transformers: {first_difference(g, w)}"
+        for p, g, w in zip(prompts, got, want)
+        if g != w
+    ]
+
+
 def check_end_to_end(backend: str, model_dirs: dict[str, str], quick: bool) -> CheckResult:
     res = CheckResult("end_to_end_vs_transformers")
     archs = ("llama", "qwen3") if quick else ARCHITECTURES
     for arch in archs:
-        path = model_dirs[arch]
-        hf = load_hf(path)
-        prompts = _prompts(3, seed=7, lo=1, hi=60)
-        with torch.inference_mode():
-            want = [
-                hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)[
-                    0, len(p) :
-                ].tolist()
-                for p in prompts
-            ]
-        with _engine(backend, path) as llm:
-            got = [g[0] for g in _generate(llm, prompts, [_greedy(12)] * len(prompts))]
-        bad = [
-            f"{arch}: prompt of {len(p)} tokens vs transformers: {first_difference(g, w)}"
-            for p, g, w in zip(prompts, got, want)
-            if g != w
-        ]
+        bad = greedy_differences(backend, arch, model_dirs[arch], _prompts(3, seed=7, lo=1, hi=60), 12)
         res.record(not bad, failure="; ".join(bad) or None)
     return res
 
@@ -278,21 +277,7 @@ def check_windowed_end_to_end(backend: str, ops, root: str, quick: bool) -> Chec
     if not quick and ops.supports("soft_cap", "soft_cap"):
         models["gemma2, soft caps"] = make_model_dir(os.path.join(root, "gemma2"), "gemma2")
     for name, path in models.items():
-        hf = load_hf(path)
         prompts, new = _prompts(3 if quick else 4, seed=11, lo=1, hi=60), 32 if quick else 40
-        with torch.inference_mode():
-            want = [
-                hf.generate(torch.tensor([p]), max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)[
-                    0, len(p) :
-                ].tolist()
-                for p in prompts
-            ]
-        with _engine(backend, path, num_kv_blocks=64, max_num_batched_tokens=64) as llm:
-            got = [g[0] for g in _generate(llm, prompts, [_greedy(new)] * len(prompts))]
-        bad = [
-            f"{name}: prompt of {len(p)} tokens vs transformers: {first_difference(g, w)}"
-            for p, g, w in zip(prompts, got, want)
-            if g != w
-        ]
+        bad = greedy_differences(backend, name, path, prompts, new, num_kv_blocks=64, max_num_batched_tokens=64)
         res.record(not bad, failure="; ".join(bad) or None)
     return res
