@@ -62,15 +62,21 @@ def test_mistral_window_generates_2048_tokens_like_transformers_holding_the_wind
     """A 256-token window, 2,048 greedy tokens after a 100-token prompt: every token is
     transformers' greedy choice (checked in one forward pass over the whole sequence under
     its sliding-window mask), and the request never holds more than window + one block of KV
-    (in a pool that could not hold a tenth of its context)."""
+    (in a pool that could not hold a tenth of its context). Then n = 3 greedy samples of a
+    prompt past the window: the forks share its blocks and each releases them behind its
+    window; every sample is transformers' continuation, and at the end no block is held."""
     window, block_size = 256, 16
     path = tiny_model("mistral", sliding_window=window, max_position_embeddings=4096)
-    prompt = random_prompt(100, seed=2)
+    prompt, forked = random_prompt(100, seed=2), random_prompt(300, seed=5)
     params = SamplingParams(max_tokens=2048, temperature=0, ignore_eos=True)
     engine = dict(block_size=block_size, num_kv_blocks=64, max_num_batched_tokens=512, enable_prefix_caching=False)
     with LLM(path, **engine) as llm:
         out = llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].token_ids
         stats = llm.last_stats.scheduler
+        samples = llm.generate(
+            [{"prompt_token_ids": forked}], SamplingParams(n=3, temperature=0, max_tokens=24, ignore_eos=True)
+        )[0].outputs
+        after_forks = llm.last_stats.scheduler
     assert len(out) == 2048
     assert stats.peak_blocks_used <= cdiv(window, block_size) + 1, stats
     hf = load_hf(path)
@@ -78,19 +84,6 @@ def test_mistral_window_generates_2048_tokens_like_transformers_holding_the_wind
     predicted = teacher_forced_argmax(hf, tokens[:-1])[len(prompt) - 1 :]
     first_wrong = next((i for i, (a, b) in enumerate(zip(predicted, out)) if a != b), None)
     assert first_wrong is None, f"token {first_wrong} of 2048 is not transformers' choice"
-
-
-def test_forks_release_shared_blocks_behind_the_window_and_free_every_block(tiny_model):
-    """n = 3 greedy samples of a prompt four windows long: the forks share the prompt's blocks
-    and each releases them (and its own) behind its window; every sample is transformers'
-    greedy continuation, and when they end no block is held."""
-    path = tiny_model("mistral", sliding_window=12)
-    prompt = random_prompt(50, seed=5)
-    params = SamplingParams(n=3, temperature=0, max_tokens=40, ignore_eos=True)
-    with LLM(path, num_kv_blocks=32, max_num_batched_tokens=64, skip_tokenizer_init=True) as llm:
-        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
-        stats = llm.last_stats.scheduler
-    hf = load_hf(path)
-    want = teacher_forced_argmax(hf, prompt + list(out.outputs[0].token_ids)[:-1])[len(prompt) - 1 :]
-    assert [list(c.token_ids) for c in out.outputs] == [want] * 3
-    assert stats.kv_cache_usage == 0.0 and stats.num_running == 0
+    want = teacher_forced_argmax(hf, forked + list(samples[0].token_ids)[:-1])[len(forked) - 1 :]
+    assert [list(c.token_ids) for c in samples] == [want] * 3
+    assert after_forks.kv_cache_usage == 0.0 and after_forks.num_running == 0
