@@ -60,6 +60,11 @@ class AttentionMetadata:
     prefill: PrefillMetadata | None
 
 
+# the optional attention features a backend declares (supports_<feature>) -> the keyword its
+# attention kernels take for it
+ATTENTION_FEATURES = {"sliding_window": "window", "soft_cap": "soft_cap"}
+
+
 def list_sizes(sizes: tuple[int, ...]) -> str:
     """'64, 128' — or '8, 16, ..., 256' for a long evenly spaced run."""
     steps = {b - a for a, b in itertools.pairwise(sizes)}
@@ -94,15 +99,19 @@ class AttentionOps(Platform):
         """Which of the attention features a model `needs` ("sliding_window", "soft_cap")
         these ops do not declare, or None. A declaration counts only where the kernels take
         the keyword (a subclass that overrides a kernel without it does not inherit it)."""
-        missing = []
-        for feature, keyword in (("sliding_window", "window"), ("soft_cap", "soft_cap")):
-            if feature in needs and not self.supports(feature, keyword):
-                missing.append(f"{feature.replace('_', '-')} attention (AttentionOps.supports_{feature})")
+        missing = [
+            f"{feature.replace('_', '-')} attention (AttentionOps.supports_{feature})"
+            for feature in ATTENTION_FEATURES
+            if feature in needs and not self.supports(feature)
+        ]
         return " and ".join(missing) or None
 
-    def supports(self, feature: str, keyword: str) -> bool:
+    def supports(self, feature: str) -> bool:
+        """Whether these ops declare an attention feature (ATTENTION_FEATURES) and both kernels
+        take its keyword."""
         if not getattr(self, f"supports_{feature}"):
             return False
+        keyword = ATTENTION_FEATURES[feature]
         kernels = (self.decode_attention, self.prefill_attention)
         return all(keyword in inspect.signature(k).parameters for k in kernels)
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 
 import torch
+
+from .machine import time_steps
 
 DEFAULT_MODEL = "random:layers=4,hidden=256,experts=8,top_k=2,heads=8,kv_heads=2"
 
@@ -23,9 +24,7 @@ def _median_ms(fns: dict, rounds: int) -> dict[str, float]:
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():  # alternated: a noisy moment costs both
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
+            times[name] += time_steps(fn, 1)
     return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 

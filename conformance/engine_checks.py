@@ -270,11 +270,11 @@ def check_windowed_end_to_end(backend: str, ops, root: str, quick: bool) -> Chec
     from pagedllm.fixtures.tiny_models import make_model_dir
 
     res = CheckResult("windowed_end_to_end")
-    if not ops.supports("sliding_window", "window"):
+    if not ops.supports("sliding_window"):
         res.skipped = "sliding windows not declared (AttentionOps.supports_sliding_window)"
         return res
     models = {"mistral, window 16": make_model_dir(os.path.join(root, "mistral-w16"), "mistral", sliding_window=WINDOW)}
-    if not quick and ops.supports("soft_cap", "soft_cap"):
+    if not quick and ops.supports("soft_cap"):
         models["gemma2, soft caps"] = make_model_dir(os.path.join(root, "gemma2"), "gemma2")
     for name, path in models.items():
         prompts, new = _prompts(3 if quick else 4, seed=11, lo=1, hi=60), 32 if quick else 40

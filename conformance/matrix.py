@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from pagedllm.backends.attention import list_sizes
+from pagedllm.backends.attention import ATTENTION_FEATURES, list_sizes
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -43,8 +43,7 @@ def declarations(cls) -> dict:
         "block_sizes": sizes(cls.supported_block_sizes),
         "head_sizes": sizes(cls.supported_head_sizes),
         "max_context_len": cls.max_context_len,
-        "sliding_window": bool(cls.supports_sliding_window),
-        "soft_cap": bool(cls.supports_soft_cap),
+        **{feature: bool(getattr(cls, f"supports_{feature}")) for feature in ATTENTION_FEATURES},
     }
 
 
@@ -60,7 +59,7 @@ def _declared_lines(d: dict) -> list[str]:
         f"ranks joined by {d['distributed_backend']}",
         f"- declares: dtypes {', '.join(d['dtypes'])}; block sizes {_sizes(d['block_sizes'])}; "
         f"head sizes {_sizes(d['head_sizes'])}; contexts {context}; attention features "
-        f"{', '.join(f.replace('_', '-') for f in ('sliding_window', 'soft_cap') if d.get(f)) or 'none'}",
+        f"{', '.join(f.replace('_', '-') for f in ATTENTION_FEATURES if d.get(f)) or 'none'}",
         f"- its own: {', '.join(d['overrides']) or 'nothing (every optional member as the base class has it)'}",
     ]
 

@@ -197,14 +197,11 @@ def soft_cap_cases(ops, quick: bool) -> list[Case]:
 def check_limits(ops, quick: bool, dtypes, what: str) -> list[CheckResult]:
     """The sliding_window or soft_cap rows: skipped, saying so, where the backend does not
     declare the feature (a model that needs it is refused on that backend)."""
-    feature, keyword, cases = {
-        "sliding_window": ("sliding_window", "window", window_cases),
-        "soft_cap": ("soft_cap", "soft_cap", soft_cap_cases),
-    }[what]
+    cases = {"sliding_window": window_cases, "soft_cap": soft_cap_cases}[what]
     rows = _rows(what, dtypes)
-    if not ops.supports(feature, keyword):
+    if not ops.supports(what):
         for row in rows.values():
-            row.skipped = f"not declared (AttentionOps.supports_{feature}); models that need it are refused"
+            row.skipped = f"not declared (AttentionOps.supports_{what}); models that need it are refused"
         return list(rows.values())
     for spec in cases(ops, quick):
         for dt in dtypes:

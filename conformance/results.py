@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from pagedllm.backends.attention import list_sizes
+from pagedllm.backends.attention import ATTENTION_FEATURES, list_sizes
 
 # |got - want| <= atol + rtol * |want|, per dtype (in the spirit of torch.testing's defaults)
 TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 1.6e-2), torch.float16: (5e-3, 5e-3)}
@@ -62,7 +62,7 @@ def declared_support(ops) -> str:
 
     dtypes = ", ".join(DTYPE_NAMES.get(d, str(d)) for d in ops.supported_dtypes)
     context = "any" if ops.max_context_len is None else f"up to {ops.max_context_len}"
-    features = [f.replace("_", "-") for f in ("sliding_window", "soft_cap") if getattr(ops, f"supports_{f}")]
+    features = [f.replace("_", "-") for f in ATTENTION_FEATURES if getattr(ops, f"supports_{f}")]
     return (
         f"contract version {ops.contract_version}; declared support: dtypes {dtypes}; "
         f"block sizes {listed(ops.supported_block_sizes)}; "

@@ -37,16 +37,14 @@ def replayable(model: CausalLM, kv_caches: torch.Tensor) -> bool:
     cfg = model.config
     if kv_caches.dtype not in native.ATTENTION_SUFFIX or type(model) is not CausalLM:
         return False
-    if cfg.embed_scale or cfg.sandwich_norms or model.local_rope is not None:  # steps the replay does not have
-        return False
+    if cfg.embed_scale or cfg.sandwich_norms or cfg.attn_soft_cap or model.local_rope is not None:
+        return False  # steps the replay does not have
     for layer in model.layers:
         linears = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if not all(isinstance(m, PanelLinear) for m in linears) or not all(isinstance(n, FusedRMSNorm) for n in norms):
             return False
         if layer.q_norm is not None or layer.act is not native.silu_and_mul or layer.rotate is not native.rotate:
-            return False
-        if layer.soft_cap:
             return False
     return isinstance(model.norm, FusedRMSNorm)
 

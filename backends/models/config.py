@@ -71,6 +71,12 @@ class ModelConfig:
         windows = set(self.layer_windows)
         return windows.pop() if len(windows) == 1 else None
 
+    @property
+    def local_rope(self) -> dict | None:
+        """The rotary parameters of the layers that have their own (Gemma 3's local layers:
+        one set for all of them), or None."""
+        return next((r for r in self.layer_ropes if r), None)
+
     def attention_features(self) -> set[str]:
         """The optional attention features (AttentionOps.supports_*) this model needs."""
         needs = {"sliding_window"} if any(self.layer_windows) else set()

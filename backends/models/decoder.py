@@ -192,9 +192,8 @@ class CausalLM(nn.Module):
         positions = max_positions or cfg.max_position_embeddings
         self.rope = rope or RotaryEmbedding(cfg.head_dim, cfg.rope, positions)
         # the layers' other rotary parameters (Gemma 3's local layers): one set, at index 1
-        local = next((r for r in cfg.layer_ropes if r), None)
-        if local is not None and local_rope is None:
-            local_rope = RotaryEmbedding(cfg.head_dim, local, positions)
+        if cfg.local_rope is not None and local_rope is None:
+            local_rope = RotaryEmbedding(cfg.head_dim, cfg.local_rope, positions)
         self.local_rope = local_rope
 
     def forward(

@@ -134,7 +134,7 @@ def load_model(
         longest = max_positions or cfg.max_position_embeddings
         rope_params = {**rope_params, "use_long": longest > rope_params["original_max_position_embeddings"]}
     rope = RotaryEmbedding(cfg.head_dim, rope_params, positions)
-    local = next((r for r in cfg.layer_ropes if r), None)
+    local = cfg.local_rope
     local_rope = RotaryEmbedding(cfg.head_dim, local, positions) if local else None
     with torch.device("meta"):
         model = CausalLM(cfg, tp=tp, rope=rope, local_rope=local_rope)
@@ -272,7 +272,8 @@ def _read_slice(f, name: str, shards: Shards, cfg: ModelConfig, tp: TensorParall
     rows past the vocabulary (its padding) are zeros."""
     stem, _, kind = name.rpartition(".")
     split = next((v for k, v in _SPLITS.items() if stem == k or stem.endswith("." + k)), None)
-    expert = _EXPERT.search(stem.partition(".layers.")[2].partition(".")[2])
+    layer = _LAYER.match(stem)
+    expert = _EXPERT.match(layer.group(2)) if layer else None
     if expert:  # every expert's slice of the intermediate dimension (models/moe.py)
         split = (1 if _EXPERT_PARTS[expert.group(2)][0] == "w2" else 0, "expert_intermediate")
     if tp.size == 1 or split is None:
@@ -303,7 +304,7 @@ def _fused_parts(f, name: str, shards: Shards, cfg: ModelConfig, tp: TensorParal
     for what in ranges:
         piece = tensor[offset : offset + whole[what]]
         offset += whole[what]
-        start, size = _range(what, shards, cfg) if tp.size > 1 else (0, whole[what])
+        start, size = _range(what, shards, cfg)
         parts.append(piece[start : start + size])
     return f"layers.{m.group(1)}.{ours}.weight", parts
 

@@ -195,7 +195,7 @@ def quantize_model(model: nn.Module, kind: str, row_parallel: frozenset[str] = f
     is a multiple of the group."""
     count = 0
     for layer in model.layers:
-        if getattr(layer, "experts", None) is not None:
+        if layer.experts is not None:
             count += layer.experts.quantize(kind, model.tp)
         for name in QUANTIZED_PROJECTIONS:
             linear = getattr(layer, name)
@@ -217,7 +217,7 @@ def use_kernels(model: nn.Module, kernel) -> None:
             child = getattr(layer, name)
             if isinstance(child, QuantizedLinear):
                 setattr(layer, name, kernel(child))
-        experts = getattr(layer, "experts", None)
+        experts = layer.experts
         if experts is not None and experts.gate_up is not None:
             for layers in (experts.gate_up, experts.down):
                 for i, child in enumerate(layers):
