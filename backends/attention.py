@@ -7,7 +7,9 @@ attends; so every token of the step — including another request's, when a pref
 shares blocks computed in this same step — is in the cache before attention reads it.
 
 KV cache of one layer: [2, num_blocks, block_size, num_kv_heads, head_size] (0 = K, 1 = V).
-Slot s is block s // block_size, offset s % block_size.
+Slot s is block s // block_size, offset s % block_size. An 8-bit cache (contract v5) holds codes
+of its format, with `kv_scales` [2, num_blocks, block_size, num_kv_heads] float32 beside them
+(value = code * scale); kv_cache.py has the layout and the reference quantization.
 """
 
 from __future__ import annotations
@@ -94,6 +96,24 @@ class AttentionOps(Platform):
     # not declare it; the conformance suite tests what is declared.
     supports_sliding_window: bool = False
     supports_soft_cap: bool = False
+    # KV cache dtypes (contract v5): "auto" is the model's dtype; the 8-bit ones (fp8_e4m3,
+    # fp8_e5m2, int8; kv_cache.py) reach write_kv and both attention kernels as a cache of codes
+    # with the keyword `kv_scales`. Another is refused at start-up.
+    supported_kv_cache_dtypes: tuple[str, ...] = ("auto",)
+
+    def unsupported_kv_cache_dtype(self, kv_cache_dtype: str, head_size: int) -> str | None:
+        """Why these ops cannot hold a cache of `kv_cache_dtype`, or None. Like the attention
+        features, an 8-bit dtype counts only where the three kernels take `kv_scales`."""
+        if kv_cache_dtype == "auto":
+            return None
+        kernels = (self.write_kv, self.decode_attention, self.prefill_attention)
+        takes_scales = all("kv_scales" in inspect.signature(k).parameters for k in kernels)
+        if kv_cache_dtype not in self.supported_kv_cache_dtypes or not takes_scales:
+            declared = ", ".join(self.supported_kv_cache_dtypes if takes_scales else ("auto",))
+            return f"kv_cache_dtype {kv_cache_dtype} (supported: {declared})"
+        if head_size % 4:
+            return f"kv_cache_dtype {kv_cache_dtype} at head size {head_size} (8-bit caches need a multiple of 4)"
+        return None
 
     def unsupported_features(self, needs: set[str]) -> str | None:
         """Which of the attention features a model `needs` ("sliding_window", "soft_cap")
@@ -154,9 +174,17 @@ class AttentionOps(Platform):
         return scores.argmax(dim=-1)
 
     def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        *,
+        kv_scales: torch.Tensor | None = None,
     ) -> None:
-        """key/value: [T, KVH, D]. Stores token t at slot slot_mapping[t]."""
+        """key/value: [T, KVH, D]. Stores token t at slot slot_mapping[t]. With kv_scales (an
+        8-bit cache; supported_kv_cache_dtypes): each (token, head) row quantized as
+        kv_cache.quantize does, its scale into kv_scales."""
         raise NotImplementedError
 
     def decode_attention(
@@ -168,9 +196,12 @@ class AttentionOps(Platform):
         *,
         window: int | None = None,
         soft_cap: float | None = None,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """query: [D, H, Dh], one token per request; returns [D, H, Dh]. window / soft_cap:
-        see supports_sliding_window / supports_soft_cap; passed only when a layer has them."""
+        see supports_sliding_window / supports_soft_cap; passed only when a layer has them.
+        kv_scales: the cache holds 8-bit codes (write_kv); K/V are code * scale, and the
+        result has the query's dtype."""
         raise NotImplementedError
 
     def prefill_attention(
@@ -182,6 +213,7 @@ class AttentionOps(Platform):
         *,
         window: int | None = None,
         soft_cap: float | None = None,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """query: [Tp, H, Dh]; query i of request r sits at position context_len - query_len + i
         and attends causally to every cached position up to its own (with a window, only to
@@ -189,7 +221,8 @@ class AttentionOps(Platform):
         raise NotImplementedError
 
     def copy_blocks(self, kv_caches: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
-        """Copy-on-write across all layers: kv_caches [L, 2, N, bs, KVH, D]; block src -> dst."""
+        """Copy-on-write across all layers: kv_caches [L, 2, N, ...] (an 8-bit pool: [L, 2, N,
+        block bytes], its scales inside each block); block src -> dst."""
         if not pairs:
             return
         src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=kv_caches.device)

@@ -12,6 +12,7 @@ from pagedllm.core.utils import cdiv
 from pagedllm.core.worker_state import slot_mapping
 
 from .attention import AttentionMetadata, AttentionOps, DecodeMetadata, PrefillMetadata
+from .kv_cache import allocate_pool, layer_caches
 from .models.quantized import use_kernels
 
 
@@ -95,12 +96,18 @@ def prepare_batch(seqs: list[SeqInput], block_size: int, device="cpu") -> StepBa
 
 
 class ModelRunner:
-    def __init__(self, model, ops: AttentionOps, kv_caches: torch.Tensor, block_size: int, device="cpu"):
+    def __init__(
+        self, model, ops: AttentionOps, kv_caches: torch.Tensor, block_size: int, device="cpu", kv_cache_dtype="auto"
+    ):
         self.model = model
         self.ops = ops
         use_kernels(model, ops.quantized_linear)
         ops.prepare_model(model)
-        self.kv_caches = kv_caches  # [L, 2, num_blocks, block_size, KVH, D]
+        # the pool, [L, 2, num_blocks, ...] (what block copies and swaps move), and what each
+        # layer's attention takes of it (kv_cache.layer_caches)
+        self.kv_caches = kv_caches
+        cfg = model.config
+        self.layer_caches = layer_caches(kv_caches, kv_cache_dtype, block_size, model.shards.num_kv_heads, cfg.head_dim)
         self.block_size = block_size
         self.device = device
         self.decode_graphs = None  # gpu.DecodeGraphs, when CUDA graphs are on
@@ -125,9 +132,9 @@ class ModelRunner:
             extra = [np.arange(batch.first_rows[i], batch.first_rows[i] + n) for i, n in wanted.items()]
             keep = torch.cat([keep, torch.from_numpy(np.concatenate(extra)).to(self.device)])
         if batch.meta.prefill is None and not wanted:  # every row is some request's last token
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.ops)
+            hidden = self.model(batch.input_ids, batch.positions, self.layer_caches, batch.meta, self.ops)
             return self.model.compute_logits(hidden[keep]), {}
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.ops, keep)
+        hidden = self.model(batch.input_ids, batch.positions, self.layer_caches, batch.meta, self.ops, keep)
         logits = self.model.compute_logits(hidden[: len(seqs)])
         rest, at = {}, len(seqs)
         for i, n in (wanted or {}).items():
@@ -136,16 +143,18 @@ class ModelRunner:
         return logits, rest
 
 
-def allocate_kv_caches(model, num_blocks: int, block_size: int, dtype=None, device="cpu") -> torch.Tensor:
+def allocate_kv_caches(
+    model, num_blocks: int, block_size: int, dtype=None, device="cpu", kv_cache_dtype="auto"
+) -> torch.Tensor:
     """A zeroed KV pool for `model` (a CausalLM: under tensor parallelism, of its own heads)."""
     cfg = model.config
-    return torch.zeros(
+    return allocate_pool(
+        kv_cache_dtype,
         cfg.num_layers,
-        2,
         num_blocks,
         block_size,
         model.shards.num_kv_heads,
         cfg.head_dim,
-        dtype=dtype or cfg.dtype,
-        device=device,
+        dtype or cfg.dtype,
+        device,
     )

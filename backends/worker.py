@@ -50,6 +50,7 @@ from pagedllm.core.protocol import (
 from pagedllm.core.worker_group import rank_identity
 from pagedllm.core.worker_state import WorkerState
 
+from .kv_cache import allocate_pool, pool_dtype, pool_shape
 from .models.config import DTYPES, ModelConfig
 from .models.loader import load_model
 from .models.parallel import SINGLE, TensorParallel
@@ -86,6 +87,7 @@ class Worker:
         wanted = ModelConfig.from_pretrained(config.model, dtype)  # refused before any weight loads
         problem = self.ops.unsupported(wanted.dtype, wanted.head_dim, config.block_size, config.max_model_len)
         problem = problem or self.ops.unsupported_features(wanted.attention_features())
+        problem = problem or self.ops.unsupported_kv_cache_dtype(config.kv_cache_dtype, wanted.head_dim)
         if problem:
             raise ValueError(f"backend {config.backend} does not support {problem}")
         # rotary tables as long as the context (a config past the model's positions was refused
@@ -112,6 +114,7 @@ class Worker:
             num_kv_heads=self.model.shards.num_kv_heads,
             head_size=cfg.head_dim,
             dtype=DTYPE_NAMES[cfg.dtype],
+            kv_cache_dtype=self.config.kv_cache_dtype,
         )
         return WorkerHello(
             rank=self.rank,
@@ -140,25 +143,28 @@ class Worker:
         )
 
     def _cache_tensor(self, segment: str | None, num_blocks: int, block_size: int) -> torch.Tensor:
-        cfg = self.model_config
-        shape = (cfg.num_layers, 2, num_blocks, block_size, self.model.shards.num_kv_heads, cfg.head_dim)
+        cfg, kv_dtype = self.model_config, self.config.kv_cache_dtype
+        kv_heads = self.model.shards.num_kv_heads
         if segment is None:
-            return torch.zeros(shape, dtype=cfg.dtype, device=self.device)
+            return allocate_pool(
+                kv_dtype, cfg.num_layers, num_blocks, block_size, kv_heads, cfg.head_dim, cfg.dtype, self.device
+            )
+        shape = pool_shape(kv_dtype, cfg.num_layers, num_blocks, block_size, kv_heads, cfg.head_dim)
         mapping = shm.map_segment(segment)
         self._mappings.append(mapping)
-        return torch.frombuffer(mapping, dtype=cfg.dtype, count=int(np.prod(shape))).view(shape)
+        return torch.frombuffer(mapping, dtype=pool_dtype(kv_dtype, cfg.dtype), count=int(np.prod(shape))).view(shape)
 
     def init_cache(self, msg: InitCache) -> WorkerReady:
         kv = self._cache_tensor(msg.kv_segment, msg.num_blocks, msg.block_size)
         self.swap = (
             self._cache_tensor(msg.swap_segment, msg.num_swap_blocks, msg.block_size) if msg.num_swap_blocks else None
         )
-        self.runner = ModelRunner(self.model, self.ops, kv, msg.block_size, self.device)
+        self.runner = ModelRunner(self.model, self.ops, kv, msg.block_size, self.device, self.config.kv_cache_dtype)
         if self.swap is not None:
             self.ops.pin_memory(self.swap)
         if not self.config.enforce_eager:
             self.runner.decode_graphs = self.ops.capture_graphs(
-                self.model, kv, msg.block_size, self.config.max_num_seqs, msg.max_model_len
+                self.model, self.runner.layer_caches, msg.block_size, self.config.max_num_seqs, msg.max_model_len
             )
         return WorkerReady(rank=self.rank)
 

@@ -40,9 +40,12 @@ def mode_name(mode: str | None, dtype: str) -> str:
     return dtype if mode is None else f"{mode} ({dtype} compute)"
 
 
-def make_runner(model_dir: str, dtype: str, mode: str | None, num_blocks: int) -> ModelRunner:
+def make_runner(
+    model_dir: str, dtype: str, mode: str | None, num_blocks: int, kv_cache_dtype: str = "auto"
+) -> ModelRunner:
     model = load_model(model_dir, dtype=dtype, quantization=mode)
-    return ModelRunner(model, CpuAttentionOps(), allocate_kv_caches(model, num_blocks, BLOCK), BLOCK)
+    kv = allocate_kv_caches(model, num_blocks, BLOCK, kv_cache_dtype=kv_cache_dtype)
+    return ModelRunner(model, CpuAttentionOps(), kv, BLOCK, kv_cache_dtype=kv_cache_dtype)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -69,7 +72,7 @@ def sequence_scores(runner: ModelRunner, ids: list[int]) -> tuple[float, torch.T
     the model's top token at each position."""
     table = list(range(1, cdiv(len(ids), BLOCK) + 1))
     batch = prepare_batch([SeqInput(ids[:-1], 0, table)], BLOCK)
-    hidden = runner.model(batch.input_ids, batch.positions, runner.kv_caches, batch.meta, runner.ops)
+    hidden = runner.model(batch.input_ids, batch.positions, runner.layer_caches, batch.meta, runner.ops)
     logits = runner.model.compute_logits(hidden)
     nll = float(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="sum"))
     return nll, logits.argmax(-1)
@@ -89,15 +92,17 @@ def demo_held_out(tokenizer) -> list[list[int]]:
     return chunks
 
 
-def held_out_scores(model_dir: str, dtype: str, mode: str | None, chunks: list[list[int]]):
+def held_out_scores(model_dir: str, dtype: str, mode: str | None, chunks: list[list[int]], kv_cache_dtype="auto"):
     """Nats per token over the chunks, and the top token at every position."""
-    runner = make_runner(model_dir, dtype, mode, num_blocks=cdiv(257, BLOCK) + 1)
+    runner = make_runner(model_dir, dtype, mode, cdiv(257, BLOCK) + 1, kv_cache_dtype)
     scores = [sequence_scores(runner, c) for c in chunks]
     return sum(nll for nll, _ in scores) / sum(len(c) - 1 for c in chunks), torch.cat([top for _, top in scores])
 
 
-def held_out_loss(model_dir: str, dtype: str, mode: str | None, chunks: list[list[int]]) -> float:
-    return held_out_scores(model_dir, dtype, mode, chunks)[0]
+def held_out_loss(
+    model_dir: str, dtype: str, mode: str | None, chunks: list[list[int]], kv_cache_dtype="auto"
+) -> float:
+    return held_out_scores(model_dir, dtype, mode, chunks, kv_cache_dtype)[0]
 
 
 @torch.inference_mode()

@@ -11,6 +11,10 @@ from .utils import cdiv
 SCHEDULER_POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("recompute", "swap")
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+# what KV blocks hold: the model's dtype, or 8-bit codes with a float32 scale per (token, KV head)
+# row (backends/kv_cache.py); "fp8" is vLLM's name for fp8_e4m3
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+KV_CACHE_ALIASES = {"fp8": "fp8_e4m3"}
 
 
 def default_batched_tokens(max_model_len: int) -> int:
@@ -127,9 +131,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_worker_restarts: int = 3  # within 10 minutes; past it the engine is dead
     jump_forward: bool = True  # structured outputs: append the tokens a grammar forces, unsampled
     quantization: str | None = None  # core/quantization.py: a load-time mode, or the checkpoint's method
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
 
     def __post_init__(self):
         _check_block_size(self.block_size)
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        self.kv_cache_dtype = KV_CACHE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
         _check_positive(
             self, ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks", "cpu_threads")
         )

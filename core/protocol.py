@@ -101,9 +101,12 @@ class KVSpec(msgspec.Struct):
     num_kv_heads: int
     head_size: int
     dtype: str  # float32, bfloat16, float16
+    kv_cache_dtype: str = "auto"  # or an 8-bit format: a code byte per element, a float32 scale per row
 
     @property
     def bytes_per_block_slot(self) -> int:
+        if self.kv_cache_dtype != "auto":
+            return 2 * self.num_layers * self.num_kv_heads * (self.head_size + 4)
         return 2 * self.num_layers * self.num_kv_heads * self.head_size * DTYPE_SIZES[self.dtype]
 
 

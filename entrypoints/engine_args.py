@@ -10,7 +10,14 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 
 from pagedllm.backends.registry import check_available, device_count, resolve_alias
-from pagedllm.core.config import BLOCK_SIZES, PREEMPTION_MODES, SCHEDULER_POLICIES, EngineConfig, parse_size
+from pagedllm.core.config import (
+    BLOCK_SIZES,
+    KV_CACHE_DTYPES,
+    PREEMPTION_MODES,
+    SCHEDULER_POLICIES,
+    EngineConfig,
+    parse_size,
+)
 from pagedllm.core.errors import InvalidParameter
 from pagedllm.core.free_blocks import PLACEMENTS
 from pagedllm.core.model_folder import ModelFolder, model_folder
@@ -53,6 +60,12 @@ class EngineArgs:
         choices=QUANTIZATIONS,
     )
     block_size: int = option(16, "tokens per KV block", choices=BLOCK_SIZES)
+    kv_cache_dtype: str = option(
+        "auto",
+        "what KV blocks hold: auto (the model's dtype), or 8-bit codes with a scale per token and KV head "
+        "(fp8 = fp8_e4m3, fp8_e5m2, int8): about twice the blocks per GiB of a 16-bit cache",
+        choices=KV_CACHE_DTYPES,
+    )
     max_num_seqs: int = option(256, "sequences in one step at most")
     max_num_batched_tokens: int | None = option(
         None, "tokens in one step at most (default: max_model_len clamped to 2,048-8,192)"

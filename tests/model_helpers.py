@@ -13,11 +13,16 @@ from pagedllm.core.utils import cdiv
 
 
 def make_runner(
-    model_dir: str, dtype: str | None = None, num_blocks: int = 256, block_size: int = 16, ops=None
+    model_dir: str,
+    dtype: str | None = None,
+    num_blocks: int = 256,
+    block_size: int = 16,
+    ops=None,
+    kv_cache_dtype: str = "auto",
 ) -> ModelRunner:
     model = load_model(model_dir, dtype=dtype)
-    kv = allocate_kv_caches(model, num_blocks, block_size)
-    return ModelRunner(model, ops or CpuAttentionOps(), kv, block_size)
+    kv = allocate_kv_caches(model, num_blocks, block_size, kv_cache_dtype=kv_cache_dtype)
+    return ModelRunner(model, ops or CpuAttentionOps(), kv, block_size, kv_cache_dtype=kv_cache_dtype)
 
 
 def shuffled_tables(num_requests: int, blocks_each: int, num_blocks: int, seed: int = 0) -> list[list[int]]:

@@ -65,6 +65,7 @@ ALL_DTYPES = ("float32", "bfloat16", "float16")
         ("broken-bitmask-last-word", {"token_bitmask"}, "differ from the mask"),
         ("broken-window-ignored", {f"sliding_window {d}" for d in ALL_DTYPES}, "window="),
         ("broken-soft-cap-ignored", {f"soft_cap {d}" for d in ALL_DTYPES}, "soft_cap="),
+        ("broken-kv-scale-dropped", {f"kv_cache {f}" for f in ("fp8_e4m3", "fp8_e5m2", "int8")}, "attention off by"),
     ],
 )
 def test_broken_backends_fail_on_the_right_rows(plugins_installed, backend, rows, clue):
@@ -155,11 +156,11 @@ def test_cli_exits_nonzero_on_failure_and_writes_json(plugins_installed, tmp_pat
     )
     assert proc.returncode == 1
     assert "FAIL" in proc.stdout and "decode_attention float32" in proc.stdout
-    assert "contract version 4;" in proc.stdout  # the table's header says what it was written for
+    assert "contract version 5;" in proc.stdout  # the table's header says what it was written for
     assert '"ok": false' in out.read_text()
     # the support matrix beside it: what it declares, and per dtype what passed
     matrix = (tmp_path / "r.md").read_text()
-    assert "## broken-no-softmax-scale" in matrix and "contract version 4" in matrix
+    assert "## broken-no-softmax-scale" in matrix and "contract version 5" in matrix
     decode = next(line for line in matrix.splitlines() if line.startswith("| decode_attention |"))
     assert decode.count("FAIL") == 3, decode  # float32, bfloat16 and float16 all fail
     assert "| write_kv | pass" in matrix

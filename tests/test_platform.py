@@ -115,7 +115,7 @@ def test_the_contract_surface_changes_only_with_a_new_version():
 
 
 def test_a_backend_of_an_unknown_contract_version_is_refused_before_the_engine_starts(plugins_installed):
-    with pytest.raises(BackendUnavailable, match=r"contract version 99; this pagedllm runs versions 1, 2, 3, 4"):
+    with pytest.raises(BackendUnavailable, match=r"contract version 99; this pagedllm runs versions 1, 2, 3, 4, 5"):
         check_available("future-contract")
     with pytest.raises(BackendUnavailable, match="contract version 99"):
         LLM(backend="future-contract")

@@ -32,6 +32,8 @@ def _ptr(t: torch.Tensor, offset_elements: int = 0) -> int:
 
 def replayable(model: CausalLM, kv_caches: torch.Tensor) -> bool:
     """Whether every op of a decode step runs on a compiled kernel this module can call."""
+    if not isinstance(kv_caches, torch.Tensor):  # an 8-bit cache's per-layer views: eager steps
+        return False
     if native.unavailable_reason() is not None or model.tp.size != 1 or not kv_caches.is_contiguous():
         return False
     cfg = model.config

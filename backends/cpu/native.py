@@ -31,6 +31,9 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 DISABLE_ENV = "PAGEDLLM_CPU_KERNELS"
 
 ATTENTION_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+# 8-bit KV caches (backends/kv_cache.py): the attention kernel's suffix and write_kv's format
+QUANTIZED_SUFFIX = {torch.int8: "i8", torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+QUANTIZED_FORMAT = {torch.int8: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 PANEL_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 _p = ctypes.c_void_p
@@ -96,8 +99,11 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     # block size, scale, window, soft cap, out, threads, dot products
     attention = [_p, _p, _p, _p, _i64, _p, _p, *[_i64] * 5, ctypes.c_float, _i64, ctypes.c_float, _p]
     attention += [ctypes.c_int, ctypes.c_int]
+    # ... then block stride, K scales, V scales, scale block stride (no dot products)
+    quantized_attention = [*attention[:-1], _i64, _p, _p, _i64]
     signatures = {
         **{f"pagedllm_paged_attention_{suffix}": attention for suffix in ATTENTION_SUFFIX.values()},
+        **{f"pagedllm_paged_attention_{suffix}": quantized_attention for suffix in QUANTIZED_SUFFIX.values()},
         "pagedllm_set_prefetch": [ctypes.c_int],
         "pagedllm_bf16_dot_products": [],
         "pagedllm_panel_linear": [ctypes.c_int, _p, _i64, _p, _i64, _i64, _p, _p, ctypes.c_int],
@@ -105,6 +111,10 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         "pagedllm_add_rms_norm_f32": [_p, _p, _p, ctypes.c_float, _p, _i64, _i64, ctypes.c_int],
         # key, key stride, value, value stride, slots, tokens, row bytes, K cache, V cache, slots, threads
         "pagedllm_write_kv": [_p, _i64, _p, _i64, _p, _i64, _i64, _p, _p, _i64, ctypes.c_int],
+        # key, key stride, value, value stride, slots, tokens, KV heads, head size, format, K codes,
+        # V codes, K scales, V scales, block size, block bytes, scale block stride, slots, threads
+        "pagedllm_write_kv_quantized": [_p, _i64, _p, _i64, _p, *[_i64] * 3, ctypes.c_int, *[_p] * 4]
+        + [*[_i64] * 4, ctypes.c_int],
         "pagedllm_silu_and_mul_f32": [_p, _p, _i64, _i64, ctypes.c_int],
         "pagedllm_argmax_rows_f32": [_p, _i64, _i64, _i64, _p, ctypes.c_int],
         "pagedllm_apply_token_bitmask_f32": [_p, _i64, _p, _i64, _i64, _i64, ctypes.c_int],
@@ -132,6 +142,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         fn.restype, fn.argtypes = None, argtypes
     lib.pagedllm_bf16_dot_products.restype = ctypes.c_int
     lib.pagedllm_write_kv.restype = ctypes.c_int64
+    lib.pagedllm_write_kv_quantized.restype = ctypes.c_int64
     return lib, None
 
 
@@ -230,6 +241,53 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
         raise IndexError(f"write_kv: {bad} slot(s) outside the cache's {kv_cache[0].numel() // row} slots")
 
 
+def write_kv_quantized(
+    key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """write_kv into an 8-bit cache (kv_cache.QuantizedKV's cache and scales): each (token, KV
+    head) row quantized as kv_cache.quantize does."""
+    num_tokens, num_kv_heads, head_size = key.shape
+    if cache.dtype not in QUANTIZED_FORMAT or cache.shape[-2:] != key.shape[1:] or value.shape != key.shape:
+        raise ValueError("write_kv: key and value must be [T, KVH, D] rows of the cache's heads")
+    if not (cache[0, 0].is_contiguous() and scales[0, 0].is_contiguous() and scales.dtype == torch.float32):
+        raise ValueError("write_kv: each block of the cache and of its scales must be contiguous")
+    key, value = (_rows_float32(t) for t in (key, value))
+    slots = slot_mapping.to(torch.int64).contiguous()
+    if slots.shape != (num_tokens,):
+        raise ValueError(f"slot_mapping must hold one slot per token ({num_tokens}), got {tuple(slots.shape)}")
+    num_blocks, block_size = cache.shape[1], cache.shape[2]
+    bad = _library().pagedllm_write_kv_quantized(
+        key.data_ptr(),
+        key.stride(0),
+        value.data_ptr(),
+        value.stride(0),
+        slots.data_ptr(),
+        num_tokens,
+        num_kv_heads,
+        head_size,
+        QUANTIZED_FORMAT[cache.dtype],
+        cache[0].data_ptr(),
+        cache[1].data_ptr(),
+        scales[0].data_ptr(),
+        scales[1].data_ptr(),
+        block_size,
+        cache.stride(1),
+        scales.stride(1),
+        num_blocks * block_size,
+        torch.get_num_threads(),
+    )
+    if bad:
+        raise IndexError(f"write_kv: {bad} slot(s) outside the cache's {num_blocks * block_size} slots")
+
+
+def _rows_float32(t: torch.Tensor) -> torch.Tensor:
+    """t [T, KVH, D] as float32 with each token's heads contiguous (a row stride of its own)."""
+    t = t.float()
+    if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
+        t = t.contiguous()
+    return t
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [..., 2I] float32 = [gate | up] -> silu(gate) * up [..., I]."""
     x = _float32("x", x)
@@ -309,6 +367,8 @@ def paged_attention(
     dot_products: bool = False,
     window: int | None = None,
     soft_cap: float | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [R, H, Dh], one row per query token; k_cache/v_cache [N, bs, KVH, Dh] float32,
     bfloat16 or float16, contiguous; block_tables [S, max_blocks] int32; row r uses table
@@ -317,19 +377,27 @@ def paged_attention(
     blocks of head size 32, 64 or 128 go to AVX-512 BF16's dot products where the kernels were
     built for them (bfloat16_dot_products()), the query and the probabilities rounded to
     bfloat16 first; elsewhere it changes nothing. window: a row sees only the last `window`
-    of its tokens; soft_cap: scores soft-capped (AttentionOps.supports_soft_cap)."""
+    of its tokens; soft_cap: scores soft-capped (AttentionOps.supports_soft_cap).
+    k_scales/v_scales [N, bs, KVH] float32: the caches hold 8-bit codes (int8, float8_e4m3fn,
+    float8_e5m2; kv_cache.py's layout: each block's rows contiguous, any block stride)."""
     num_rows, num_heads, head_size = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    suffix = ATTENTION_SUFFIX.get(k_cache.dtype)
+    quantized = k_scales is not None
+    suffix = (QUANTIZED_SUFFIX if quantized else ATTENTION_SUFFIX).get(k_cache.dtype)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if suffix is None or t.dtype != k_cache.dtype or not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous float32, bfloat16 or float16 like k_cache, got {t.dtype}")
+        if suffix is None or t.dtype != k_cache.dtype or not _blocks_fit(t, quantized):
+            raise ValueError(f"{name} must be contiguous blocks of the dtype of k_cache, got {t.dtype}")
+    if quantized and not all(
+        t.dtype == torch.float32 and _blocks_fit(t, True) and t.stride(0) == k_scales.stride(0)
+        for t in (k_scales, v_scales)
+    ):
+        raise ValueError("k_scales/v_scales must be [N, bs, KVH] float32 with each block's rows contiguous")
     q = query.float().contiguous()
     block_tables, row_table, row_context = (
         t.to(torch.int32).contiguous() for t in (block_tables, row_table, row_context)
     )
     out = torch.empty_like(q)
-    getattr(_library(), f"pagedllm_paged_attention_{suffix}")(
+    args = [
         q.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
@@ -347,9 +415,21 @@ def paged_attention(
         soft_cap or 0.0,
         out.data_ptr(),
         torch.get_num_threads(),
-        int(dot_products),
-    )
+    ]
+    if quantized:
+        args += [k_cache.stride(0), k_scales.data_ptr(), v_scales.data_ptr(), k_scales.stride(0)]
+    else:
+        args.append(int(dot_products))
+    getattr(_library(), f"pagedllm_paged_attention_{suffix}")(*args)
     return out.to(query.dtype)
+
+
+def _blocks_fit(t: torch.Tensor, any_block_stride: bool) -> bool:
+    """Whether each block of t [N, ...] is one contiguous run (and, unless any_block_stride,
+    the blocks follow each other)."""
+    if not any_block_stride:
+        return t.is_contiguous()
+    return t[0].is_contiguous() and t.stride(0) >= t[0].numel()
 
 
 def bfloat16_dot_products() -> bool:

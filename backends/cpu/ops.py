@@ -24,6 +24,7 @@ import torch
 from pagedllm.core.utils import cdiv
 
 from ..attention import AttentionOps, DecodeMetadata, PrefillMetadata, prefill_token_rows
+from ..kv_cache import dequantize, write_quantized
 from . import native
 from .decode_replay import capture_decode_replay
 from .model_kernels import compute_in_float32, panel_float32_linear, use_fused_kernels, use_panel_linear
@@ -61,10 +62,16 @@ def attend(
     return torch.matmul(probs, v).to(dtype)
 
 
-def gather_heads(kv_cache: torch.Tensor, which: int, blocks: torch.Tensor, num_seqs: int) -> torch.Tensor:
-    """K (which=0) or V (1) of the blocks, head-major float32: [KVH, num_seqs, tokens per seq, D]."""
+def gather_heads(
+    kv_cache: torch.Tensor, which: int, blocks: torch.Tensor, num_seqs: int, kv_scales: torch.Tensor | None = None
+) -> torch.Tensor:
+    """K (which=0) or V (1) of the blocks, head-major float32: [KVH, num_seqs, tokens per seq, D]
+    (an 8-bit cache's codes times their scales)."""
     _, _, _block_size, num_kv_heads, head_size = kv_cache.shape
-    gathered = kv_cache[which].index_select(0, blocks).view(num_seqs, -1, num_kv_heads, head_size)
+    gathered = kv_cache[which].index_select(0, blocks)
+    if kv_scales is not None:
+        gathered = dequantize(gathered, kv_scales[which].index_select(0, blocks))
+    gathered = gathered.view(num_seqs, -1, num_kv_heads, head_size)
     out = torch.empty(
         (num_kv_heads, num_seqs, gathered.shape[1], head_size), dtype=torch.float32, device=kv_cache.device
     )
@@ -96,15 +103,28 @@ def bfloat16_dot_products() -> bool:
     return native.bfloat16_dot_products()
 
 
-def _compiled(query, kv_cache, meta) -> bool:
+def _compiled(query, kv_cache, meta, kv_scales=None) -> bool:
     """Whether this call goes through the compiled kernel: where it could be built."""
-    if not (
-        kv_cache.dtype in native.ATTENTION_SUFFIX and kv_cache.is_contiguous() and native.unavailable_reason() is None
-    ):
+    if native.unavailable_reason() is not None:
+        return False
+    if kv_scales is not None:
+        if kv_cache.dtype not in native.QUANTIZED_SUFFIX or not kv_cache[0, 0].is_contiguous():
+            return False
+    elif not (kv_cache.dtype in native.ATTENTION_SUFFIX and kv_cache.is_contiguous()):
         return False
     if meta.max_context_len > meta.block_tables.shape[1] * kv_cache.shape[2]:
         raise ValueError("attention: a context is longer than its block table covers")
     return True
+
+
+def compute_dtype(query: torch.Tensor, kv_cache: torch.Tensor, kv_scales) -> torch.dtype:
+    """The dtype attention rounds in: the cache's, or for an 8-bit cache the query's."""
+    return query.dtype if kv_scales is not None else kv_cache.dtype
+
+
+def _scale_pair(kv_scales) -> tuple:
+    """The compiled kernel's k_scales, v_scales arguments."""
+    return (None, None) if kv_scales is None else (kv_scales[0], kv_scales[1])
 
 
 def outside_window(k_pos: torch.Tensor, q_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -120,6 +140,7 @@ class CpuAttentionOps(AttentionOps):
     name = "cpu"
     supports_sliding_window = True
     supports_soft_cap = True
+    supported_kv_cache_dtypes = ("auto", "fp8_e4m3", "fp8_e5m2", "int8")
 
     def prepare_process(self) -> None:
         keep_freed_memory()
@@ -162,7 +183,13 @@ class CpuAttentionOps(AttentionOps):
             return native.apply_token_bitmask(logits, bitmask)
         return super().apply_token_bitmask(logits, bitmask)
 
-    def write_kv(self, key, value, kv_cache, slot_mapping):
+    def write_kv(self, key, value, kv_cache, slot_mapping, *, kv_scales=None):
+        if kv_scales is not None:
+            if native.unavailable_reason() is None:
+                native.write_kv_quantized(key, value, kv_cache, kv_scales, slot_mapping)
+            else:
+                write_quantized(key, value, kv_cache, kv_scales, slot_mapping)
+            return
         key, value = key.to(kv_cache.dtype), value.to(kv_cache.dtype)
         if native.unavailable_reason() is None and native.fits_write_kv(key, value, kv_cache):
             # index_copy_ takes several times as long for the few hundred rows of a decode step
@@ -172,10 +199,12 @@ class CpuAttentionOps(AttentionOps):
         kv_cache[0].view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, key)
         kv_cache[1].view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, value)
 
-    def decode_attention(self, query, kv_cache, meta: DecodeMetadata, scale, *, window=None, soft_cap=None):
+    def decode_attention(
+        self, query, kv_cache, meta: DecodeMetadata, scale, *, window=None, soft_cap=None, kv_scales=None
+    ):
         """The torch path sorts requests by context length and attends in a few groups, so
         that short contexts are not padded to the longest one in the batch."""
-        if _compiled(query, kv_cache, meta):
+        if _compiled(query, kv_cache, meta, kv_scales):
             rows = torch.arange(query.shape[0], dtype=torch.int32)
             return native.paged_attention(
                 query,
@@ -188,10 +217,11 @@ class CpuAttentionOps(AttentionOps):
                 bfloat16_dot_products(),
                 window,
                 soft_cap,
+                *_scale_pair(kv_scales),
             )
         num_seqs = query.shape[0]
         ctx = meta.context_lens
-        limits = (scale, window, soft_cap)
+        limits = (scale, window, soft_cap, kv_scales)
         if num_seqs <= DECODE_GROUP_MIN:
             return self._decode_group(query, kv_cache, meta.block_tables, ctx, meta.max_context_len, *limits)
         order = torch.argsort(ctx)
@@ -208,22 +238,27 @@ class CpuAttentionOps(AttentionOps):
             )
         return out
 
-    def _decode_group(self, query, kv_cache, block_tables, context_lens, max_context_len, scale, window, soft_cap):
+    def _decode_group(
+        self, query, kv_cache, block_tables, context_lens, max_context_len, scale, window, soft_cap, kv_scales
+    ):
         num_seqs, num_heads, head_size = query.shape
         _, _, block_size, num_kv_heads, _ = kv_cache.shape
         group = num_heads // num_kv_heads
         max_blocks = cdiv(max_context_len, block_size)
         blocks = block_tables[:, :max_blocks].reshape(-1).long()
-        q = query.view(num_seqs, num_kv_heads, group, head_size).to(kv_cache.dtype).float()
+        dtype = compute_dtype(query, kv_cache, kv_scales)
+        q = query.view(num_seqs, num_kv_heads, group, head_size).to(dtype).float()
         positions = torch.arange(max_blocks * block_size, device=query.device)
         hidden = outside_window(positions, context_lens - 1, window)[:, None, :]  # [D, 1, S]
-        keys = gather_heads(kv_cache, 0, blocks, num_seqs)  # [KVH, D, S, Dh]
-        values = gather_heads(kv_cache, 1, blocks, num_seqs)
-        out = attend(q.transpose(0, 1), keys, values, hidden, scale, kv_cache.dtype, soft_cap)  # [KVH, D, G, Dh]
+        keys = gather_heads(kv_cache, 0, blocks, num_seqs, kv_scales)  # [KVH, D, S, Dh]
+        values = gather_heads(kv_cache, 1, blocks, num_seqs, kv_scales)
+        out = attend(q.transpose(0, 1), keys, values, hidden, scale, dtype, soft_cap)  # [KVH, D, G, Dh]
         return out.transpose(0, 1).reshape(num_seqs, num_heads, head_size).to(query.dtype)
 
-    def prefill_attention(self, query, kv_cache, meta: PrefillMetadata, scale, *, window=None, soft_cap=None):
-        if _compiled(query, kv_cache, meta):
+    def prefill_attention(
+        self, query, kv_cache, meta: PrefillMetadata, scale, *, window=None, soft_cap=None, kv_scales=None
+    ):
+        if _compiled(query, kv_cache, meta, kv_scales):
             # one row per new token: its request's table, and the context up to its own position
             request, position = prefill_token_rows(meta, query.shape[0], query.device)
             return native.paged_attention(
@@ -237,25 +272,27 @@ class CpuAttentionOps(AttentionOps):
                 bfloat16_dot_products(),
                 window,
                 soft_cap,
+                *_scale_pair(kv_scales),
             )
         _, num_heads, head_size = query.shape
         _, _, block_size, num_kv_heads, _ = kv_cache.shape
         group = num_heads // num_kv_heads
+        dtype = compute_dtype(query, kv_cache, kv_scales)
         out = torch.empty_like(query)
         start = 0
         for i, (q_len, ctx_len) in enumerate(zip(meta.query_lens, meta.context_lens_list)):
             blocks = meta.block_tables[i, : cdiv(ctx_len, block_size)].long()
             # [KVH, G * q_len, Dh]: the G query heads that share a KV head, stacked
-            q = query[start : start + q_len].to(kv_cache.dtype).float()
+            q = query[start : start + q_len].to(dtype).float()
             q = q.view(q_len, num_kv_heads, group, head_size)
             q = q.permute(1, 2, 0, 3).reshape(num_kv_heads, group * q_len, head_size)
             # query j sits at position ctx_len - q_len + j and sees keys up to that position
             q_pos = torch.arange(ctx_len - q_len, ctx_len, device=query.device)
             k_pos = torch.arange(ctx_len, device=query.device)
             hidden = outside_window(k_pos, q_pos, window).repeat(group, 1)
-            keys = gather_heads(kv_cache, 0, blocks, 1)[:, 0, :ctx_len]  # [KVH, ctx, Dh]
-            values = gather_heads(kv_cache, 1, blocks, 1)[:, 0, :ctx_len]
-            o = attend(q, keys, values, hidden, scale, kv_cache.dtype, soft_cap)
+            keys = gather_heads(kv_cache, 0, blocks, 1, kv_scales)[:, 0, :ctx_len]  # [KVH, ctx, Dh]
+            values = gather_heads(kv_cache, 1, blocks, 1, kv_scales)[:, 0, :ctx_len]
+            o = attend(q, keys, values, hidden, scale, dtype, soft_cap)
             o = o.view(num_kv_heads, group, q_len, head_size).permute(2, 0, 1, 3)
             out[start : start + q_len] = o.reshape(q_len, num_heads, head_size).to(query.dtype)
             start += q_len

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import AttentionMetadata, AttentionOps
+from ..kv_cache import split_layer_cache
 from .config import ModelConfig
 from .moe import ExpertsMLP
 from .parallel import SINGLE, Shards, TensorParallel, VocabParallelEmbedding
@@ -124,8 +125,10 @@ class DecoderLayer(nn.Module):
             q = self.q_norm(qkv[:, :q_size].view(num_tokens, self.num_heads, self.head_dim))
             k = self.k_norm(qkv[:, q_size : q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_dim))
             q, k = self.rotate(q, *cos_sin), self.rotate(k, *cos_sin)
-        ops.write_kv(k, v, kv_cache, meta.slot_mapping)
-        out = paged_attention(q, kv_cache, meta, ops, self.scale, self.attn_options).reshape(num_tokens, -1)
+        cache, kv_options = split_layer_cache(kv_cache)  # an 8-bit cache comes with its scales
+        ops.write_kv(k, v, cache, meta.slot_mapping, **kv_options)
+        options = {**self.attn_options, **kv_options}
+        out = paged_attention(q, cache, meta, ops, self.scale, options).reshape(num_tokens, -1)
         return self.tp.all_reduce(self.o_proj(out if keep_rows is None else out[keep_rows]))
 
     def forward(self, x, residual, cos_sin, kv_cache, meta, ops, keep_rows=None):
@@ -205,7 +208,8 @@ class CausalLM(nn.Module):
         ops: AttentionOps,
         keep_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm; kv_caches: [L, 2, N, bs, KVH, D].
+        """Hidden states [T, hidden] after the final norm; kv_caches: [L, 2, N, bs, KVH, D], or a
+        kv_cache.QuantizedKV per layer for an 8-bit cache.
         keep_rows: only those rows' hidden states, in that order. The last layer then runs its
         output projection and MLP on those rows alone (the rows a step takes logits from: one
         per request, where a prefill has hundreds): the other rows' K/V, all that later steps

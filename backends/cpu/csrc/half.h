@@ -24,6 +24,13 @@ struct bf16 {
 struct f16 {
   uint16_t bits;
 };
+// the 8-bit KV cache formats (backends/kv_cache.py); int8 codes are int8_t
+struct e4m3 {
+  uint8_t bits;
+};
+struct e5m2 {
+  uint8_t bits;
+};
 
 inline float bits_to_float(uint32_t bits) {
   float f;
@@ -47,7 +54,34 @@ inline float to_float(f16 x) {
   return bits_to_float(sign | ((exponent + 112) << 23) | (mantissa << 13));
 }
 
+inline float to_float(int8_t x) { return x; }
+// e5m2 is the upper byte of a binary16
+inline float to_float(e5m2 x) { return to_float(f16{static_cast<uint16_t>(x.bits << 8)}); }
+// e4m3 (OCP "fn": bias 7, no infinities; 0x7f/0xff are NaN, never stored here)
+inline float to_float(e4m3 x) {
+  const uint32_t sign = static_cast<uint32_t>(x.bits & 0x80u) << 24;
+  const uint32_t exponent = (x.bits >> 3) & 0xfu, mantissa = x.bits & 7u;
+  if (exponent == 0) {
+    const float magnitude = static_cast<float>(mantissa) * 0.001953125f;  // mantissa * 2^-9
+    return sign ? -magnitude : magnitude;
+  }
+  return bits_to_float(sign | ((exponent + 120) << 23) | (mantissa << 20));
+}
+
+// types whose vector loads need F16C (binary16 conversions)
+template <class T>
+constexpr bool needs_f16c = std::is_same_v<T, f16> || std::is_same_v<T, e4m3> || std::is_same_v<T, e5m2>;
+
 #ifdef PAGEDLLM_AVX2
+// e4m3 bits as binary16 bits of the value / 256 (the exponent field shifted into place, the
+// subnormals landing on binary16 subnormals): a multiply by 256 after widening restores it
+inline __m128i e4m3_as_f16(__m128i w) {
+  const __m128i sign = _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8);
+  return _mm_or_si128(sign, _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7f)), 7));
+}
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 // eight 16-bit values from p as a float32 vector
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const bf16* p) {
@@ -57,6 +91,14 @@ inline __m256 load8(const bf16* p) {
 #ifdef __F16C__
 #define PAGEDLLM_F16C 1
 inline __m256 load8(const f16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load8(const e5m2* p) {
+  const __m128i bytes = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_cvtph_ps(_mm_slli_epi16(bytes, 8));
+}
+inline __m256 load8(const e4m3* p) {
+  const __m128i bytes = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_mul_ps(_mm256_cvtph_ps(e4m3_as_f16(bytes)), _mm256_set1_ps(256.f));
+}
 #endif
 #endif
 
@@ -68,6 +110,19 @@ inline __m512 load16(const bf16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 inline __m512 load16(const f16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 load16(const e5m2* p) {
+  const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtph_ps(_mm256_slli_epi16(bytes, 8));
+}
+inline __m512 load16(const e4m3* p) {
+  const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8);
+  const __m256i h = _mm256_or_si256(sign, _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7));
+  return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
+}
 #endif
 
 // out[0:n] = src[0:n] as float32
@@ -76,7 +131,7 @@ inline void widen(const T* __restrict src, int64_t n, float* __restrict out) {
   int64_t i = 0;
 #ifdef PAGEDLLM_AVX2
 #ifndef PAGEDLLM_F16C
-  if constexpr (!std::is_same_v<T, f16>)
+  if constexpr (!needs_f16c<T>)
 #endif
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, load8(src + i));
 #endif

@@ -17,7 +17,18 @@
 namespace {
 
 using pagedllm::bf16;
+using pagedllm::e4m3;
+using pagedllm::e5m2;
 using pagedllm::f16;
+
+// An 8-bit cache's scales for one block of one row: row t, KV head g at k[t * kv_heads + g];
+// `weighted` holds the probabilities times V's scales. Null k: the cache holds values.
+struct BlockScales {
+  const float* k = nullptr;
+  const float* v = nullptr;
+  float* weighted = nullptr;
+  int64_t kv_heads = 0;
+};
 
 // HS > 0: the head size known at compile time (the common ones), so loops over it unroll and
 // per-head accumulators stay in registers; HS = 0: any head size.
@@ -40,7 +51,7 @@ constexpr bool in_place() {
 #endif
 #ifdef PAGEDLLM_AVX2
 #ifndef PAGEDLLM_F16C
-  if constexpr (std::is_same_v<T, f16>) return false;
+  if constexpr (pagedllm::needs_f16c<T>) return false;
 #endif
   return HS > 0 && HS % 8 == 0;
 #else
@@ -295,6 +306,28 @@ inline void cap_scores(float* scores, int64_t n, int64_t num_heads, int64_t bloc
     for (float *s = scores + h * block_size, *e = s + n; s != e; ++s) *s = cap * std::tanh(*s * inv);
 }
 
+// scores[h][t] *= K's scale of token t for head h's KV head
+inline void scale_scores(float* scores, const BlockScales& bs, int64_t n, int64_t num_heads, int64_t group,
+                         int64_t block_size) {
+  for (int64_t h = 0; h < num_heads; ++h) {
+    const float* k = bs.k + h / group;
+    float* s = scores + h * block_size;
+    for (int64_t t = 0; t < n; ++t) s[t] *= k[t * bs.kv_heads];
+  }
+}
+
+// weighted[h][t] = p[h][t] * V's scale of token t for head h's KV head
+inline const float* weigh_probabilities(const float* p, const BlockScales& bs, int64_t n, int64_t num_heads,
+                                        int64_t group, int64_t block_size) {
+  for (int64_t h = 0; h < num_heads; ++h) {
+    const float* v = bs.v + h / group;
+    const float* ph = p + h * block_size;
+    float* w = bs.weighted + h * block_size;
+    for (int64_t t = 0; t < n; ++t) w[t] = ph[t] * v[t * bs.kv_heads];
+  }
+  return bs.weighted;
+}
+
 // The online softmax over one more block: scores[h][0:n] become exp(score - running max); the
 // running sums and the unnormalised outputs are rescaled to the new max.
 inline void softmax_update(float* scores, int64_t n, int64_t num_heads, int64_t head_size, int64_t block_size,
@@ -412,22 +445,25 @@ void attend_block_dot(const bf16* q16, const bf16* k_block, const bf16* v_block,
 #endif
 
 // One block of one row: scores, online-softmax update, values, on K/V of T read in place, or on
-// float32 copies widened into k_wide/v_wide when in_place<HS, T>() says so.
+// float32 copies widened into k_wide/v_wide when in_place<HS, T>() says so. 8-bit codes are
+// widened as they are; their scales apply to the scores and to the probabilities.
 template <int64_t HS, class T>
 void attend_block(const float* qs, const T* k_block, const T* v_block, int64_t n, int64_t num_heads,
                   int64_t group, int64_t head_size, int64_t token_stride, int64_t block_size, float scale,
                   float soft_cap, float* scores, float* max, float* sum, float* acc, float* k_wide, float* v_wide,
-                  Prefetcher& pf) {
+                  const BlockScales& row_scales, Prefetcher& pf) {
   if constexpr (!in_place<HS, T>()) {
     pagedllm::widen(k_block, n * token_stride, k_wide);
     pagedllm::widen(v_block, n * token_stride, v_wide);
     attend_block<HS, float>(qs, k_wide, v_wide, n, num_heads, group, head_size, token_stride, block_size, scale,
-                            soft_cap, scores, max, sum, acc, nullptr, nullptr, pf);
+                            soft_cap, scores, max, sum, acc, nullptr, nullptr, row_scales, pf);
   } else {
     block_scores<HS, T>(qs, k_block, n, num_heads, group, head_size, token_stride, block_size, scale, scores, pf);
+    if (row_scales.k) scale_scores(scores, row_scales, n, num_heads, group, block_size);
     cap_scores(scores, n, num_heads, block_size, soft_cap);
     softmax_update(scores, n, num_heads, head_size, block_size, max, sum, acc);
-    block_values<HS, T>(scores, v_block, n, num_heads, group, head_size, token_stride, block_size, acc, pf);
+    const float* p = row_scales.k ? weigh_probabilities(scores, row_scales, n, num_heads, group, block_size) : scores;
+    block_values<HS, T>(p, v_block, n, num_heads, group, head_size, token_stride, block_size, acc, pf);
   }
 }
 
@@ -441,15 +477,21 @@ void attend_block(const float* qs, const T* k_block, const T* v_block, int64_t n
 // token rows (all KV heads, contiguous) are read once, front to back, for every query head.
 // Where a head size has no in-place path, 16-bit blocks are widened to float32 into a
 // per-thread buffer first (they stay in L1/L2 for the block's computation).
+// An 8-bit cache (T int8_t, e4m3, e5m2) has block_stride elements from block to block (its
+// scales sit after each block's codes) and k_scales/v_scales: [num_blocks, scale_block_stride]
+// float32, token t of a block, KV head g at t * num_kv_heads + g.
 template <class T>
 void paged_attention(const float* q, const T* k_cache, const T* v_cache, const int32_t* block_tables,
                      int64_t table_stride, const int32_t* row_table, const int32_t* row_context, int64_t num_rows,
                      int64_t num_heads, int64_t num_kv_heads, int64_t head_size, int64_t block_size, float scale,
-                     int64_t window, float soft_cap, float* out, int num_threads, bool dot_products) {
+                     int64_t window, float soft_cap, float* out, int num_threads, bool dot_products,
+                     int64_t block_stride = 0, const float* k_scales = nullptr, const float* v_scales = nullptr,
+                     int64_t scale_block_stride = 0) {
   constexpr bool widened = !std::is_same_v<T, float>;  // head sizes other than 32, 64 and 128 need the buffers
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_size;
-  const int64_t block_stride = block_size * token_stride;
+  if (block_stride == 0) block_stride = block_size * token_stride;
+  const int64_t block_elements = block_size * token_stride;
 #ifdef PAGEDLLM_AVX512_BF16
   const bool dot = std::is_same_v<T, bf16> && dot_products && (head_size == 32 || head_size == 64 || head_size == 128);
 #else
@@ -459,7 +501,11 @@ void paged_attention(const float* q, const T* k_cache, const T* v_cache, const i
   {
     // per query head: the block's scores, running max and sum, unnormalised output
     std::vector<float> scores(num_heads * block_size), max(num_heads), sum(num_heads),
-        acc(num_heads * head_size), k_wide(widened ? block_stride : 0), v_wide(widened ? block_stride : 0);
+        acc(num_heads * head_size), k_wide(widened ? block_elements : 0), v_wide(widened ? block_elements : 0),
+        weighted(k_scales ? num_heads * block_size : 0);
+    BlockScales row_scales;
+    row_scales.weighted = weighted.data();
+    row_scales.kv_heads = num_kv_heads;
 #ifdef PAGEDLLM_AVX512_BF16
     // the row's query and a head's probabilities in bfloat16, for the dot products
     std::vector<bf16> q16(dot ? num_heads * head_size : 0), p16(dot ? (block_size + 15) / 16 * 16 : 0);
@@ -487,6 +533,10 @@ void paged_attention(const float* q, const T* k_cache, const T* v_cache, const i
         const int64_t n = std::min(block_size, ctx - start) - skip;
         const T* k_block = k_cache + table[start / block_size] * block_stride + skip * token_stride;
         const T* v_block = v_cache + table[start / block_size] * block_stride + skip * token_stride;
+        if (k_scales) {
+          const int64_t at = table[start / block_size] * scale_block_stride + skip * num_kv_heads;
+          row_scales.k = k_scales + at, row_scales.v = v_scales + at;
+        }
         // prefetch steps: one per 8 tokens (or per token) in the scores, one per token in the values
         const int64_t steps = num_heads * (n + (n + 7) / 8);
         if (start + block_size < ctx) {
@@ -518,10 +568,10 @@ void paged_attention(const float* q, const T* k_cache, const T* v_cache, const i
         }
 #endif
         switch (head_size) {
-          case 32: attend_block<32>(qs, k_block, v_block, n, num_heads, group, head_size, token_stride, block_size, scale, soft_cap, scores.data(), max.data(), sum.data(), acc.data(), k_wide.data(), v_wide.data(), pf); break;
-          case 64: attend_block<64>(qs, k_block, v_block, n, num_heads, group, head_size, token_stride, block_size, scale, soft_cap, scores.data(), max.data(), sum.data(), acc.data(), k_wide.data(), v_wide.data(), pf); break;
-          case 128: attend_block<128>(qs, k_block, v_block, n, num_heads, group, head_size, token_stride, block_size, scale, soft_cap, scores.data(), max.data(), sum.data(), acc.data(), k_wide.data(), v_wide.data(), pf); break;
-          default: attend_block<0>(qs, k_block, v_block, n, num_heads, group, head_size, token_stride, block_size, scale, soft_cap, scores.data(), max.data(), sum.data(), acc.data(), k_wide.data(), v_wide.data(), pf);
+          case 32: attend_block<32>(qs, k_block, v_block, n, num_heads, group, head_size, token_stride, block_size, scale, soft_cap, scores.data(), max.data(), sum.data(), acc.data(), k_wide.data(), v_wide.data(), row_scales, pf); break;
+          case 64: attend_block<64>(qs, k_block, v_block, n, num_heads, group, head_size, token_stride, block_size, scale, soft_cap, scores.data(), max.data(), sum.data(), acc.data(), k_wide.data(), v_wide.data(), row_scales, pf); break;
+          case 128: attend_block<128>(qs, k_block, v_block, n, num_heads, group, head_size, token_stride, block_size, scale, soft_cap, scores.data(), max.data(), sum.data(), acc.data(), k_wide.data(), v_wide.data(), row_scales, pf); break;
+          default: attend_block<0>(qs, k_block, v_block, n, num_heads, group, head_size, token_stride, block_size, scale, soft_cap, scores.data(), max.data(), sum.data(), acc.data(), k_wide.data(), v_wide.data(), row_scales, pf);
         }
       }
       float* os = out + row * num_heads * head_size;
@@ -562,6 +612,25 @@ int pagedllm_bf16_dot_products() {
 PAGEDLLM_ATTENTION(f32, float)
 PAGEDLLM_ATTENTION(bf16, bf16)
 PAGEDLLM_ATTENTION(f16, f16)
+
+// the same over an 8-bit cache: the block strides and the scales of paged_attention
+#define PAGEDLLM_QUANTIZED_ATTENTION(SUFFIX, T)                                                                  \
+  void pagedllm_paged_attention_##SUFFIX(const float* q, const void* k_cache, const void* v_cache,               \
+                                         const int32_t* block_tables, int64_t table_stride,                      \
+                                         const int32_t* row_table, const int32_t* row_context, int64_t num_rows, \
+                                         int64_t num_heads, int64_t num_kv_heads, int64_t head_size,             \
+                                         int64_t block_size, float scale, int64_t window, float soft_cap,        \
+                                         float* out, int num_threads, int64_t block_stride,                      \
+                                         const float* k_scales, const float* v_scales,                           \
+                                         int64_t scale_block_stride) {                                           \
+    paged_attention(q, static_cast<const T*>(k_cache), static_cast<const T*>(v_cache), block_tables,             \
+                    table_stride, row_table, row_context, num_rows, num_heads, num_kv_heads, head_size,          \
+                    block_size, scale, window, soft_cap, out, num_threads, false, block_stride, k_scales,        \
+                    v_scales, scale_block_stride);                                                               \
+  }
+PAGEDLLM_QUANTIZED_ATTENTION(i8, int8_t)
+PAGEDLLM_QUANTIZED_ATTENTION(e4m3, e4m3)
+PAGEDLLM_QUANTIZED_ATTENTION(e5m2, e5m2)
 #undef PAGEDLLM_ATTENTION
 
 // out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight, for rows of `size` floats; the order of
@@ -633,6 +702,73 @@ int64_t pagedllm_write_kv(const char* key, int64_t key_stride, const char* value
 #ifdef PAGEDLLM_AVX2
   _mm_sfence();
 #endif
+  return 0;
+}
+
+// float32 -> the 8-bit formats, rounding to nearest, ties to even, as torch's casts do; v is
+// within the format's range (the row was divided by its scale)
+inline uint8_t to_e4m3(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
+  bits &= 0x7fffffffu;
+  if (bits < 0x3c800000u)  // below 2^-6, the smallest normal: multiples of 2^-9
+    return sign | static_cast<uint8_t>(std::nearbyint(pagedllm::bits_to_float(bits) * 512.f));
+  bits += ((1u << 19) - 1) + ((bits >> 20) & 1u);  // round the mantissa to 3 bits
+  return sign | static_cast<uint8_t>(std::min<uint32_t>((bits >> 20) - (120u << 3), 0x7eu));
+}
+
+inline uint8_t to_e5m2(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
+  bits &= 0x7fffffffu;
+  if (bits < 0x38800000u)  // below 2^-14: multiples of 2^-16
+    return sign | static_cast<uint8_t>(std::nearbyint(pagedllm::bits_to_float(bits) * 65536.f));
+  bits += ((1u << 20) - 1) + ((bits >> 21) & 1u);  // round the mantissa to 2 bits
+  return sign | static_cast<uint8_t>(std::min<uint32_t>((bits >> 21) - (112u << 2), 0x7bu));
+}
+
+// One (token, KV head) row of float32 into codes of `format` (0 int8, 1 e4m3, 2 e5m2) and its
+// scale: absmax / the format's largest value (1 for a row of zeros).
+inline void quantize_row(const float* x, int64_t n, int format, uint8_t* codes, float* scale) {
+  static constexpr float top[3] = {127.f, 448.f, 57344.f};
+  float absmax = 0.f;
+  for (int64_t i = 0; i < n; ++i) absmax = std::max(absmax, std::fabs(x[i]));
+  const float s = absmax > 0.f ? absmax / top[format] : 1.f;
+  *scale = s;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = std::min(std::max(x[i] / s, -top[format]), top[format]);
+    codes[i] = format == 0 ? static_cast<uint8_t>(static_cast<int8_t>(std::nearbyint(v)))
+               : format == 1 ? to_e4m3(v)
+                             : to_e5m2(v);
+  }
+}
+
+// write_kv into an 8-bit cache: token t's K and V rows (float32, num_kv_heads * head_size at key
+// + t * key_stride) quantized into slot slots[t]: codes at block * block_bytes + (offset *
+// num_kv_heads + g) * head_size of k_codes / v_codes, scales at block * scale_block_stride +
+// offset * num_kv_heads + g of k_scales / v_scales. Returns the number of slots outside
+// [0, num_slots); when there are any, nothing is written.
+int64_t pagedllm_write_kv_quantized(const float* key, int64_t key_stride, const float* value, int64_t value_stride,
+                                    const int64_t* slots, int64_t num_tokens, int64_t num_kv_heads,
+                                    int64_t head_size, int format, uint8_t* k_codes, uint8_t* v_codes,
+                                    float* k_scales, float* v_scales, int64_t block_size, int64_t block_bytes,
+                                    int64_t scale_block_stride, int64_t num_slots, int num_threads) {
+  int64_t bad = 0;
+  for (int64_t t = 0; t < num_tokens; ++t) bad += slots[t] < 0 || slots[t] >= num_slots;
+  if (bad) return bad;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_tokens >= 64)
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
+    for (int64_t g = 0; g < num_kv_heads; ++g) {
+      const int64_t code_at = block * block_bytes + (offset * num_kv_heads + g) * head_size;
+      const int64_t scale_at = block * scale_block_stride + offset * num_kv_heads + g;
+      quantize_row(key + t * key_stride + g * head_size, head_size, format, k_codes + code_at, k_scales + scale_at);
+      quantize_row(value + t * value_stride + g * head_size, head_size, format, v_codes + code_at,
+                   v_scales + scale_at);
+    }
+  }
   return 0;
 }
 

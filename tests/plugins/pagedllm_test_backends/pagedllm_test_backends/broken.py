@@ -229,3 +229,17 @@ class SoftCapIgnored(CpuAttentionOps):
 
     def prefill_attention(self, query, kv_cache, meta, scale, *, window=None, soft_cap=None):
         return super().prefill_attention(query, kv_cache, meta, scale, window=window)
+
+
+class KVScaleDropped(CpuAttentionOps):
+    """Stores 8-bit K/V with their scales, but its attention reads the codes as the values."""
+
+    name = "broken-kv-scale-dropped"
+
+    def decode_attention(self, query, kv_cache, meta, scale, *, window=None, soft_cap=None, kv_scales=None):
+        ones = None if kv_scales is None else torch.ones_like(kv_scales)
+        return super().decode_attention(query, kv_cache, meta, scale, window=window, soft_cap=soft_cap, kv_scales=ones)
+
+    def prefill_attention(self, query, kv_cache, meta, scale, *, window=None, soft_cap=None, kv_scales=None):
+        ones = None if kv_scales is None else torch.ones_like(kv_scales)
+        return super().prefill_attention(query, kv_cache, meta, scale, window=window, soft_cap=soft_cap, kv_scales=ones)
