@@ -44,6 +44,7 @@ def declarations(cls) -> dict:
         "head_sizes": sizes(cls.supported_head_sizes),
         "max_context_len": cls.max_context_len,
         **{feature: bool(getattr(cls, f"supports_{feature}")) for feature in ATTENTION_FEATURES},
+        "kv_cache_dtypes": list(cls.supported_kv_cache_dtypes),
     }
 
 
@@ -59,7 +60,8 @@ def _declared_lines(d: dict) -> list[str]:
         f"ranks joined by {d['distributed_backend']}",
         f"- declares: dtypes {', '.join(d['dtypes'])}; block sizes {_sizes(d['block_sizes'])}; "
         f"head sizes {_sizes(d['head_sizes'])}; contexts {context}; attention features "
-        f"{', '.join(f.replace('_', '-') for f in ATTENTION_FEATURES if d.get(f)) or 'none'}",
+        f"{', '.join(f.replace('_', '-') for f in ATTENTION_FEATURES if d.get(f)) or 'none'}; "
+        f"KV cache dtypes {', '.join(d.get('kv_cache_dtypes', ['auto']))}",
         f"- its own: {', '.join(d['overrides']) or 'nothing (every optional member as the base class has it)'}",
     ]
 

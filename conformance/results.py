@@ -67,7 +67,8 @@ def declared_support(ops) -> str:
         f"contract version {ops.contract_version}; declared support: dtypes {dtypes}; "
         f"block sizes {listed(ops.supported_block_sizes)}; "
         f"head sizes {listed(ops.supported_head_sizes)}; context lengths {context}; "
-        f"attention features {', '.join(features) or 'none'}"
+        f"attention features {', '.join(features) or 'none'}; "
+        f"KV cache dtypes {', '.join(ops.supported_kv_cache_dtypes)}"
     )
 
 

@@ -130,6 +130,7 @@ def test_a_backend_is_checked_on_what_it_declares_and_refused_the_rest(plugins_i
         (dict(block_size=32), r"block_size 32 \(supported: 16\)"),
         (dict(dtype="bfloat16"), r"dtype bfloat16 \(supported: float32\)"),
         (dict(max_model_len=1024), r"max_model_len 1024 \(contexts up to 512\)"),
+        (dict(kv_cache_dtype="fp8"), r"kv_cache_dtype fp8_e4m3 \(supported: auto, int8\)"),
     ):
         with pytest.raises(ValueError, match="backend narrow-support does not support " + refusal):
             Worker(EngineConfig(model=model, backend="narrow-support", **config))

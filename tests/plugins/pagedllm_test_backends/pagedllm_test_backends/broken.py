@@ -180,6 +180,7 @@ class NarrowSupport(CpuAttentionOps):
     supported_block_sizes = (16,)
     supported_head_sizes = (16, 64)
     max_context_len = 512
+    supported_kv_cache_dtypes = ("auto", "int8")
 
 
 class FromTheFuture(CpuAttentionOps):
