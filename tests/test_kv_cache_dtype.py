@@ -9,11 +9,12 @@ import os
 
 import pytest
 import torch
-from model_helpers import make_runner
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.benchmarks.bench_quantization import demo_held_out, held_out_scores, sequence_scores
 from pagedllm.entrypoints.default_model import default_model_dir
+
+from model_helpers import make_runner
 
 FORMATS = ("int8", "fp8_e4m3", "fp8_e5m2")
 
