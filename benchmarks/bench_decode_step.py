@@ -3,6 +3,10 @@ paged KV) against transformers' own forward with its own KV cache, same weights,
 and the share of the cores' peak float32 FLOP/s the step reaches (what is left to win).
 
 Run: python -m pagedllm.benchmarks.bench_decode_step [--dtype float32|bfloat16] [--steps 20]
+
+With --kv-cache-dtype int8,fp8_e4m3,... it compares KV cache dtypes instead (the model's dtype,
+`auto`, first): decode attention alone (one layer) and the whole decode step at --batch x
+--context, alternated round by round, and the requests of --context tokens a 256 MiB pool holds.
 """
 
 from __future__ import annotations
@@ -17,9 +21,12 @@ import tempfile
 
 import torch
 
+from pagedllm.backends.attention import DecodeMetadata
 from pagedllm.backends.cpu import CpuAttentionOps
+from pagedllm.backends.kv_cache import split_layer_cache
 from pagedllm.backends.models.loader import load_model
 from pagedllm.backends.runner import ModelRunner, SeqInput, allocate_kv_caches
+from pagedllm.core.protocol import KVSpec
 from pagedllm.core.utils import cdiv
 from pagedllm.fixtures.small_llama import small_llama_dir
 
@@ -93,6 +100,64 @@ def cpu_peak_flops() -> tuple[float, str]:
     return nominal, f"{how}; a float32 GEMM measured {measured / 1e9:.0f}"
 
 
+def filled_runner(model, kv_dtype: str, tables, context: int, bs: int, num_blocks: int) -> ModelRunner:
+    """A runner whose pool holds `context` tokens of random K/V for every request (the timing of
+    a decode step does not depend on what the K/V is)."""
+    cfg = model.config
+    kv = allocate_kv_caches(model, num_blocks, bs, kv_cache_dtype=kv_dtype)
+    runner = ModelRunner(model, CpuAttentionOps(), kv, bs, kv_cache_dtype=kv_dtype)
+    slots = torch.tensor([t[p // bs] * bs + p % bs for t in tables for p in range(context)])
+    gen = torch.Generator().manual_seed(1)
+    shape = (cfg.num_kv_heads, cfg.head_dim)
+    for layer in range(cfg.num_layers):
+        cache, extra = split_layer_cache(runner.layer_caches[layer])
+        for chunk in slots.split(8192):
+            k, v = (torch.randn(len(chunk), *shape, generator=gen).to(cfg.dtype) for _ in range(2))
+            runner.ops.write_kv(k, v, cache, chunk, **extra)
+    return runner
+
+
+@torch.inference_mode()
+def compare_kv_cache_dtypes(args) -> None:
+    path = small_llama_dir(scratch_dir(), args.dtype)
+    model = load_model(path)
+    cfg, bs = model.config, 16
+    kinds = ["auto", *args.kv_cache_dtype.split(",")]
+    blocks_each = cdiv(args.context, bs)
+    num_blocks = 1 + args.batch * blocks_each
+    ids = (torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(0)) + 1).tolist()
+    tables = [ids[i * blocks_each : (i + 1) * blocks_each] for i in range(args.batch)]
+    seqs = [SeqInput([7], args.context - 1, t) for t in tables]  # the context's last token
+    query = torch.randn(args.batch, cfg.num_heads, cfg.head_dim).to(cfg.dtype)
+    width = torch.tensor(tables, dtype=torch.int32)
+    meta = DecodeMetadata(width, torch.full((args.batch,), args.context, dtype=torch.int32), args.context)
+    attention, steps = {}, {}
+    for kind in kinds:
+        runner = filled_runner(model, kind, tables, args.context, bs, num_blocks)
+        cache, extra = split_layer_cache(runner.layer_caches[0])
+        attention[kind] = functools.partial(runner.ops.decode_attention, query, cache, meta, 0.1, **extra)
+        steps[kind] = functools.partial(runner.execute, seqs)
+    times = {kind: ([], []) for kind in kinds}
+    for _ in range(args.steps):  # alternated, so that the machine's drift hits every dtype alike
+        for kind in kinds:
+            times[kind][0].extend(time_steps(attention[kind], 3))
+            times[kind][1].extend(time_steps(steps[kind], 1))
+    base = {i: statistics.median(times["auto"][i]) for i in (0, 1)}
+    print(f"{args.batch} requests x {args.context}-token contexts, {args.dtype} model, median of {args.steps} rounds:")
+    print(
+        f"  {'KV cache dtype':16} {'attention (1 layer)':>20} {'x auto':>7} {'decode step':>12} {'x auto':>7} "
+        f"{'requests / 256 MiB':>19}"
+    )
+    for kind in kinds:
+        att, step = (statistics.median(times[kind][i]) for i in (0, 1))
+        slot = KVSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, args.dtype, kind).bytes_per_block_slot
+        fits = (256 << 20) // (slot * bs) // blocks_each
+        print(
+            f"  {kind:16} {att * 1e3:17.2f} ms {base[0] / att:6.2f}x {step * 1e3:9.1f} ms {base[1] / step:6.2f}x "
+            f"{fits:19d}"
+        )
+
+
 @torch.inference_mode()
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__)
@@ -100,7 +165,10 @@ def main(argv=None):
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--kv-cache-dtype", help="compare these KV cache dtypes (comma-separated) with auto")
     args = ap.parse_args(argv)
+    if args.kv_cache_dtype:
+        return compare_kv_cache_dtypes(args)
     path = small_llama_dir(scratch_dir(), args.dtype)
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(10, 32000, (args.batch, args.context), generator=gen)

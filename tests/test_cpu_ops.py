@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pagedllm.backends.attention import DecodeMetadata
 from pagedllm.backends.cpu import CpuAttentionOps, native
 from pagedllm.backends.cpu.ops import bfloat16_dot_products
 from pagedllm.conformance.op_cases import context_lengths, make_case
@@ -361,3 +362,37 @@ def test_device_host_swaps_copy_runs_of_blocks_straight_into_their_slots():
     back = torch.zeros_like(pool)
     copy_block_runs(swap, back, [(d, s) for s, d in pairs])
     assert torch.equal(back[:, :, [3, 4, 5, 9, 10, 11]], pool[:, :, [3, 4, 5, 9, 10, 11]])
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("head_size", [64, 80])  # read in place; widened first
+def test_every_8bit_code_reads_as_torch_reads_it_and_writes_round_as_torch(kv_dtype, head_size):
+    """Attention over a one-token context returns that token's V: with every code of the format
+    in V (the non-finite aside) and a scale of 1, the compiled kernel's widening must give torch's value
+    for each. And the compiled write_kv must store the codes and scales kv_cache.quantize does."""
+    from pagedllm.backends.kv_cache import KV_CODE_DTYPES, allocate_pool, layer_caches, quantize
+
+    if native.unavailable_reason():
+        pytest.skip(native.unavailable_reason())
+    code_dtype = KV_CODE_DTYPES[kv_dtype]
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(code_dtype)
+    codes = codes[codes.float().isfinite()]  # write_kv never stores e5m2's infinities or a NaN
+    rows = -(-len(codes) // head_size)
+    padded = torch.zeros(rows * head_size, dtype=torch.uint8).view(code_dtype)
+    padded[: len(codes)] = codes
+    pool = allocate_pool(kv_dtype, 1, rows + 7, 1, 1, head_size, torch.float32)
+    cache, scales = layer_caches(pool, kv_dtype, 1, 1, head_size)[0]
+    cache[1, 1 : rows + 1, 0, 0] = padded.view(rows, head_size)
+    scales[:, 1:] = 1.0
+    tables = torch.arange(1, rows + 1, dtype=torch.int32).view(rows, 1)
+    meta = DecodeMetadata(tables, torch.ones(rows, dtype=torch.int32), 1)
+    out = CpuAttentionOps().decode_attention(torch.randn(rows, 1, head_size), cache, meta, 1.0, kv_scales=scales)
+    assert torch.equal(out.flatten(), padded.float())
+    # writes: rows spanning the formats' ranges, a zero row, subnormal-sized values
+    x = torch.randn(6, 1, head_size) * torch.tensor([1e-3, 1.0, 300.0, 1e4, 0.0, 1e-30]).view(6, 1, 1)
+    slots = torch.arange(rows + 1, rows + 7)  # blocks of one slot
+    CpuAttentionOps().write_kv(x, x, cache, slots, kv_scales=scales)
+    want_codes, want_scales = quantize(x, code_dtype)
+    got = cache[0].reshape(-1, 1, head_size)[slots]
+    assert torch.equal(got.view(torch.uint8), want_codes.view(torch.uint8))
+    assert torch.equal(scales[0].reshape(-1, 1)[slots], want_scales)

@@ -68,19 +68,30 @@ inline float to_float(e4m3 x) {
   return bits_to_float(sign | ((exponent + 120) << 23) | (mantissa << 20));
 }
 
-// types whose vector loads need F16C (binary16 conversions)
-template <class T>
-constexpr bool needs_f16c = std::is_same_v<T, f16> || std::is_same_v<T, e4m3> || std::is_same_v<T, e5m2>;
-
 #ifdef PAGEDLLM_AVX2
-// e4m3 bits as binary16 bits of the value / 256 (the exponent field shifted into place, the
-// subnormals landing on binary16 subnormals): a multiply by 256 after widening restores it
-inline __m128i e4m3_as_f16(__m128i w) {
-  const __m128i sign = _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8);
-  return _mm_or_si128(sign, _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7f)), 7));
+// An fp8 code sign-extended to 32 bits, shifted so that its exponent and mantissa bits sit at
+// the top of a float32's (the extension's copies of the sign cleared, the sign kept at bit 31):
+// a float32 of value code / 2^(127 - bias), the format's subnormals landing on float32
+// subnormals. One multiply restores the value (denormals are not flushed in these processes:
+// tests/test_cpu_ops.py reads every code).
+inline __m256 fp8_bits(__m128i bytes, int shift, int mask) {
+  const __m256i w = _mm256_cvtepi8_epi32(bytes);
+  return _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(w, shift), _mm256_set1_epi32(mask)));
 }
+constexpr int E4M3_SHIFT = 20, E4M3_MASK = static_cast<int>(0x87f00000u);
+constexpr int E5M2_SHIFT = 21, E5M2_MASK = static_cast<int>(0x8fe00000u);
+constexpr float E4M3_UNIT = 1.329227995784916e36f;  // 2^120
+constexpr float E5M2_UNIT = 5.192296858534828e33f;  // 2^112
 inline __m256 load8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 load8(const e5m2* p) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_mul_ps(fp8_bits(bytes, E5M2_SHIFT, E5M2_MASK), _mm256_set1_ps(E5M2_UNIT));
+}
+inline __m256 load8(const e4m3* p) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_mul_ps(fp8_bits(bytes, E4M3_SHIFT, E4M3_MASK), _mm256_set1_ps(E4M3_UNIT));
 }
 // eight 16-bit values from p as a float32 vector
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -91,14 +102,6 @@ inline __m256 load8(const bf16* p) {
 #ifdef __F16C__
 #define PAGEDLLM_F16C 1
 inline __m256 load8(const f16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-inline __m256 load8(const e5m2* p) {
-  const __m128i bytes = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_cvtph_ps(_mm_slli_epi16(bytes, 8));
-}
-inline __m256 load8(const e4m3* p) {
-  const __m128i bytes = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_mul_ps(_mm256_cvtph_ps(e4m3_as_f16(bytes)), _mm256_set1_ps(256.f));
-}
 #endif
 #endif
 
@@ -113,15 +116,15 @@ inline __m512 load16(const f16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(r
 inline __m512 load16(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
+inline __m512 fp8_bits16(const void* p, int shift, int mask) {
+  const __m512i w = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(w, shift), _mm512_set1_epi32(mask)));
+}
 inline __m512 load16(const e5m2* p) {
-  const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm512_cvtph_ps(_mm256_slli_epi16(bytes, 8));
+  return _mm512_mul_ps(fp8_bits16(p, E5M2_SHIFT, E5M2_MASK), _mm512_set1_ps(E5M2_UNIT));
 }
 inline __m512 load16(const e4m3* p) {
-  const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8);
-  const __m256i h = _mm256_or_si256(sign, _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7));
-  return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
+  return _mm512_mul_ps(fp8_bits16(p, E4M3_SHIFT, E4M3_MASK), _mm512_set1_ps(E4M3_UNIT));
 }
 #endif
 
@@ -131,7 +134,7 @@ inline void widen(const T* __restrict src, int64_t n, float* __restrict out) {
   int64_t i = 0;
 #ifdef PAGEDLLM_AVX2
 #ifndef PAGEDLLM_F16C
-  if constexpr (!needs_f16c<T>)
+  if constexpr (!std::is_same_v<T, f16>)
 #endif
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, load8(src + i));
 #endif

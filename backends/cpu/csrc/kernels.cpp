@@ -51,7 +51,7 @@ constexpr bool in_place() {
 #endif
 #ifdef PAGEDLLM_AVX2
 #ifndef PAGEDLLM_F16C
-  if constexpr (pagedllm::needs_f16c<T>) return false;
+  if constexpr (std::is_same_v<T, f16>) return false;
 #endif
   return HS > 0 && HS % 8 == 0;
 #else
