@@ -10,6 +10,7 @@ import json
 import os
 import time
 
+from pagedllm.core.config import parse_size
 from pagedllm.core.quantization import QUANTIZATIONS
 
 
@@ -138,7 +139,7 @@ def _run_mode(args, peers: list[str]) -> int:
     if args.mode == "memory":
         from pagedllm.core.free_blocks import PLACEMENTS
 
-        from .kv_memory import measure_kv_utilisation, print_placements
+        from .kv_memory import kv_capacity, measure_kv_utilisation, print_capacity, print_placements
 
         rows = [measure_kv_utilisation(num_requests=args.num_prompts, seed=args.seed, placement=p) for p in PLACEMENTS]
         r = next(row for row in rows if row["placement"] == "lru")
@@ -148,11 +149,15 @@ def _run_mode(args, peers: list[str]) -> int:
             f"contiguous exact length {r['contiguous_exact_length']:.1%}"
         )
         print_placements(rows)
+        memory = parse_size(args.kv_cache_memory, "kv_cache_memory")
+        dtype = "bfloat16" if args.dtype == "auto" else args.dtype
+        capacity = kv_capacity(model_dir_of(args), dtype, memory)
+        print_capacity(capacity, memory, dtype)
         without_series = lambda row: {k: v for k, v in row.items() if k != "series"}
         _write_json(
             args,
             os.path.join(out_dir, "memory.json"),
-            {**without_series(r), "placements": [without_series(x) for x in rows]},
+            {**without_series(r), "placements": [without_series(x) for x in rows], "kv_capacity": capacity},
         )
         report.plot_kv_usage(os.path.join(out_dir, "kv_usage.png"), r["series"], r["block_size"])
         return 0

@@ -110,3 +110,42 @@ def main():
 
 if __name__ == "__main__":
     main()
+
+
+def kv_capacity(model_dir: str, dtype: str, kv_cache_memory: int, context: int = 2048, block_size: int = 16):
+    """For each KV cache dtype: bytes per token of `model_dir`'s KV, the blocks `kv_cache_memory`
+    buys, and how many requests of `context` tokens those blocks hold."""
+    from pagedllm.core.config import KV_CACHE_ALIASES, KV_CACHE_DTYPES
+    from pagedllm.core.model_folder import model_folder
+    from pagedllm.core.protocol import KVSpec
+    from pagedllm.core.utils import cdiv
+
+    cfg = model_folder(model_dir).config
+    heads = cfg["num_attention_heads"]
+    head_size = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    rows = []
+    for kv in (k for k in KV_CACHE_DTYPES if k not in KV_CACHE_ALIASES):
+        spec = KVSpec(cfg["num_hidden_layers"], cfg.get("num_key_value_heads") or heads, head_size, dtype, kv)
+        blocks = kv_cache_memory // (spec.bytes_per_block_slot * block_size)
+        rows.append(
+            {
+                "kv_cache_dtype": kv,
+                "bytes_per_token": spec.bytes_per_block_slot,
+                "blocks": blocks,
+                "requests_at_context": (blocks - 1) // cdiv(context, block_size),
+                "context": context,
+            }
+        )
+    return rows
+
+
+def print_capacity(rows: list[dict], kv_cache_memory: int, dtype: str) -> None:
+    print(f"\nKV cache dtypes: what {kv_cache_memory / 2**20:.0f} MiB of KV pool holds ({dtype} model)")
+    print(f"  {'kv_cache_dtype':16} {'bytes/token':>12} {'blocks':>8} {'requests':>9}")
+    auto = rows[0]["requests_at_context"]
+    for r in rows:
+        ratio = f"  ({r['requests_at_context'] / auto:.2f}x)" if auto else ""
+        print(
+            f"  {r['kv_cache_dtype']:16} {r['bytes_per_token']:12,d} {r['blocks']:8,d} "
+            f"{r['requests_at_context']:9,d} at {r['context']:,} tokens{ratio}"
+        )

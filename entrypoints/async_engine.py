@@ -82,6 +82,8 @@ class AsyncEngine:
         self.outputs = OutputProcessor()
         self.max_queue_len = max_queue_len
         self.metrics = metrics
+        if metrics is not None:
+            metrics.observe_cache_config(self.engine.ready, self.engine.config.kv_cache_dtype)
         self.num_queued = 0  # submitted, no token yet
         self._streams: dict[str, RequestStream] = {}  # by request id
         self._ids = itertools.count()

@@ -127,6 +127,18 @@ class EngineMetrics:
         )
         self._last: EngineStats | None = None
 
+    def observe_cache_config(self, ready, kv_cache_dtype: str) -> None:
+        """The KV pool the engine started with, as vLLM's cache_config_info: a gauge of 1 whose
+        labels say it (ready: core.protocol.EngineReady)."""
+        info = Gauge(
+            "pagedllm:cache_config_info",
+            "The KV cache's configuration (labels).",
+            ["model_name", "block_size", "cache_dtype", "num_gpu_blocks", "num_swap_blocks"],
+            registry=self.registry,
+        )
+        labels = (ready.block_size, kv_cache_dtype, ready.num_blocks, ready.num_swap_blocks)
+        info.labels(self.model_name, *map(str, labels)).set(1)
+
     def observe_stats(self, stats: EngineStats) -> None:
         sched = stats.scheduler
         self.running.set(sched.num_running)

@@ -84,12 +84,13 @@ def float32_arithmetic(monkeypatch):
 def served(tiny_model, tmp_path_factory):
     """(a `pagedllm serve` process, its model folder), shared by test_serving.py and
     test_serving_trust.py: a tiny llama whose chat template refuses non-alternating roles,
-    served with a planted engine-core bug (serve_helpers.SITECUSTOMIZE)."""
+    served with a planted engine-core bug (serve_helpers.SITECUSTOMIZE) and an int8 KV cache."""
     from serve_helpers import SERVED_MAX_MODEL_LEN, ServerProcess, planted_bug_env, strict_template_model
 
     model = strict_template_model(tiny_model("llama"), str(tmp_path_factory.mktemp("strict-template") / "model"))
     env = planted_bug_env(tmp_path_factory.mktemp("planted-bug"))
     flags = ["--num-kv-blocks", "400", "--max-model-len", str(SERVED_MAX_MODEL_LEN), "--max-num-seqs", "64"]
+    flags += ["--kv-cache-dtype", "int8"]
     srv = ServerProcess(model, *flags, env=env)
     yield srv, model
     srv.stop()

@@ -146,7 +146,7 @@ def test_64_concurrent_clients_match_offline_and_leavers_free_their_blocks(serve
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 400) for _ in range(rng.randint(4, 60))] for _ in range(48)]
     max_tokens = [rng.randint(4, 24) for _ in prompts]
-    with LLM(model, num_kv_blocks=400, max_model_len=MAX_MODEL_LEN) as llm:
+    with LLM(model, num_kv_blocks=400, max_model_len=MAX_MODEL_LEN, kv_cache_dtype="int8") as llm:
         offline = llm.generate(
             [{"prompt_token_ids": p} for p in prompts],
             [SamplingParams(temperature=0, max_tokens=m) for m in max_tokens],
@@ -672,6 +672,8 @@ def test_metrics_parse_and_move(server, model):
     assert after["pagedllm:steps_planned_ahead_total"] - before["pagedllm:steps_planned_ahead_total"] == 4
     assert after["pagedllm:prefix_cache_queries_total"] > before["pagedllm:prefix_cache_queries_total"]
     assert "pagedllm:num_preemptions_total" in after and "pagedllm:num_requests_swapped" in after
+    info = "block_size=16,cache_dtype=int8,num_gpu_blocks=400,num_swap_blocks=0"
+    assert after[f"pagedllm:cache_config_info{{{info}}}"] == 1  # the served engine's 8-bit cache
     assert server.get("/health")[0] == 200
 
 
