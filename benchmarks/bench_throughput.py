@@ -17,7 +17,15 @@ import msgspec
 
 
 def run_pagedllm(
-    model_dir, prompts, max_tokens, dtype, kv_cache_memory, backend="cpu", tensor_parallel_size=1, quantization=None
+    model_dir,
+    prompts,
+    max_tokens,
+    dtype,
+    kv_cache_memory,
+    backend="cpu",
+    tensor_parallel_size=1,
+    quantization=None,
+    kv_cache_dtype="auto",
 ):
     from pagedllm import LLM, SamplingParams
 
@@ -30,6 +38,7 @@ def run_pagedllm(
         kv_cache_memory=kv_cache_memory,
         tensor_parallel_size=tensor_parallel_size,
         quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
     )
     startup = time.perf_counter() - t0
     try:
@@ -68,20 +77,31 @@ def compare(
     peer_work="bench-results",
     tensor_parallel_size=1,
     quantization=None,
+    kv_cache_dtypes=("auto",),
 ) -> dict:
-    """The workload through pagedllm, then each peer; prints the table and returns the results
-    (report.SystemResult, pagedllm first, each with its greedy agreement with pagedllm)."""
+    """The workload through pagedllm (once per KV cache dtype, one after the other), then each
+    peer; prints the table and returns the results (report.SystemResult, pagedllm first, each
+    with its greedy agreement with pagedllm)."""
     from . import report
     from .peers import hf_continuous, hf_static, llama_cpp_subprocess, vllm_subprocess
 
-    secs, ours, startup, stats = run_pagedllm(
-        model_dir, prompts, max_tokens, dtype, kv_cache_memory, backend, tensor_parallel_size, quantization
-    )
-    label = backend if quantization is None else f"{backend}, {quantization}"
-    results = [report.account(f"pagedllm ({label})", secs, prompts, max_tokens, ours)]
-    results[0].extra = {"startup_seconds": startup, "steps": stats.steps}
-    overhead = (stats.step_seconds - stats.forward_seconds) / max(stats.steps, 1)
-    print(f"pagedllm start-up {startup:.2f} s; {stats.steps} steps, engine overhead {overhead * 1e3:.2f} ms/step")
+    results, ours, startup = [], None, None
+    for kv in kv_cache_dtypes:
+        secs, toks, started, stats = run_pagedllm(
+            model_dir, prompts, max_tokens, dtype, kv_cache_memory, backend, tensor_parallel_size, quantization, kv
+        )
+        label = ", ".join([backend] + [q for q in (quantization,) if q] + ([f"KV {kv}"] if kv != "auto" else []))
+        results.append(report.account(f"pagedllm ({label})", secs, prompts, max_tokens, toks))
+        results[-1].extra = {"startup_seconds": started, "steps": stats.steps}
+        if ours is None:
+            ours, startup = toks, started
+        else:
+            results[-1].agreement = report.agreement(ours, toks)
+        overhead = (stats.step_seconds - stats.forward_seconds) / max(stats.steps, 1)
+        print(
+            f"pagedllm ({label}) start-up {started:.2f} s; {stats.steps} steps, engine overhead "
+            f"{overhead * 1e3:.2f} ms/step"
+        )
     versions = {}
     for peer in peers:
         if peer == "hf-static":

@@ -228,6 +228,7 @@ def _throughput(args, out_dir: str, peers: list[str]) -> int:
         peer_work=out_dir,
         tensor_parallel_size=args.tensor_parallel_size,
         quantization=args.quantization,
+        kv_cache_dtypes=args.kv_cache_dtype.split(","),
     )
     results = run["results"]
     _write_json(
@@ -401,6 +402,11 @@ def add_parser(sub) -> None:
     )
     bench.add_argument("--batch-size", type=int, default=16, help="transformers static batch size")
     bench.add_argument("--kv-cache-memory", default="2GiB")
+    bench.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="throughput: pagedllm's KV cache dtype; several (auto,int8) run one after the other, each a row",
+    )
     bench.add_argument(
         "--rates",
         default="1,2,4,8",
