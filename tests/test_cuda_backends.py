@@ -232,6 +232,7 @@ def test_triton_kernels_compile_for_hopper(dtype):
                 "SPLIT": True,
                 "FP32": fp32,
                 "SOFT_CAP": soft_cap,
+                "KV_CODES": 0,
             },
         )
         _compile_for_hopper(
@@ -246,6 +247,7 @@ def test_triton_kernels_compile_for_hopper(dtype):
                 "TILE": 32,
                 "FP32": fp32,
                 "SOFT_CAP": soft_cap,
+                "KV_CODES": 0,
             },
         )
         _compile_for_hopper(
@@ -258,6 +260,27 @@ def test_triton_kernels_compile_for_hopper(dtype):
         {"key_ptr": p, "value_ptr": p, "k_cache_ptr": p, "v_cache_ptr": p, "slot_ptr": "*i64"},
         {"BLOCK_SIZE": 16, "HEAD_DIM": 128, "BLOCK_D": 128},
     )
+    if fp32:  # 8-bit caches (the query in float32; bfloat16 queries take the same widened dots)
+        scales = {"k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "stride_sb": "i64", "stride_ss": "i64"}
+        codes = {**scales, "k_cache_ptr": "*i8", "v_cache_ptr": "*i8"}
+        for kv_codes in (1, 2, 3):
+            _compile_for_hopper(
+                k.write_kv_codes_kernel,
+                {**codes, "key_ptr": p, "value_ptr": p, "slot_ptr": "*i64"},
+                {"BLOCK_SIZE": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "KV_CODES": kv_codes},
+            )
+        shape = {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_SIZE": 16, "TILE": 32, "FP32": True, "SOFT_CAP": False}
+        _compile_for_hopper(
+            k.decode_kernel,
+            {**common, **codes, "ctx_ptr": "*i32", "part_acc_ptr": "*fp32", "part_max_ptr": "*fp32"}
+            | {"part_sum_ptr": "*fp32"},
+            {**shape, "GROUP": 4, "BLOCK_G": 16, "PARTITION": 512, "SPLIT": True, "KV_CODES": 2},
+        )
+        _compile_for_hopper(
+            k.prefill_kernel,
+            {**common, **codes, "qsl_ptr": "*i32", "ctx_ptr": "*i32"},
+            {**shape, "GROUP": 4, "BLOCK_M": 32, "KV_CODES": 3},
+        )
     _compile_for_hopper(
         k.copy_blocks_kernel,
         {"cache_ptr": p, "pairs_ptr": "*i64", "stride_layer": "i64"},

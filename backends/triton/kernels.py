@@ -9,6 +9,10 @@ token position p of a request lives in block table[p // block_size], slot p % bl
   online softmax over the cached prefix and the new tokens, causal with the prefix offset.
 - copy_blocks: one program per (block pair, layer x K/V).
 
+8-bit KV caches (KV_CODES 1 int8, 2 fp8_e4m3, 3 fp8_e5m2; backends/kv_cache.py): the codes are
+read as int8 and widened by bit placement (the same for every GPU generation and for the
+interpreter, which has no fp8), times their row's scale; write_kv_codes_kernel quantizes.
+
 Scores and softmax are in float32; float32 dots ask for IEEE precision (not TF32); 16-bit
 caches use 16-bit tensor-core dots with float32 accumulation.
 """
@@ -48,6 +52,98 @@ def write_kv_kernel(
         v = tl.load(value_ptr + t * stride_vt + h * stride_vh + d, mask=dmask)
         tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=dmask)
         tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=dmask)
+
+
+@triton.jit
+def write_kv_codes_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_sb,
+    stride_ss,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    KV_CODES: tl.constexpr,
+):
+    """write_kv into an 8-bit cache: each (token, KV head) row quantized with its own scale."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < HEAD_DIM
+        block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+        dst = block * stride_cb + offset * stride_cs + h * stride_ch + d
+        scale_at = block * stride_sb + offset * stride_ss + h
+        k = tl.load(key_ptr + t * stride_kt + h * stride_kh + d, mask=dmask, other=0.0).to(tl.float32)
+        codes, scale = _quantize_row(k, dmask, KV_CODES)
+        tl.store(k_cache_ptr + dst, codes, mask=dmask)
+        tl.store(k_scale_ptr + scale_at, scale)
+        v = tl.load(value_ptr + t * stride_vt + h * stride_vh + d, mask=dmask, other=0.0).to(tl.float32)
+        codes, scale = _quantize_row(v, dmask, KV_CODES)
+        tl.store(v_cache_ptr + dst, codes, mask=dmask)
+        tl.store(v_scale_ptr + scale_at, scale)
+
+
+@triton.jit
+def _rint(x):
+    # round to nearest, ties to even, for |x| < 2^22: adding 1.5 * 2^23 leaves no fraction bits
+    return (x + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _quantize_row(x, dmask, KV_CODES: tl.constexpr):
+    """A row of float32 as (int8-typed codes, its scale): the reference is kv_cache.quantize."""
+    if KV_CODES == 1:
+        top = 127.0
+    elif KV_CODES == 2:
+        top = 448.0
+    else:
+        top = 57344.0
+    absmax = tl.max(tl.where(dmask, tl.abs(x), 0.0), 0)
+    scale = tl.where(absmax > 0.0, absmax / top, 1.0)
+    v = tl.minimum(tl.maximum(x / scale, -top), top)
+    if KV_CODES == 1:
+        code = _rint(v).to(tl.int32)
+    else:
+        bits = v.to(tl.int32, bitcast=True)
+        sign = (bits >> 24) & 0x80
+        mag = bits & 0x7FFFFFFF
+        a = mag.to(tl.float32, bitcast=True)
+        if KV_CODES == 2:  # e4m3: below 2^-6 multiples of 2^-9; above, the mantissa rounded to 3 bits
+            small = _rint(tl.minimum(a, 0.015625) * 512.0).to(tl.int32)  # (the other branch past 2^-6)
+            r = mag + 0x7FFFF + ((mag >> 20) & 1)
+            code = sign | tl.where(mag < 0x3C800000, small, tl.minimum((r >> 20) - 960, 0x7E))
+        else:  # e5m2: below 2^-14 multiples of 2^-16; above, 2 mantissa bits
+            small = _rint(tl.minimum(a, 6.103515625e-05) * 65536.0).to(tl.int32)
+            r = mag + 0xFFFFF + ((mag >> 21) & 1)
+            code = sign | tl.where(mag < 0x38800000, small, tl.minimum((r >> 21) - 448, 0x7B))
+    return code.to(tl.int8), scale
+
+
+@triton.jit
+def _widen_codes(c, KV_CODES: tl.constexpr):
+    """8-bit codes (loaded as int8) as float32, before their scale. fp8: sign-extended, the
+    exponent and mantissa bits shifted to the top of a float32's (the extended sign's copies
+    cleared), then scaled by 2^(127 - bias); the format's subnormals land on float32's."""
+    if KV_CODES == 1:
+        return c.to(tl.float32)
+    bits = c.to(tl.int32)
+    if KV_CODES == 2:
+        return ((bits << 20) & -2014314496).to(tl.float32, bitcast=True) * 1.329227995784916e36  # 0x87f00000, 2^120
+    return ((bits << 21) & -1881145344).to(tl.float32, bitcast=True) * 5.192296858534828e33  # 0x8fe00000, 2^112
 
 
 @triton.jit
@@ -93,9 +189,14 @@ def _tile_step(
     stride_kb,
     stride_ks,
     stride_kh,
+    k_scale_ptr,
+    v_scale_ptr,
+    stride_sb,
+    stride_ss,
     BLOCK_SIZE: tl.constexpr,
     FP32: tl.constexpr,
     SOFT_CAP: tl.constexpr,
+    KV_CODES: tl.constexpr,
 ):
     """One tile of context positions: gather their K/V through the block table and fold them
     into the running max, sum and weighted values (online softmax)."""
@@ -103,6 +204,9 @@ def _tile_step(
     off = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kvh * stride_kh
     kv_mask = pmask[:, None] & dmask[None, :]
     k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    if KV_CODES:
+        scale_at = block * stride_sb + (pos % BLOCK_SIZE) * stride_ss + kvh
+        k = _widen_codes(k, KV_CODES) * tl.load(k_scale_ptr + scale_at, mask=pmask, other=0.0)[:, None]
     s = tl.where(visible, _scores(q, k, scale, soft_cap, FP32, SOFT_CAP), float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # a row that has seen nothing yet (a window starts past this tile) keeps max -inf: shift by 0
@@ -111,6 +215,8 @@ def _tile_step(
     p = tl.exp(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    if KV_CODES:
+        v = _widen_codes(v, KV_CODES) * tl.load(v_scale_ptr + scale_at, mask=pmask, other=0.0)[:, None]
     acc = acc * alpha[:, None] + _weighted(p, v, FP32)
     return m_new, l_i, acc
 
@@ -139,6 +245,10 @@ def decode_kernel(
     stride_oh,
     num_heads,
     num_splits,
+    k_scale_ptr,
+    v_scale_ptr,
+    stride_sb,
+    stride_ss,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -149,6 +259,7 @@ def decode_kernel(
     SPLIT: tl.constexpr,
     FP32: tl.constexpr,
     SOFT_CAP: tl.constexpr,
+    KV_CODES: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -193,9 +304,14 @@ def decode_kernel(
             stride_kb,
             stride_ks,
             stride_kh,
+            k_scale_ptr,
+            v_scale_ptr,
+            stride_sb,
+            stride_ss,
             BLOCK_SIZE,
             FP32,
             SOFT_CAP,
+            KV_CODES,
         )
     if SPLIT:
         # partials, unnormalised; a partition past the context leaves max -inf and sum 0
@@ -266,6 +382,10 @@ def prefill_kernel(
     stride_bt,
     stride_ot,
     stride_oh,
+    k_scale_ptr,
+    v_scale_ptr,
+    stride_sb,
+    stride_ss,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -274,6 +394,7 @@ def prefill_kernel(
     TILE: tl.constexpr,
     FP32: tl.constexpr,
     SOFT_CAP: tl.constexpr,
+    KV_CODES: tl.constexpr,
 ):
     req = tl.program_id(0)
     qblock = tl.program_id(1)
@@ -327,9 +448,14 @@ def prefill_kernel(
                 stride_kb,
                 stride_ks,
                 stride_kh,
+                k_scale_ptr,
+                v_scale_ptr,
+                stride_sb,
+                stride_ss,
                 BLOCK_SIZE,
                 FP32,
                 SOFT_CAP,
+                KV_CODES,
             )
         out = acc / l_i[:, None]
         tl.store(

@@ -40,10 +40,25 @@ def decode_config(interpret: bool) -> tuple[int, int]:
     return tile, warps
 
 
+# an 8-bit cache's code dtype -> the kernels' KV_CODES
+KV_CODES = {torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
+
+
+def _cache_args(kv_cache, kv_scales) -> tuple[torch.Tensor, torch.Tensor, tuple, int]:
+    """(K cache, V cache, the kernels' scale arguments, KV_CODES): an 8-bit cache's codes go
+    in as int8 (the kernels widen them by their bits), with its scales and their strides."""
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    if kv_scales is None:
+        return k_cache, v_cache, (k_cache, v_cache, 0, 0), 0
+    scales = (kv_scales[0], kv_scales[1], kv_scales.stride(1), kv_scales.stride(2))
+    return k_cache.view(torch.int8), v_cache.view(torch.int8), scales, KV_CODES[kv_cache.dtype]
+
+
 class TritonAttentionOps(CudaPlatform, AttentionOps):
     name = "cuda-triton"
     supports_sliding_window = True
     supports_soft_cap = True
+    supported_kv_cache_dtypes = ("auto", "fp8_e4m3", "fp8_e5m2", "int8")
 
     def __init__(self):
         reason = self.unavailable_reason()
@@ -76,14 +91,17 @@ class TritonAttentionOps(CudaPlatform, AttentionOps):
         return None
 
     def _fp32_dots(self, kv_cache) -> bool:
-        return kv_cache.dtype == torch.float32 or self.interpret
+        # an 8-bit cache is widened to float32 (the query stays in the model dtype)
+        return kv_cache.dtype in (torch.float32, *KV_CODES) or self.interpret
 
     # --- ops --------------------------------------------------------------------------------
-    def write_kv(self, key, value, kv_cache, slot_mapping):
+    def write_kv(self, key, value, kv_cache, slot_mapping, *, kv_scales=None):
         tokens, kv_heads, head_size = key.shape
         if tokens == 0:
             return
         key, value = last_dim_contiguous(key), last_dim_contiguous(value)
+        if kv_scales is not None:
+            return self._write_codes(key, value, kv_cache, kv_scales, slot_mapping)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         self.k.write_kv_kernel[(tokens, kv_heads)](
             key,
@@ -103,15 +121,44 @@ class TritonAttentionOps(CudaPlatform, AttentionOps):
             BLOCK_D=_next_pow2(head_size),
         )
 
-    def decode_attention(self, query, kv_cache, meta: DecodeMetadata, scale, *, window=None, soft_cap=None):
+    def _write_codes(self, key, value, kv_cache, kv_scales, slot_mapping):
+        tokens, kv_heads, head_size = key.shape
+        k_cache, v_cache, scales, codes = _cache_args(kv_cache, kv_scales)
+        self.k.write_kv_codes_kernel[(tokens, kv_heads)](
+            key,
+            value,
+            k_cache,
+            v_cache,
+            scales[0],
+            scales[1],
+            slot_mapping,
+            key.stride(0),
+            key.stride(1),
+            value.stride(0),
+            value.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            scales[2],
+            scales[3],
+            BLOCK_SIZE=k_cache.shape[1],
+            HEAD_DIM=head_size,
+            BLOCK_D=_next_pow2(head_size),
+            KV_CODES=codes,
+        )
+
+    def decode_attention(
+        self, query, kv_cache, meta: DecodeMetadata, scale, *, window=None, soft_cap=None, kv_scales=None
+    ):
         num_seqs, num_heads, head_size = query.shape
         _, _, block_size, kv_heads, _ = kv_cache.shape
         group = num_heads // kv_heads
-        query = last_dim_contiguous(query).to(kv_cache.dtype)
-        out = torch.empty(num_seqs, num_heads, head_size, dtype=kv_cache.dtype, device=query.device)
+        dtype = query.dtype if kv_scales is not None else kv_cache.dtype
+        query = last_dim_contiguous(query).to(dtype)
+        out = torch.empty(num_seqs, num_heads, head_size, dtype=dtype, device=query.device)
         if num_seqs == 0:
             return out
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        k_cache, v_cache, scales, codes = _cache_args(kv_cache, kv_scales)
         block_d = _next_pow2(head_size)
         splits = cdiv(meta.max_context_len, self.partition)
         split = splits > 1
@@ -145,6 +192,7 @@ class TritonAttentionOps(CudaPlatform, AttentionOps):
             out.stride(1),
             num_heads,
             splits,
+            *scales,
             GROUP=group,
             BLOCK_G=max(16, _next_pow2(group)),
             HEAD_DIM=head_size,
@@ -155,6 +203,7 @@ class TritonAttentionOps(CudaPlatform, AttentionOps):
             SPLIT=split,
             FP32=self._fp32_dots(kv_cache),
             SOFT_CAP=bool(soft_cap),
+            KV_CODES=codes,
             num_warps=self.decode_warps,
         )
         if split:
@@ -173,15 +222,18 @@ class TritonAttentionOps(CudaPlatform, AttentionOps):
             )
         return out
 
-    def prefill_attention(self, query, kv_cache, meta: PrefillMetadata, scale, *, window=None, soft_cap=None):
+    def prefill_attention(
+        self, query, kv_cache, meta: PrefillMetadata, scale, *, window=None, soft_cap=None, kv_scales=None
+    ):
         num_tokens, num_heads, head_size = query.shape
         _, _, block_size, kv_heads, _ = kv_cache.shape
-        query = last_dim_contiguous(query).to(kv_cache.dtype)
-        out = torch.empty(num_tokens, num_heads, head_size, dtype=kv_cache.dtype, device=query.device)
+        dtype = query.dtype if kv_scales is not None else kv_cache.dtype
+        query = last_dim_contiguous(query).to(dtype)
+        out = torch.empty(num_tokens, num_heads, head_size, dtype=dtype, device=query.device)
         num_reqs = len(meta.query_lens)
         if num_tokens == 0:
             return out
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        k_cache, v_cache, scales, codes = _cache_args(kv_cache, kv_scales)
         tables = meta.block_tables
         grid = (num_reqs, cdiv(meta.max_query_len, self.block_m), num_heads)
         self.k.prefill_kernel[grid](
@@ -203,6 +255,7 @@ class TritonAttentionOps(CudaPlatform, AttentionOps):
             tables.stride(0),
             out.stride(0),
             out.stride(1),
+            *scales,
             GROUP=num_heads // kv_heads,
             HEAD_DIM=head_size,
             BLOCK_D=_next_pow2(head_size),
@@ -211,6 +264,7 @@ class TritonAttentionOps(CudaPlatform, AttentionOps):
             TILE=self.tile,
             FP32=self._fp32_dots(kv_cache),
             SOFT_CAP=bool(soft_cap),
+            KV_CODES=codes,
         )
         return out
 
