@@ -102,9 +102,12 @@ namespace pagedllm {
 #define STUB(name, ...) const char* name(__VA_ARGS__) { throw std::runtime_error(#name " reached"); }
 STUB(launch_write_kv, DType, const void*, const void*, void*, void*, const int64_t*, int, int, int, int, int64_t,
      int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, void*)
+STUB(launch_write_kv_codes, DType, KVCodes, const void*, const void*, void*, void*, float*, float*, const int64_t*,
+     int, int, int, int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, void*)
 STUB(launch_paged_attention, DType, void*, const void*, const void*, const void*, const int*, const int*,
      const int*, int, int, int, int, int, int, float, int, float, int64_t, int64_t, int64_t, int64_t, int64_t,
-     int64_t, int64_t, int, int, float*, float*, float*, void*)
+     int64_t, int64_t, int, int, float*, float*, float*, KVCodes, const float*, const float*, int64_t, int64_t,
+     void*)
 STUB(launch_reduce, DType, void*, const float*, const float*, const float*, int, int, int, int, int64_t, int64_t,
      void*)
 STUB(launch_copy_blocks, DType, void*, const int64_t*, int, int, int64_t, int64_t, void*)
@@ -116,6 +119,7 @@ import sys, torch
 torch.ops.load_library(sys.argv[1])
 ops = torch.ops.pagedllm_native
 print(ops.write_kv.default._schema)
+print(ops.write_kv_codes.default._schema)
 t = torch.zeros(2, 1, 4)
 try:
     ops.write_kv(t, t, torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4), torch.zeros(2, dtype=torch.int64), 0)
@@ -141,7 +145,7 @@ def test_torch_binding_builds_registers_its_operators_and_checks_devices(tmp_pat
     assert proc.returncode == 0, proc.stderr[-3000:]
     proc = subprocess.run([sys.executable, "-c", LOAD_AND_CALL, str(lib)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "pagedllm_native::write_kv(Tensor" in proc.stdout
+    assert "pagedllm_native::write_kv(Tensor" in proc.stdout and "pagedllm_native::write_kv_codes(Tensor" in proc.stdout
     assert "refused: cuda-native: key must be a CUDA tensor" in proc.stdout, proc.stdout
 
 

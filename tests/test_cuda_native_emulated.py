@@ -29,15 +29,27 @@ extern "C" const char* emulated_attention(int dtype, void* out, const void* quer
     const void* v_cache, const int* tables, const int* row_request, const int* row_position, int rows,
     int num_heads, int kv_heads, int head_size, int block_size, int max_blocks, float scale, int window,
     float soft_cap, int64_t qsr, int64_t qsh, int64_t osr, int64_t osh, int64_t csb, int64_t css, int64_t csh,
-    int partition_size, int partitions, float* part_out, float* part_max, float* part_sum) {
+    int partition_size, int partitions, float* part_out, float* part_max, float* part_sum, int codes,
+    const float* k_scales, const float* v_scales, int64_t ssb, int64_t sss) {
   using namespace pagedllm;
   const char* e = launch_paged_attention(static_cast<DType>(dtype), out, query, k_cache, v_cache, tables,
       row_request, row_position, rows, num_heads, kv_heads, head_size, block_size, max_blocks, scale, window,
       soft_cap, qsr, qsh,
-      osr, osh, csb, css, csh, partition_size, partitions, part_out, part_max, part_sum, nullptr);
+      osr, osh, csb, css, csh, partition_size, partitions, part_out, part_max, part_sum, static_cast<KVCodes>(codes),
+      k_scales, v_scales, ssb, sss, nullptr);
   if (e || partitions == 1) return e;
   return launch_reduce(static_cast<DType>(dtype), out, part_out, part_max, part_sum, rows, num_heads, head_size,
                        partitions, osr, osh, nullptr);
+}
+
+extern "C" const char* emulated_write_codes(int dtype, int codes, const void* key, const void* value, void* k_cache,
+    void* v_cache, float* k_scales, float* v_scales, const int64_t* slots, int tokens, int kv_heads, int head_size,
+    int block_size, int64_t kst, int64_t ksh, int64_t vst, int64_t vsh, int64_t csb, int64_t css, int64_t csh,
+    int64_t ssb, int64_t sss) {
+  using namespace pagedllm;
+  return launch_write_kv_codes(static_cast<DType>(dtype), static_cast<KVCodes>(codes), key, value, k_cache,
+      v_cache, k_scales, v_scales, slots, tokens, kv_heads, head_size, block_size, kst, ksh, vst, vsh, csb, css, csh,
+      ssb, sss, nullptr);
 }
 """
 
@@ -48,12 +60,12 @@ def emulated_source() -> str:
     with open(os.path.join(CSRC, "kernels.cu")) as f:
         source = f.read()
     source, launches = re.subn(r"([\w:]+(?:<[^<>;]*>)?)<<<([^;]*?)>>>\(", r"::emu::launch(\2, \1, ", source)
-    assert launches == 4, f"expected the four kernel launches of kernels.cu, rewrote {launches}"
+    assert launches == 5, f"expected the five kernel launches of kernels.cu, rewrote {launches}"
     return source + SHIM
 
 
 @pytest.fixture(scope="module")
-def library(tmp_path_factory):
+def emulated(tmp_path_factory) -> ctypes.CDLL:
     cxx = os.environ.get("CXX", "g++")
     if shutil.which(cxx) is None:
         pytest.skip(f"no C++ compiler ({cxx})")
@@ -63,20 +75,30 @@ def library(tmp_path_factory):
     cmd = [cxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", f"-I{EMULATION}", f"-I{CSRC}"]
     proc = subprocess.run([*cmd, str(build / "emulated.cpp"), "-o", str(lib)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    fn = ctypes.CDLL(str(lib)).emulated_attention
-    fn.restype = ctypes.c_char_p
+    lib = ctypes.CDLL(str(lib))
     i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [i32, *[ptr] * 7, *[i32] * 6, ctypes.c_float, i32, ctypes.c_float, *[i64] * 7, i32, i32]
-    fn.argtypes += [ptr] * 3
-    return fn
+    lib.emulated_attention.restype = lib.emulated_write_codes.restype = ctypes.c_char_p
+    attention = [i32, *[ptr] * 7, *[i32] * 6, ctypes.c_float, i32, ctypes.c_float, *[i64] * 7, i32, i32]
+    lib.emulated_attention.argtypes = [*attention, *[ptr] * 3, i32, ptr, ptr, i64, i64]
+    lib.emulated_write_codes.argtypes = [i32, i32, *[ptr] * 7, *[i32] * 4, *[i64] * 9]
+    return lib
 
 
-def run_attention(fn, case, rows_request, rows_position, partitions):
+@pytest.fixture(scope="module")
+def library(emulated):
+    return emulated.emulated_attention
+
+
+def run_attention(fn, case, rows_request, rows_position, partitions, kv_scales=None):
     """The binding's call (binding.cpp paged_attention), on CPU tensors; part_out starts as NaN,
-    as reused device memory can be."""
+    as reused device memory can be. kv_scales: case.kv_cache holds 8-bit codes."""
     q, kv = case.query, case.kv_cache
     rows, heads, head_size = q.shape
     k_cache, v_cache = kv[0], kv[1]
+    codes = {torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}.get(k_cache.dtype, 0)
+    scales = (None, None, 0, 0) if kv_scales is None else (kv_scales[0], kv_scales[1])
+    if kv_scales is not None:
+        scales = (kv_scales[0].data_ptr(), kv_scales[1].data_ptr(), kv_scales.stride(1), kv_scales.stride(2))
     out = torch.full_like(q, float("nan"))
     part_out = torch.full((rows, heads, partitions, head_size), float("nan"))
     part_max = torch.full((rows, heads, partitions), float("nan"))
@@ -114,6 +136,8 @@ def run_attention(fn, case, rows_request, rows_position, partitions):
         part_out.data_ptr(),
         part_max.data_ptr(),
         part_sum.data_ptr(),
+        codes,
+        *scales,
     )
     assert error is None, error
     return out
@@ -170,3 +194,70 @@ def test_prefill_rows_attend_causally_over_the_cached_prefix(library, dtype, hea
     out = run_attention(library, case, request, position, 1)
     err = (out.double() - case.expected).abs().max().item()
     assert err <= TOLERANCE[dtype], f"max error {err:.2e}"
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3", "fp8_e5m2"])
+def test_8bit_caches_write_as_torch_and_attend_over_codes_times_scales(emulated, kv_dtype):
+    """write_kv_codes stores torch's codes and scales (kv_cache.quantize), bit for bit, for
+    bfloat16 keys spanning 1e-30..1e4; attention over those codes, a bfloat16 query, decode past a
+    partition and a prefill chunk, equals float64 attention over code * scale."""
+    from pagedllm.backends.kv_cache import allocate_pool, dequantize, layer_caches, write_quantized
+    from pagedllm.conformance.op_cases import PagedCase, dense_attention
+
+    bs, kv_heads, head_size, group = 16, 2, 64, 4
+    contexts = [3, 700]
+    blocks = [-(-c // bs) for c in contexts]
+    pool = allocate_pool(kv_dtype, 1, 1 + sum(blocks), bs, kv_heads, head_size, torch.bfloat16)
+    cache, scales = layer_caches(pool, kv_dtype, bs, kv_heads, head_size)[0]
+    reference = pool.clone()
+    ref_cache, ref_scales = layer_caches(reference, kv_dtype, bs, kv_heads, head_size)[0]
+    gen = torch.Generator().manual_seed(5)
+    tokens = sum(contexts)
+    magnitude = torch.logspace(-30, 4, tokens).view(tokens, 1, 1)
+    key = (torch.randn(tokens, kv_heads, head_size, generator=gen) * magnitude).bfloat16()
+    value = torch.randn(tokens, kv_heads, head_size, generator=gen).bfloat16()
+    slots = torch.arange(bs, bs + tokens)  # request 0 in block 1, request 1 from block 2
+    slots[contexts[0] :] += bs - contexts[0]
+    error = emulated.emulated_write_codes(
+        DTYPES[torch.bfloat16],
+        {"int8": 1, "fp8_e4m3": 2, "fp8_e5m2": 3}[kv_dtype],
+        key.data_ptr(),
+        value.data_ptr(),
+        cache[0].data_ptr(),
+        cache[1].data_ptr(),
+        scales[0].data_ptr(),
+        scales[1].data_ptr(),
+        slots.data_ptr(),
+        tokens,
+        kv_heads,
+        head_size,
+        bs,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        cache.stride(1),
+        cache.stride(2),
+        cache.stride(3),
+        scales.stride(1),
+        scales.stride(2),
+    )
+    assert error is None, error
+    write_quantized(key, value, ref_cache, ref_scales, slots)
+    assert torch.equal(pool, reference)
+    held = dequantize(cache, scales).view(2, -1, kv_heads, head_size)
+    tables = torch.tensor([[1] + [0] * (blocks[1] - 1), list(range(2, 2 + blocks[1]))], dtype=torch.int32)
+    query = (torch.randn(2 + 9, kv_heads * group, head_size, generator=gen) / magnitude.max() ** 0.5).bfloat16()
+    # decode: a row at each request's last position; then a chunk of 9 new tokens of request 1
+    request = [0, 1] + [1] * 9
+    position = [contexts[0] - 1, contexts[1] - 1] + list(range(contexts[1] - 9, contexts[1]))
+    expected = []
+    for row, (r, p) in enumerate(zip(request, position)):
+        rows = slots[sum(contexts[:r]) : sum(contexts[:r]) + p + 1]
+        expected.append(dense_attention(query[row : row + 1].float(), held[0][rows], held[1][rows], 0.125))
+    case = PagedCase(cache, query[:2], [1] * 11, [p + 1 for p in position], tables, torch.cat(expected), 0.125)
+    decode = run_attention(emulated.emulated_attention, case, request[:2], position[:2], 2, scales)
+    case.query = query[2:]
+    chunk = run_attention(emulated.emulated_attention, case, request[2:], position[2:], 1, scales)
+    out = torch.cat([decode[:2], chunk]).double()
+    assert (out - case.expected).abs().max().item() <= TOLERANCE[torch.bfloat16] * case.expected.abs().max().item()

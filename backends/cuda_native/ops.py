@@ -19,6 +19,8 @@ from pagedllm.core.utils import cdiv
 from .build import load_extension, missing_build_tools
 
 PARTITION = 512  # context positions per program in decode; longer contexts split and reduce
+# an 8-bit cache's code dtype -> kernels.h KVCodes
+KV_CODES = {torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
 
 
 class NativeCudaAttentionOps(CudaPlatform, AttentionOps):
@@ -26,6 +28,7 @@ class NativeCudaAttentionOps(CudaPlatform, AttentionOps):
     supports_sliding_window = True
     supports_soft_cap = True
     supported_head_sizes = tuple(range(8, 257, 8))  # kernels.h: up to 256, whole 16-byte loads
+    supported_kv_cache_dtypes = ("auto", "fp8_e4m3", "fp8_e5m2", "int8")
 
     def __init__(self):
         reason = self.unavailable_reason()
@@ -44,7 +47,20 @@ class NativeCudaAttentionOps(CudaPlatform, AttentionOps):
     def _stream() -> int:
         return torch.cuda.current_stream().cuda_stream
 
-    def write_kv(self, key, value, kv_cache, slot_mapping):
+    def write_kv(self, key, value, kv_cache, slot_mapping, *, kv_scales=None):
+        if kv_scales is not None:
+            self.ext.write_kv_codes(
+                last_dim_contiguous(key),
+                last_dim_contiguous(value),
+                kv_cache[0].view(torch.int8),
+                kv_cache[1].view(torch.int8),
+                kv_scales[0],
+                kv_scales[1],
+                slot_mapping,
+                KV_CODES[kv_cache.dtype],
+                self._stream(),
+            )
+            return
         self.ext.write_kv(
             last_dim_contiguous(key).to(kv_cache.dtype),
             last_dim_contiguous(value).to(kv_cache.dtype),
@@ -54,10 +70,18 @@ class NativeCudaAttentionOps(CudaPlatform, AttentionOps):
             self._stream(),
         )
 
-    def _attend(self, query, kv_cache, tables, row_request, row_position, scale, partitions, window, soft_cap):
+    def _attend(
+        self, query, kv_cache, tables, row_request, row_position, scale, partitions, window, soft_cap, kv_scales
+    ):
         rows, heads, head_size = query.shape
-        query = last_dim_contiguous(query).to(kv_cache.dtype)
-        out = torch.empty(rows, heads, head_size, dtype=kv_cache.dtype, device=query.device)
+        dtype = kv_cache.dtype if kv_scales is None else query.dtype
+        query = last_dim_contiguous(query).to(dtype)
+        out = torch.empty(rows, heads, head_size, dtype=dtype, device=query.device)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        codes, k_scales, v_scales = 0, self._empty, self._empty
+        if kv_scales is not None:
+            codes, k_scales, v_scales = KV_CODES[kv_cache.dtype], kv_scales[0], kv_scales[1]
+            k_cache, v_cache = k_cache.view(torch.int8), v_cache.view(torch.int8)
         if partitions > 1:
             part_out = torch.empty(rows, heads, partitions, head_size, dtype=torch.float32, device=query.device)
             part_max = torch.empty(rows, heads, partitions, dtype=torch.float32, device=query.device)
@@ -67,8 +91,8 @@ class NativeCudaAttentionOps(CudaPlatform, AttentionOps):
         self.ext.paged_attention(
             out,
             query,
-            kv_cache[0],
-            kv_cache[1],
+            k_cache,
+            v_cache,
             tables,
             row_request,
             row_position,
@@ -79,11 +103,16 @@ class NativeCudaAttentionOps(CudaPlatform, AttentionOps):
             part_out,
             part_max,
             part_sum,
+            codes,
+            k_scales,
+            v_scales,
             self._stream(),
         )
         return out
 
-    def decode_attention(self, query, kv_cache, meta: DecodeMetadata, scale, *, window=None, soft_cap=None):
+    def decode_attention(
+        self, query, kv_cache, meta: DecodeMetadata, scale, *, window=None, soft_cap=None, kv_scales=None
+    ):
         n = query.shape[0]
         rows = torch.arange(n, dtype=torch.int32, device=query.device)
         return self._attend(
@@ -96,16 +125,21 @@ class NativeCudaAttentionOps(CudaPlatform, AttentionOps):
             cdiv(meta.max_context_len, PARTITION),
             window,
             soft_cap,
+            kv_scales,
         )
 
-    def prefill_attention(self, query, kv_cache, meta: PrefillMetadata, scale, *, window=None, soft_cap=None):
+    def prefill_attention(
+        self, query, kv_cache, meta: PrefillMetadata, scale, *, window=None, soft_cap=None, kv_scales=None
+    ):
         request, position = prefill_token_rows(meta, query.shape[0], query.device)
         return self._attend(
-            query, kv_cache, meta.block_tables, request.int(), position.int(), scale, 1, window, soft_cap
+            query, kv_cache, meta.block_tables, request.int(), position.int(), scale, 1, window, soft_cap, kv_scales
         )
 
     def copy_blocks(self, kv_caches, pairs):
         if not pairs:
             return
         flat = kv_caches.view(kv_caches.shape[0] * kv_caches.shape[1], kv_caches.shape[2], -1)
+        if flat.dtype == torch.uint8:  # an 8-bit pool's blocks (codes and scales) as 4-byte words
+            flat = flat.view(torch.float32)
         self.ext.copy_blocks(flat, torch.tensor(pairs, dtype=torch.int64, device=kv_caches.device), self._stream())

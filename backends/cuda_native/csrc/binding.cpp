@@ -46,12 +46,31 @@ void write_kv(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v
                "write_kv");
 }
 
+// write_kv into an 8-bit cache: key/value [T, KVH, D] of the model dtype; k_cache/v_cache
+// [N, bs, KVH, D] of bytes (int8-typed views); k_scales/v_scales [N, bs, KVH] float32; codes: KVCodes
+void write_kv_codes(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v_cache, at::Tensor k_scales,
+                    at::Tensor v_scales, at::Tensor slot_mapping, int64_t codes, int64_t stream) {
+  check_cuda(key, "key");
+  check_cuda(k_cache, "k_cache");
+  TORCH_CHECK(k_cache.element_size() == 1 && k_scales.scalar_type() == at::kFloat,
+              "cuda-native: an 8-bit cache holds bytes and float32 scales");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong, "cuda-native: slot_mapping must be int64");
+  check_launch(pagedllm::launch_write_kv_codes(
+                   dtype_of(key), static_cast<pagedllm::KVCodes>(codes), key.data_ptr(), value.data_ptr(),
+                   k_cache.data_ptr(), v_cache.data_ptr(), k_scales.data_ptr<float>(), v_scales.data_ptr<float>(),
+                   slot_mapping.data_ptr<int64_t>(), key.size(0), key.size(1), key.size(2), k_cache.size(1),
+                   key.stride(0), key.stride(1), value.stride(0), value.stride(1), k_cache.stride(0),
+                   k_cache.stride(1), k_cache.stride(2), k_scales.stride(0), k_scales.stride(1), stream_of(stream)),
+               "write_kv_codes");
+}
+
 // out/query [rows, H, D]; caches [N, bs, KVH, D]; block_tables [R, max_blocks] int32;
-// row_request/row_position [rows] int32
+// row_request/row_position [rows] int32. codes != 0 (KVCodes): the caches hold bytes, with
+// k_scales/v_scales [N, bs, KVH] float32 (else empty).
 void paged_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
                      at::Tensor block_tables, at::Tensor row_request, at::Tensor row_position,
                      double scale, int64_t window, double soft_cap, int64_t partition_size, at::Tensor part_out, at::Tensor part_max,
-                     at::Tensor part_sum, int64_t stream) {
+                     at::Tensor part_sum, int64_t codes, at::Tensor k_scales, at::Tensor v_scales, int64_t stream) {
   check_cuda(query, "query");
   check_cuda(k_cache, "k_cache");
   const int num_heads = query.size(1), head_size = query.size(2), kv_heads = k_cache.size(2);
@@ -60,11 +79,15 @@ void paged_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::T
   TORCH_CHECK(head_size % pagedllm::kHeadSizeMultiple == 0, "cuda-native: head size ", head_size,
               " is not a multiple of ", pagedllm::kHeadSizeMultiple, " (K/V are read in 16-byte loads)");
   for (const at::Tensor* cache : {&k_cache, &v_cache}) {
-    const int64_t whole = pagedllm::kHeadSizeMultiple;
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(cache->data_ptr()) % 16 == 0 && cache->stride(0) % whole == 0 &&
+    // 16-byte loads of values; 4-byte loads of codes (an 8-bit block is codes then scales)
+    const int64_t whole = codes ? 4 : pagedllm::kHeadSizeMultiple, start = codes ? 4 : 16;
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(cache->data_ptr()) % start == 0 && cache->stride(0) % whole == 0 &&
                     cache->stride(1) % whole == 0 && cache->stride(2) % whole == 0,
-                "cuda-native: the K/V caches must start on 16 bytes and have strides of whole ", whole, " elements");
+                "cuda-native: the K/V caches must start on ", start, " bytes and have strides of whole ", whole,
+                " elements");
   }
+  TORCH_CHECK(codes == 0 || (k_cache.element_size() == 1 && k_scales.scalar_type() == at::kFloat),
+              "cuda-native: an 8-bit cache holds bytes and float32 scales");
   TORCH_CHECK(num_heads % kv_heads == 0 && num_heads / kv_heads <= pagedllm::kMaxGroup,
               "cuda-native: query heads per KV head must divide and be <= ", pagedllm::kMaxGroup);
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && row_request.scalar_type() == at::kInt &&
@@ -78,7 +101,9 @@ void paged_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::T
       static_cast<int>(window), static_cast<float>(soft_cap),
       query.stride(0), query.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
       k_cache.stride(2), partition_size, partitions, part_out.data_ptr<float>(), part_max.data_ptr<float>(),
-      part_sum.data_ptr<float>(), stream_of(stream)),
+      part_sum.data_ptr<float>(), static_cast<pagedllm::KVCodes>(codes),
+      codes ? k_scales.data_ptr<float>() : nullptr, codes ? v_scales.data_ptr<float>() : nullptr,
+      codes ? k_scales.stride(0) : 0, codes ? k_scales.stride(1) : 0, stream_of(stream)),
                "paged_attention");
   if (partitions > 1) {
     check_launch(pagedllm::launch_reduce(dtype_of(out), out.data_ptr(), part_out.data_ptr<float>(),
@@ -104,6 +129,7 @@ void copy_blocks(at::Tensor caches, at::Tensor pairs, int64_t stream) {
 // dispatcher's headers are a fraction of torch/extension.h's, and CUDA graphs capture them as is.
 TORCH_LIBRARY(pagedllm_native, m) {
   m.def("write_kv", &write_kv);          // store K/V of new tokens at their slots
+  m.def("write_kv_codes", &write_kv_codes);  // the same into an 8-bit cache, with each row's scale
   m.def("paged_attention", &paged_attention);  // attention over paged K/V, one query token per row
   m.def("copy_blocks", &copy_blocks);    // copy KV blocks (copy-on-write) in every layer
 }

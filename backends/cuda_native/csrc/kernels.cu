@@ -31,6 +31,19 @@ template <typename T> struct WriteKv {
   }
 };
 
+template <typename T> struct WriteKvCodes {
+  static void run(int codes, const void* key, const void* value, void* k_cache, void* v_cache, float* k_scales,
+                  float* v_scales, const int64_t* slots, int tokens, int kv_heads, int head_size, int block_size,
+                  int64_t kst, int64_t ksh, int64_t vst, int64_t vsh, int64_t csb, int64_t css, int64_t csh,
+                  int64_t ssb, int64_t sss, cudaStream_t stream) {
+    const int threads = min(256, ((2 * kv_heads + 31) / 32) * 32);
+    write_kv_codes_kernel<T><<<tokens, threads, 0, stream>>>(
+        static_cast<const T*>(key), static_cast<const T*>(value), static_cast<uint8_t*>(k_cache),
+        static_cast<uint8_t*>(v_cache), k_scales, v_scales, slots, codes, kv_heads, head_size, block_size, kst, ksh,
+        vst, vsh, csb, css, csh, ssb, sss);
+  }
+};
+
 template <typename T> struct Attention {
   template <int GROUP, typename... Args>
   static void launch(dim3 grid, size_t smem, cudaStream_t stream, Args... args) {
@@ -41,18 +54,18 @@ template <typename T> struct Attention {
                   int head_size, int block_size, int max_blocks, float scale, int window, float soft_cap,
                   int64_t qsr, int64_t qsh, int64_t osr,
                   int64_t osh, int64_t csb, int64_t css, int64_t csh, int partition_size, int partitions,
-                  float* part_out, float* part_max, float* part_sum, cudaStream_t stream) {
+                  float* part_out, float* part_max, float* part_sum, int codes, const float* k_scales,
+                  const float* v_scales, int64_t ssb, int64_t sss, cudaStream_t stream) {
     const int group = num_heads / kv_heads;
     const size_t smem = sizeof(float) * attention_smem_floats(group, head_size);
     const dim3 grid(rows, kv_heads, partitions);
     // the group's compile-time bound: the next power of two, so five kernels serve groups 1-16
     const auto go = [&](auto bound) {
-      launch<decltype(bound)::value>(grid, smem, stream, static_cast<T*>(out), static_cast<const T*>(query),
-                                     static_cast<const T*>(k_cache), static_cast<const T*>(v_cache), tables,
-                                     row_request, row_position, num_heads, kv_heads, head_size, block_size,
-                                     max_blocks, scale, window, soft_cap, qsr, qsh, osr, osh, csb, css, csh,
-                                     partition_size,
-                                     partitions, part_out, part_max, part_sum);
+      launch<decltype(bound)::value>(grid, smem, stream, static_cast<T*>(out), static_cast<const T*>(query), k_cache,
+                                     v_cache, tables, row_request, row_position, num_heads, kv_heads, head_size,
+                                     block_size, max_blocks, scale, window, soft_cap, qsr, qsh, osr, osh, csb, css,
+                                     csh, partition_size, partitions, part_out, part_max, part_sum, codes, k_scales,
+                                     v_scales, ssb, sss);
     };
     static_assert(kMaxGroup == 16, "the dispatch below covers groups up to 16");
     if (group <= 1) go(std::integral_constant<int, 1>());
@@ -100,6 +113,20 @@ const char* launch_write_kv(DType dtype, const void* key, const void* value, voi
   return launch_error();
 }
 
+const char* launch_write_kv_codes(DType dtype, KVCodes codes, const void* key, const void* value, void* k_cache,
+                                  void* v_cache, float* k_scales, float* v_scales, const int64_t* slot_mapping,
+                                  int tokens, int kv_heads, int head_size, int block_size, int64_t key_stride_t,
+                                  int64_t key_stride_h, int64_t value_stride_t, int64_t value_stride_h,
+                                  int64_t cache_stride_block, int64_t cache_stride_slot, int64_t cache_stride_head,
+                                  int64_t scale_stride_block, int64_t scale_stride_slot, void* stream) {
+  if (tokens == 0) return nullptr;
+  dispatch<WriteKvCodes>(dtype, static_cast<int>(codes), key, value, k_cache, v_cache, k_scales, v_scales,
+                         slot_mapping, tokens, kv_heads, head_size, block_size, key_stride_t, key_stride_h,
+                         value_stride_t, value_stride_h, cache_stride_block, cache_stride_slot, cache_stride_head,
+                         scale_stride_block, scale_stride_slot, static_cast<cudaStream_t>(stream));
+  return launch_error();
+}
+
 const char* launch_paged_attention(DType dtype, void* out, const void* query, const void* k_cache, const void* v_cache,
                             const int* block_tables, const int* row_request, const int* row_position, int rows,
                             int num_heads, int kv_heads, int head_size, int block_size, int max_blocks_per_request,
@@ -107,13 +134,16 @@ const char* launch_paged_attention(DType dtype, void* out, const void* query, co
                             int64_t out_stride_row,
                             int64_t out_stride_head, int64_t cache_stride_block, int64_t cache_stride_slot,
                             int64_t cache_stride_head, int partition_size, int partitions, float* part_out,
-                            float* part_max, float* part_sum, void* stream) {
+                            float* part_max, float* part_sum, KVCodes codes, const float* k_scales,
+                            const float* v_scales, int64_t scale_stride_block, int64_t scale_stride_slot,
+                            void* stream) {
   if (rows == 0) return nullptr;
   dispatch<Attention>(dtype, out, query, k_cache, v_cache, block_tables, row_request, row_position, rows, num_heads,
                       kv_heads, head_size, block_size, max_blocks_per_request, scale, window, soft_cap,
                       q_stride_row, q_stride_head,
                       out_stride_row, out_stride_head, cache_stride_block, cache_stride_slot, cache_stride_head,
-                      partition_size, partitions, part_out, part_max, part_sum, static_cast<cudaStream_t>(stream));
+                      partition_size, partitions, part_out, part_max, part_sum, static_cast<int>(codes), k_scales,
+                      v_scales, scale_stride_block, scale_stride_slot, static_cast<cudaStream_t>(stream));
   return launch_error();
 }
 

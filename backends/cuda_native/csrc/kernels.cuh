@@ -30,6 +30,36 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
   return __float2bfloat16(x);
 }
 
+// An 8-bit code as float32, before its row's scale (KVCodes): int8 by conversion; fp8 by placing
+// its bits (sign-extended, the extension's copies cleared) at the top of a float32's and one
+// multiply by 2^(127 - bias), the formats' subnormals landing on float32's.
+__device__ __forceinline__ float widen_code(uint8_t byte, int codes) {
+  const int32_t s = static_cast<int8_t>(byte);
+  const uint32_t u = static_cast<uint32_t>(s);
+  if (codes == 1) return static_cast<float>(s);
+  if (codes == 2) return __uint_as_float((u << 20) & 0x87f00000u) * 1.329227995784916e36f;  // 2^120
+  return __uint_as_float((u << 21) & 0x8fe00000u) * 5.192296858534828e33f;                  // 2^112
+}
+
+// float32 -> an 8-bit code, rounding to nearest even as torch's casts do; v is within the
+// format's range (its row was divided by the scale)
+__device__ __forceinline__ uint8_t code_of(float v, int codes) {
+  if (codes == 1) return static_cast<uint8_t>(static_cast<int8_t>(rintf(v)));
+  uint32_t bits = __float_as_uint(v);
+  const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
+  bits &= 0x7fffffffu;
+  if (codes == 2) {
+    if (bits < 0x3c800000u) return sign | static_cast<uint8_t>(rintf(__uint_as_float(bits) * 512.f));
+    bits += ((1u << 19) - 1) + ((bits >> 20) & 1u);
+    const uint32_t code = (bits >> 20) - (120u << 3);
+    return sign | static_cast<uint8_t>(code < 0x7eu ? code : 0x7eu);
+  }
+  if (bits < 0x38800000u) return sign | static_cast<uint8_t>(rintf(__uint_as_float(bits) * 65536.f));
+  bits += ((1u << 20) - 1) + ((bits >> 21) & 1u);
+  const uint32_t code = (bits >> 21) - (112u << 2);
+  return sign | static_cast<uint8_t>(code < 0x7bu ? code : 0x7bu);
+}
+
 // N consecutive elements read or written as one access (16 bytes: one ld.global.v4).
 template <typename T, int N> struct alignas(sizeof(T) * N) Packed {
   T v[N];
@@ -94,18 +124,55 @@ __global__ void write_kv_kernel(const T* __restrict__ key, const T* __restrict__
   }
 }
 
+// write_kv into an 8-bit cache: a thread per (token, K or V, KV head) row finds its absmax and
+// writes its codes and scale (kernels.h launch_write_kv_codes).
+template <typename T>
+__global__ void write_kv_codes_kernel(const T* __restrict__ key, const T* __restrict__ value,
+                                      uint8_t* __restrict__ k_cache, uint8_t* __restrict__ v_cache,
+                                      float* __restrict__ k_scales, float* __restrict__ v_scales,
+                                      const int64_t* __restrict__ slot_mapping, int codes, int kv_heads,
+                                      int head_size, int block_size, int64_t key_stride_t, int64_t key_stride_h,
+                                      int64_t value_stride_t, int64_t value_stride_h, int64_t cache_stride_block,
+                                      int64_t cache_stride_slot, int64_t cache_stride_head,
+                                      int64_t scale_stride_block, int64_t scale_stride_slot) {
+  const int t = blockIdx.x;
+  const int64_t slot = slot_mapping[t];
+  if (slot < 0) return;
+  const int64_t block = slot / block_size, offset = slot % block_size;
+  const float top = codes == 1 ? 127.f : codes == 2 ? 448.f : 57344.f;
+  for (int i = threadIdx.x; i < 2 * kv_heads; i += blockDim.x) {
+    const bool is_value = i >= kv_heads;
+    const int h = i % kv_heads;
+    const T* x = is_value ? value + t * value_stride_t + h * value_stride_h : key + t * key_stride_t + h * key_stride_h;
+    float absmax = 0.f;
+    for (int d = 0; d < head_size; ++d) absmax = fmaxf(absmax, fabsf(to_float(x[d])));
+    const float scale = absmax > 0.f ? absmax / top : 1.f;
+    uint8_t* dst = (is_value ? v_cache : k_cache) + block * cache_stride_block + offset * cache_stride_slot +
+                   h * cache_stride_head;
+    for (int d = 0; d < head_size; ++d) dst[d] = code_of(fminf(fmaxf(to_float(x[d]) / scale, -top), top), codes);
+    (is_value ? v_scales : k_scales)[block * scale_stride_block + offset * scale_stride_slot + h] = scale;
+  }
+}
+
 // One block per (row, KV head, context partition), for the group's query heads. GROUP is the
 // compile-time bound on the group (the accumulators are indexed by constants, so they stay in
 // registers); the actual group, num_heads / kv_heads, may be smaller. Launch bounds of 4 blocks
 // per SM (at most 128 registers): without a minimum, ptxas spills the 16-head kernel at 72.
 template <typename T, int GROUP>
 __global__ void __launch_bounds__(kThreads, 4) paged_attention_kernel(
-    T* __restrict__ out, const T* __restrict__ query, const T* __restrict__ k_cache, const T* __restrict__ v_cache,
-    const int* __restrict__ block_tables, const int* __restrict__ row_request, const int* __restrict__ row_position,
-    int num_heads, int kv_heads, int head_size, int block_size, int max_blocks_per_request, float scale,
-    int window, float soft_cap, int64_t q_stride_row, int64_t q_stride_head, int64_t out_stride_row, int64_t out_stride_head,
-    int64_t cache_stride_block, int64_t cache_stride_slot, int64_t cache_stride_head, int partition_size,
-    int partitions, float* __restrict__ part_out, float* __restrict__ part_max, float* __restrict__ part_sum) {
+    T* __restrict__ out, const T* __restrict__ query, const void* __restrict__ k_cache_raw,
+    const void* __restrict__ v_cache_raw, const int* __restrict__ block_tables, const int* __restrict__ row_request,
+    const int* __restrict__ row_position, int num_heads, int kv_heads, int head_size, int block_size,
+    int max_blocks_per_request, float scale, int window, float soft_cap, int64_t q_stride_row, int64_t q_stride_head,
+    int64_t out_stride_row, int64_t out_stride_head, int64_t cache_stride_block, int64_t cache_stride_slot,
+    int64_t cache_stride_head, int partition_size, int partitions, float* __restrict__ part_out,
+    float* __restrict__ part_max, float* __restrict__ part_sum, int codes, const float* __restrict__ k_scales,
+    const float* __restrict__ v_scales, int64_t scale_stride_block, int64_t scale_stride_slot) {
+  // codes (KVCodes) is the same for every thread: its branches below do not diverge
+  const T* k_cache = static_cast<const T*>(k_cache_raw);
+  const T* v_cache = static_cast<const T*>(v_cache_raw);
+  const uint8_t* k_codes = static_cast<const uint8_t*>(k_cache_raw);
+  const uint8_t* v_codes = static_cast<const uint8_t*>(v_cache_raw);
   constexpr int VEC = kVec<T>;
   constexpr int K_ITERS = kMaxHeadSize / (32 * VEC) > 0 ? kMaxHeadSize / (32 * VEC) : 1;
   const int row = blockIdx.x, kvh = blockIdx.y, part = blockIdx.z;
@@ -115,7 +182,8 @@ __global__ void __launch_bounds__(kThreads, 4) paged_attention_kernel(
   const int context = row_position[row] + 1;
   // a window that starts past this partition leaves it empty, as a partition past the context is
   const int start = window > 0 ? max(part * partition_size, context - window) : part * partition_size;
-  const int end = min(part * partition_size + partition_size, context);
+  // one partition (prefill rows, short decodes) is the whole context, however long
+  const int end = partitions == 1 ? context : min(part * partition_size + partition_size, context);
   const int* table = block_tables + static_cast<int64_t>(request) * max_blocks_per_request;
 
   extern __shared__ float smem[];
@@ -173,7 +241,14 @@ __global__ void __launch_bounds__(kThreads, 4) paged_attention_kernel(
 #pragma unroll
       for (int it = 0; it < K_ITERS; ++it) {
         const int v = sub_lane + it * lanes_per_pos;
-        if (valid && v < vecs) {
+        if (valid && v < vecs && codes) {  // VEC codes in 4-byte loads (a row starts on 4 bytes)
+#pragma unroll
+          for (int w = 0; w < VEC / 4; ++w) {
+            const Packed<uint8_t, 4> x = *reinterpret_cast<const Packed<uint8_t, 4>*>(k_codes + off + v * VEC + 4 * w);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) k[it][4 * w + i] = widen_code(x.v[i], codes);
+          }
+        } else if (valid && v < vecs) {
           const Packed<T, VEC> x = *reinterpret_cast<const Packed<T, VEC>*>(k_cache + off + v * VEC);
 #pragma unroll
           for (int i = 0; i < VEC; ++i) k[it][i] = to_float(x.v[i]);
@@ -196,6 +271,8 @@ __global__ void __launch_bounds__(kThreads, 4) paged_attention_kernel(
         }
         dot = lanes_sum(dot, lanes_per_pos);
         if (valid && sub_lane == 0) {
+          if (codes) dot *= k_scales[slot_offset(table, chunk + t, block_size, kvh, scale_stride_block,
+                                                 scale_stride_slot, 1)];
           const float s = dot * scale;
           scores[g * kChunk + t] = soft_cap > 0.f ? soft_cap * tanhf(s / soft_cap) : s;
         }
@@ -237,8 +314,16 @@ __global__ void __launch_bounds__(kThreads, 4) paged_attention_kernel(
       for (int t = slice; t < n; t += slices) {
         const int64_t off =
             slot_offset(table, chunk + t, block_size, kvh, cache_stride_block, cache_stride_slot, cache_stride_head);
-        const Packed<T, 2> x = *reinterpret_cast<const Packed<T, 2>*>(v_cache + off + 2 * pair);
-        const float v0 = to_float(x.v[0]), v1 = to_float(x.v[1]);
+        float v0, v1;
+        if (codes) {
+          const Packed<uint8_t, 2> x = *reinterpret_cast<const Packed<uint8_t, 2>*>(v_codes + off + 2 * pair);
+          const float row_scale =
+              v_scales[slot_offset(table, chunk + t, block_size, kvh, scale_stride_block, scale_stride_slot, 1)];
+          v0 = widen_code(x.v[0], codes) * row_scale, v1 = widen_code(x.v[1], codes) * row_scale;
+        } else {
+          const Packed<T, 2> x = *reinterpret_cast<const Packed<T, 2>*>(v_cache + off + 2 * pair);
+          v0 = to_float(x.v[0]), v1 = to_float(x.v[1]);
+        }
 #pragma unroll
         for (int g = 0; g < GROUP; ++g) {
           if (g >= group) break;
