@@ -200,7 +200,8 @@ def test_prefill_rows_attend_causally_over_the_cached_prefix(library, dtype, hea
 def test_8bit_caches_write_as_torch_and_attend_over_codes_times_scales(emulated, kv_dtype):
     """write_kv_codes stores torch's codes and scales (kv_cache.quantize), bit for bit, for
     bfloat16 keys spanning 1e-30..1e4; attention over those codes, a bfloat16 query, decode past a
-    partition and a prefill chunk, equals float64 attention over code * scale."""
+    partition and a prefill chunk at positions past 512 (one partition: the whole context),
+    equals float64 attention over code * scale."""
     from pagedllm.backends.kv_cache import allocate_pool, dequantize, layer_caches, write_quantized
     from pagedllm.conformance.op_cases import PagedCase, dense_attention
 
