@@ -75,15 +75,18 @@ def triton_decode_usage(tile: int, warps: int, group: int = 8, head_size: int = 
     fn = kernels.decode_kernel
     pointers = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*bf16"}
     pointers |= {"tables_ptr": "*i32", "ctx_ptr": "*i32", "part_acc_ptr": "*fp32"}
-    pointers |= {"part_max_ptr": "*fp32", "part_sum_ptr": "*fp32"}
+    pointers |= {"part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
     ints = ["stride_qs", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_bt", "stride_os", "stride_oh"]
-    ints += ["num_heads", "num_splits", "window"]
+    ints += ["num_heads", "num_splits", "window", "stride_sb", "stride_ss"]
     constants = dict(GROUP=group, BLOCK_G=max(16, 1 << (group - 1).bit_length()), HEAD_DIM=head_size)
     constants |= dict(BLOCK_D=head_size, BLOCK_SIZE=16, TILE=tile, PARTITION=512, SPLIT=True, FP32=False)
-    constants |= dict(SOFT_CAP=False)
+    constants |= dict(SOFT_CAP=False, KV_CODES=0)
     floats = {"scale": "fp32", "soft_cap": "fp32"}
     signature = {**pointers, **floats, **{n: "i32" for n in ints}, **{n: "constexpr" for n in constants}}
-    divisible = [*pointers, *(n for n in ints if n not in ("stride_bt", "num_splits", "window"))]
+    divisible = [
+        *pointers,
+        *(n for n in ints if n not in ("stride_bt", "num_splits", "window", "stride_sb", "stride_ss")),
+    ]
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in divisible}
     source = ASTSource(fn, signature, constexprs=constants, attrs=attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))

@@ -71,3 +71,24 @@ def test_an_8bit_cache_under_tensor_parallelism_int8_weights_swap_and_prefix_hit
         stats = llm.last_stats.scheduler
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
     assert got == expected
+
+
+def test_a_checkpoint_with_calibrated_kv_scales_loads_and_its_scales_are_not_needed(tiny_model, tmp_path):
+    """Checkpoints made for fp8 KV caches carry per-tensor k_scale / v_scale; they load (the
+    per-row scales computed on write supersede them) and run as the same model without them."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = tiny_model("llama")
+    folder = tmp_path / "with-kv-scales"
+    shutil.copytree(path, folder)
+    weights = load_file(str(folder / "model.safetensors"))
+    for layer in range(2):
+        for name in ("k_scale", "v_scale"):
+            weights[f"model.layers.{layer}.self_attn.{name}"] = torch.tensor(0.02)
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    ids = list(range(3, 60))
+    _, plain = sequence_scores(make_runner(path, num_blocks=8, kv_cache_dtype="fp8_e4m3"), ids)
+    _, scaled = sequence_scores(make_runner(str(folder), num_blocks=8, kv_cache_dtype="fp8_e4m3"), ids)
+    assert torch.equal(plain, scaled)

@@ -57,7 +57,10 @@ _EXPERT_PARTS = {
     "down_proj": ("w2", None),
 }
 # buffers some checkpoints carry that are recomputed here
-_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+# tensors a checkpoint may carry that the model does not use: rotary tables, and calibrated
+# per-tensor KV cache scales (an 8-bit cache here has a scale per token and KV head, computed as
+# it is written: finer than any per-tensor scale)
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$|self_attn\.(k_scale|v_scale|[kv]_proj\.output_scale)$")
 
 
 def checkpoint_files(model_dir: str) -> list[str]:
