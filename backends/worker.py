@@ -183,16 +183,22 @@ class Worker:
         t0 = time.perf_counter()
         seqs = [SeqInput(c.token_ids, c.start, c.state.block_ids) for c in chunks]
         wanted = prompt_positions(chunks)
+        drafts = plan.draft_token_ids
+        # speculating chunks: the logits of every position, to verify the proposal
+        verify = {i: c.num_tokens for i, c in enumerate(chunks) if drafts and c.request_id in drafts}
         if self.threads:
             self.threads.begin(sum(len(s.token_ids) for s in seqs))
-        if wanted:
-            logits, hidden = self.runner.execute_with_hidden(seqs, wanted)
-            prompt_lps = self._prompt_logprobs(chunks, hidden)
+        spec_tokens = None
+        if wanted or verify:
+            logits, hidden = self.runner.execute_with_hidden(seqs, {**wanted, **verify})
+            prompt_lps = self._prompt_logprobs(chunks, {i: hidden[i] for i in wanted}) if wanted else None
+            if verify:
+                spec_tokens = self._verify(chunks, hidden, verify, drafts)
         else:
             logits, prompt_lps = self.runner.execute(seqs), None
         if self.threads:
             self.threads.end()
-        rows = [i for i, c in enumerate(chunks) if c.state.samples]
+        rows = [i for i, c in enumerate(chunks) if c.state.samples and i not in verify]
         sampled = np.full(len(chunks), -1, dtype=np.int64)
         logprobs = None
         if rows:
@@ -214,7 +220,32 @@ class Worker:
             logprobs=logprobs,
             forward_seconds=time.perf_counter() - t0,
             prompt_logprobs=prompt_lps,
+            spec_token_ids=spec_tokens,
         )
+
+    def _verify(self, chunks, hidden: dict, verify: dict[int, int], drafts: dict[str, list[int]]) -> dict:
+        """Speculative decoding, greedy: for each speculating chunk (its last token, then the
+        proposal), the model's choice after each of its positions; the proposal's tokens stay up
+        to the first it disagrees with, and its own choice there follows. Every rank takes part
+        (the logits gather to rank 0, which decides; the others learn its answer)."""
+        width = max(verify.values())
+        table = torch.full((len(verify), width), -1, dtype=torch.int64)
+        for row, i in enumerate(verify):
+            logits = self.model.compute_logits(hidden[i])
+            if logits is None:  # not rank 0
+                continue
+            choices = self.ops.argmax(logits).tolist()
+            proposal = drafts[chunks[i].request_id]
+            accepted = next((j for j, (p, c) in enumerate(zip(proposal, choices)) if p != c), len(proposal))
+            table[row, : accepted + 1] = torch.tensor(proposal[:accepted] + [choices[accepted]])
+        if self.tp.size > 1:
+            table = self.tp.broadcast_from_first(table.to(self.device)).cpu()
+        out = {}
+        for row, i in enumerate(verify):
+            tokens = [t for t in table[row].tolist() if t >= 0]
+            self.state.keep_confirmed(chunks[i], tokens)
+            out[chunks[i].request_id] = tokens
+        return out
 
     def _step_masks(self, plan: SchedulerOutput) -> dict[str, torch.Tensor]:
         """Structured outputs: each constrained request's token bitmask for this step, by id —

@@ -6,6 +6,7 @@ import msgspec
 
 from .errors import InvalidParameter
 from .free_blocks import PLACEMENTS
+from .speculative import SpeculativeConfig
 from .utils import cdiv
 
 SCHEDULER_POLICIES = ("fcfs", "priority")
@@ -67,6 +68,7 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
     preemption_mode: str = "recompute"
     # structured outputs: tokens the grammar forces are appended at once, computed in one chunk
     jump_forward: bool = True
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self):
         _check_positive(self, ("max_num_seqs", "max_num_batched_tokens", "max_model_len"))
@@ -132,6 +134,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     jump_forward: bool = True  # structured outputs: append the tokens a grammar forces, unsampled
     quantization: str | None = None  # core/quantization.py: a load-time mode, or the checkpoint's method
     kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
+    speculative_config: SpeculativeConfig | None = None  # core/speculative.py
 
     def __post_init__(self):
         _check_block_size(self.block_size)

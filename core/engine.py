@@ -180,6 +180,7 @@ class EngineCore:
             priority_preemption=cfg.priority_preemption,
             preemption_mode=cfg.preemption_mode,
             jump_forward=cfg.jump_forward,
+            speculative=cfg.speculative_config,
         )
         return cache, sched
 
@@ -280,7 +281,7 @@ class EngineCore:
             plan = in_flight[0]
             result = self._wait_result(plan)
             in_flight.popleft()
-            outputs = sched.update(plan, sampled_by_request(plan, result), result.logprobs)
+            outputs = sched.update(plan, sampled_by_request(plan, result), result.logprobs, result.spec_token_ids)
             self._report_failures()
             self.steps += 1
             self._batch_sizes.append(len(plan.num_scheduled_tokens))

@@ -6,6 +6,7 @@ import msgspec
 import numpy as np
 
 from .sampling_params import SamplingParams
+from .speculative import SpecStats
 
 
 class NewRequestData(msgspec.Struct, array_like=True):
@@ -42,6 +43,9 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     # structured outputs: the requests that sample under a constraint in this step; their token
     # bitmasks follow in a StepMasks message (core/protocol.py)
     structured_request_ids: list[str] = []
+    # speculative decoding: proposed tokens that follow a request's last one in this step's chunk
+    # (appended for this step only; the worker keeps those the model confirms)
+    draft_token_ids: dict[str, list[int]] = {}
 
     @property
     def is_empty(self) -> bool:
@@ -141,3 +145,4 @@ class SchedulerStats(msgspec.Struct):
     peak_blocks_used: int
     num_blocks: int
     fragmentation: Fragmentation | None = None  # refreshed at most once a second (it walks every table)
+    spec_decode: SpecStats | None = None  # speculative decoding's counts, where it is on

@@ -185,6 +185,9 @@ class StepResult(FromWorkerMessage, tag="result", kw_only=True):
     logprobs: dict[str, TokenLogprobs] | None = None
     forward_seconds: float = 0.0
     prompt_logprobs: dict[str, PromptLogprobs] | None = None  # of requests that asked, by request id
+    # speculative decoding: each speculating request's tokens of this step (the proposed ones the
+    # model confirmed, then its own next one), by request id
+    spec_token_ids: dict[str, list[int]] | None = None
 
 
 class WorkerFailed(FromWorkerMessage, tag="failed", kw_only=True):

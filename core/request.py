@@ -95,6 +95,8 @@ class Request:
         "beam_group",
         "queued_seconds",
         "matcher",
+        "spec_backoff",
+        "spec_misses",
     )
 
     def __init__(
@@ -130,6 +132,10 @@ class Request:
         self.beam_group = None  # core.beam_search.BeamGroup of a beam-search request
         self.queued_seconds: float | None = None  # arrival to first scheduled, set on first admission
         self.matcher = None  # structured outputs: the llguidance matcher of the output so far
+        # speculative decoding: steps left before this request proposes again, and how many of
+        # its proposals in a row had no token confirmed (each doubles the wait)
+        self.spec_backoff = 0
+        self.spec_misses = 0
 
     @classmethod
     def from_engine_request(cls, req: EngineRequest, max_tokens: int) -> Request:

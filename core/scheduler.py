@@ -30,6 +30,7 @@ from .outputs import Fragmentation, RequestOutputDelta, SchedulerOutput, Schedul
 from .request import EngineRequest, Request, RequestStatus, child_request_id, child_seed, sample_request_ids
 from .request_queue import RequestQueue
 from .sampling_params import SamplingParams
+from .speculative import MAX_BACKOFF, SpecStats, may_speculate, propose_ngram
 from .step_builder import StepBuilder, WorkerView
 
 RUNNING = RequestStatus.RUNNING
@@ -66,6 +67,10 @@ class Scheduler:
         self.constrained = False  # structured outputs are in use (some request has had a grammar)
         self._forced: dict[str, list[int]] = {}  # jump-forward tokens the worker has not been sent
         self._fragmentation, self._fragmentation_at = None, -1e9
+        self.spec = scheduler_config.speculative
+        self._drafts: dict[str, list[int]] = {}  # this step's proposals, by request id
+        # proposed, accepted; accepted at each position of a proposal
+        self.spec_stats = SpecStats([0] * (self.spec.num_speculative_tokens if self.spec else 0))
 
     # --- requests in and out --------------------------------------------------------------
     def add_request(self, engine_request: EngineRequest, matcher=None) -> Request:
@@ -216,6 +221,7 @@ class Scheduler:
         if self.by_priority and self.config.priority_preemption:
             self._preempt_for_waiting(step)
         decodes, prefills = self._running_by_phase()
+        self._drafts = self._propose(decodes) if self.spec else {}
         self._schedule_running(decodes, step)
         self._schedule_beam_groups(step)  # decodes too: before prefills take the blocks they need
         self._schedule_running(prefills, step)
@@ -226,13 +232,49 @@ class Scheduler:
             self._schedule_waiting(step)
         for request, num_tokens in zip(step.requests, step.scheduled.values()):
             request.num_computed_tokens += num_tokens
-        return step.build(
+        plan = step.build(
             next(self._step_ids),
             self.kv.take_block_copies(),
             {**self.beams.take_appended(self.worker.known), **self._take_forced()},
             self.config.max_num_batched_tokens,
             self.constrained,
         )
+        if self._drafts:
+            scheduled = plan.num_scheduled_tokens
+            plan.draft_token_ids = {
+                rid: d[: scheduled[rid] - 1] for rid, d in self._drafts.items() if scheduled.get(rid, 0) > 1
+            }
+        return plan
+
+    @staticmethod
+    def _may_propose(request: Request) -> bool:
+        """Whether the request may propose in its next step (after the one in flight)."""
+        return request.spec_backoff <= 1 and may_speculate(request)
+
+    def _speculation_on(self) -> bool:
+        limit = self.spec.disable_by_batch_size
+        return limit is None or len(self.running) <= limit
+
+    def _propose(self, decodes: list[tuple[Request, int]]) -> dict[str, list[int]]:
+        """Speculative decoding: n-gram proposals for the decodes that may speculate, within
+        their length limits; none above the batch size where it stops paying."""
+        spec = self.spec
+        if not self._speculation_on():
+            return {}
+        drafts = {}
+        for request, _ in decodes:
+            if request.spec_backoff or not may_speculate(request):
+                continue
+            room = min(
+                request.max_tokens - (request.num_tokens - request.num_prompt_tokens),
+                self.config.max_model_len - request.num_tokens,
+            )
+            k = min(spec.num_speculative_tokens, room - 1)  # the model's own token comes after them
+            if k > 0:
+                proposal = propose_ngram(request.all_token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+                if proposal:
+                    drafts[request.request_id] = proposal
+        return drafts
 
     def schedule_ahead(self, in_flight: SchedulerOutput) -> SchedulerOutput | None:
         """The step after `in_flight`, planned before its tokens are known (async scheduling):
@@ -247,6 +289,8 @@ class Scheduler:
             return None
         if self.constrained and any(r.matcher is not None for r in self.running):
             return None  # a constrained request's next mask needs the token sampled in the step in flight
+        if self.spec is not None and self._speculation_on() and any(self._may_propose(r) for r in self.running):
+            return None  # a proposal continues the token sampled in the step in flight
         if self.waiting and (self.by_priority or len(self.running) < cfg.max_num_seqs):
             return None  # one could start or preempt: that needs the results first
         scheduled = in_flight.num_scheduled_tokens
@@ -280,11 +324,14 @@ class Scheduler:
 
     def _schedule_running(self, left: list[tuple[Request, int]], step: StepBuilder) -> None:
         allocate = self.kv.allocate_slots
+        drafts = self._drafts
         for request, num_left in left:
             if step.budget <= 0:
                 break
             if request.status != RUNNING:
                 continue  # preempted as a victim earlier in this loop
+            if drafts and request.request_id in drafts:  # its last token and the proposal, in one chunk
+                num_left += len(drafts[request.request_id])
             num_new = min(num_left, step.budget)
             delta = allocate(request, num_new)
             if delta is None:
@@ -439,24 +486,34 @@ class Scheduler:
 
     # --- results --------------------------------------------------------------------------
     def update(
-        self, plan: SchedulerOutput, sampled_token_ids: dict[str, int], logprobs: dict | None = None
+        self,
+        plan: SchedulerOutput,
+        sampled_token_ids: dict[str, int],
+        logprobs: dict | None = None,
+        spec_token_ids: dict[str, list[int]] | None = None,
     ) -> list[RequestOutputDelta]:
         """Apply the tokens the worker sampled. Requests in the middle of a chunked prefill
         sampled nothing; requests aborted since `schedule()` are skipped. Beams append nothing
-        themselves: their group chooses from the top tokens in `logprobs`."""
+        themselves: their group chooses from the top tokens in `logprobs`. A speculating
+        request gets the proposed tokens the model confirmed and the model's next one."""
         outputs = []
         requests = self.requests
+        drafts = plan.draft_token_ids
         for rid in plan.num_scheduled_tokens:
             request = requests.get(rid)
             if request is None or request.status != RUNNING:
                 continue
             try:
-                if request.num_computed_tokens < len(request.all_token_ids):
+                if drafts and rid in drafts:
+                    outputs.append(self._accept(request, drafts[rid], spec_token_ids[rid]))
+                elif request.num_computed_tokens < len(request.all_token_ids):
                     if request.forks_pending and request.num_computed_tokens == request.fork_point:
                         self._fork_samples(request)
                 elif request.beam_group is not None:
                     self.beams.report(request, logprobs[rid])
                 else:
+                    if request.spec_backoff:
+                        request.spec_backoff -= 1
                     outputs.append(self._append_token(request, sampled_token_ids[rid]))
             except Exception as e:  # noqa: BLE001 - one request's failure is its own (fail_request logs it)
                 self.fail_request(rid, e)
@@ -465,6 +522,36 @@ class Scheduler:
         if len(self.running) != len(self.requests) - len(self.waiting) - len(self.swapped):
             self.running = [r for r in self.running if r.status == RUNNING]
         return outputs
+
+    def _accept(self, request: Request, proposal: list[int], tokens: list[int]) -> RequestOutputDelta:
+        """A speculating request's step: the first len(tokens) - 1 proposed tokens were confirmed,
+        then the model's own. The rest of the proposal's KV is rolled back — its slots, and the
+        blocks that held only them, go back — before the confirmed tokens join (blocks they fill
+        enter the prefix cache then, never with an unconfirmed token)."""
+        accepted = len(tokens) - 1
+        if tokens[:accepted] != proposal[:accepted]:
+            raise RuntimeError(f"the worker confirmed {tokens[:accepted]} of the proposal {proposal}")
+        self.spec_stats.record(len(proposal), accepted)
+        if accepted:
+            request.spec_misses = 0
+        else:  # the proposer does not follow this output: wait 2, 4, ... 64 steps before the next
+            request.spec_misses += 1
+            request.spec_backoff = min(2**request.spec_misses, MAX_BACKOFF)
+        request.num_computed_tokens -= len(proposal) - accepted
+        self.kv.forget_beyond(request)
+        out = None
+        for token in tokens:
+            delta = self._append_token(request, token)
+            if out is None:
+                out = delta
+            else:
+                ids = out.new_token_ids + delta.new_token_ids
+                out = msgspec.structs.replace(
+                    out, new_token_ids=ids, finish_reason=delta.finish_reason, stop_reason=delta.stop_reason
+                )
+            if delta.finish_reason is not None:  # a stop inside the confirmed run: nothing after it
+                break
+        return out
 
     def _append_token(self, request: Request, token: int) -> RequestOutputDelta:
         """The sampled token joins the request; it may end it (stop token, EOS, length)."""
@@ -631,6 +718,7 @@ class Scheduler:
             peak_blocks_used=pool.peak_used,
             num_blocks=pool.num_blocks,
             fragmentation=self._fragmentation,
+            spec_decode=self.spec_stats.copy() if self.spec else None,
         )
 
     def check_invariants(self) -> None:

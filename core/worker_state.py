@@ -87,6 +87,8 @@ class WorkerState:
             blocks.extend(ids)
         for rid, tokens in plan.appended_token_ids.items():
             requests[rid].token_ids.extend(tokens)
+        for rid, tokens in plan.draft_token_ids.items():  # this step's proposal, confirmed or cut after it
+            requests[rid].token_ids.extend(tokens)
         chunks = []
         new_chunk = tuple.__new__  # a NamedTuple's own __new__ is a Python call: 60% of this loop
         for rid, n in plan.num_scheduled_tokens.items():
@@ -94,6 +96,16 @@ class WorkerState:
             chunks.append(new_chunk(ScheduledChunk, (rid, state, state.num_computed, n)))
             state.num_computed += n
         return chunks
+
+    @staticmethod
+    def keep_confirmed(chunk: ScheduledChunk, tokens: list[int]) -> None:
+        """A speculating chunk (its last known token, then a proposal) verified: the proposal's
+        first len(tokens) - 1 tokens stay, computed, and the model's next token follows them."""
+        state = chunk.state
+        kept = chunk.start + len(tokens)  # the last known token and the confirmed ones
+        del state.token_ids[kept:]
+        state.token_ids.append(tokens[-1])
+        state.num_computed = kept
 
     @staticmethod
     def add_sampled(state: RequestState, token: int) -> None:

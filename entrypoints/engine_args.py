@@ -22,6 +22,7 @@ from pagedllm.core.errors import InvalidParameter
 from pagedllm.core.free_blocks import PLACEMENTS
 from pagedllm.core.model_folder import ModelFolder, model_folder
 from pagedllm.core.quantization import QUANTIZATIONS, resolve_quantization
+from pagedllm.core.speculative import parse_speculative_config
 
 from .engine_client import EngineClient
 from .input_processor import InputProcessor
@@ -109,6 +110,12 @@ class EngineArgs:
     jump_forward: bool = option(
         True, "structured outputs: tokens the grammar forces are appended without sampling, computed in one chunk"
     )
+    speculative_config: dict | str | None = option(  # noqa: RUF009 - the default is None
+        None,
+        'speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 1, "disable_by_batch_size": 16}; greedy requests speculate',
+        cli_type=str,
+    )
     tokenizer: str | None = option(None, "tokenizer folder (default: the model's)")
     skip_tokenizer_init: bool = option(False, "no tokenizer: prompts and outputs are token ids")
     transport: str = option(
@@ -174,6 +181,7 @@ class EngineArgs:
                 "kv_cache_memory": parse_size(self.kv_cache_memory, "kv_cache_memory"),
                 "swap_space": swap,
                 "quantization": quantization,
+                "speculative_config": parse_speculative_config(self.speculative_config),
             }
         )
 

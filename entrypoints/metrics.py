@@ -126,6 +126,20 @@ class EngineMetrics:
             registry=self.registry,
         )
         self._last: EngineStats | None = None
+        self._spec = {
+            name: metric(Counter, f"spec_decode_{name}", doc)
+            for name, doc in (
+                ("num_drafts", "Speculative proposals verified."),
+                ("num_draft_tokens", "Tokens proposed by the speculative proposer."),
+                ("num_accepted_tokens", "Proposed tokens the model confirmed."),
+            )
+        }
+        self._spec_per_pos = Counter(
+            "pagedllm:spec_decode_num_accepted_tokens_per_pos",
+            "Proposals whose token at this position was confirmed.",
+            ["model_name", "position"],
+            registry=self.registry,
+        )
 
     def observe_cache_config(self, ready, kv_cache_dtype: str) -> None:
         """The KV pool the engine started with, as vLLM's cache_config_info: a gauge of 1 whose
@@ -153,10 +167,19 @@ class EngineMetrics:
         for name, field in _CUMULATIVE:
             count = attrgetter(field)
             getattr(self, name).inc(count(stats) - (count(last) if last else 0))
+        if sched.spec_decode is not None:
+            self._observe_spec(sched.spec_decode, last.scheduler.spec_decode if last else None)
         self._last = stats
         for size, tokens in zip(stats.batch_sizes, stats.batch_tokens):
             self.batch_size.observe(size)
             self.iteration_tokens.observe(tokens)
+
+    def _observe_spec(self, now, before) -> None:
+        for name, counter in self._spec.items():
+            counter.inc(getattr(now, name) - (getattr(before, name) if before else 0))
+        for pos, count in enumerate(now.num_accepted_tokens_per_pos):
+            done = before.num_accepted_tokens_per_pos[pos] if before else 0
+            self._spec_per_pos.labels(self.model_name, str(pos)).inc(count - done)
 
     def observe_request(self, timing, output) -> None:
         """timing: request_tracker.RequestTiming; output: the RequestOutput as it ended."""

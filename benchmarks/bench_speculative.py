@@ -1,0 +1,80 @@
+"""Speculative decoding (n-gram prompt lookup) on the demo model: one request alone, and 64 at
+once, with and without speculation, engines alternated round by round so that the machine's
+drift hits each alike. The workload quotes its input: a held-out pydoc passage, given twice,
+then its start once more, to be continued (greedy, 256 tokens).
+
+Run: python -m pagedllm.benchmarks.bench_speculative [--rounds 3] [--tokens 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import time
+
+from pagedllm import LLM, SamplingParams
+
+from .machine import describe, finish, machine_record
+
+CONFIGS = {
+    "none": None,
+    "ngram k=2": {"method": "ngram", "num_speculative_tokens": 2},
+    "ngram k=4": {"method": "ngram", "num_speculative_tokens": 4},
+}
+
+
+def quoting_prompts(count: int) -> list[str]:
+    path = os.path.join(os.path.dirname(__file__), "..", "tools", "train_demo_model.py")
+    spec = importlib.util.spec_from_file_location("train_demo_model", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    texts = [t for t in script.held_out_texts() if len(t) >= 700]
+    passages = [texts[i % len(texts)][:600] for i in range(count)]
+    return [f"{p}\n\n{p}\n\n{p[:200]}" for p in passages]
+
+
+def run(engines: dict, prompts: list[str], params: SamplingParams, rounds: int) -> dict:
+    times = {name: [] for name in engines}
+    for _ in range(rounds):
+        for name, llm in engines.items():
+            t0 = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            times[name].append(time.perf_counter() - t0)
+    return {name: len(prompts) * params.max_tokens / statistics.median(t) for name, t in times.items()}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=256)
+    args = ap.parse_args(argv)
+    record = machine_record()
+    params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
+    engines = {name: LLM(speculative_config=cfg, kv_cache_memory="256MiB") for name, cfg in CONFIGS.items()}
+    try:
+        for llm in engines.values():  # warm-up
+            llm.generate(["warm up"], SamplingParams(max_tokens=8), use_tqdm=False)
+        single = run(engines, quoting_prompts(1), params, args.rounds)
+        stats = {name: llm.last_stats.scheduler.spec_decode for name, llm in engines.items()}
+        batched = run(engines, quoting_prompts(64), params, max(1, args.rounds // 2))
+    finally:
+        for llm in engines.values():
+            llm.shutdown()
+    print(f"demo model, greedy, {args.tokens} tokens a request, output tok/s (median of the rounds):")
+    print(f"  {'speculation':12} {'1 request':>10} {'x none':>7} {'64 requests':>12} {'x none':>7}  acceptance")
+    for name in CONFIGS:
+        s = stats[name]
+        rate = "" if s is None else f"{s.num_accepted_tokens / max(s.num_draft_tokens, 1):.0%} of proposed"
+        rate += "" if s is None else f" ({s.num_accepted_tokens / max(s.num_drafts, 1):.2f} a proposal)"
+        print(
+            f"  {name:12} {single[name]:10.0f} {single[name] / single['none']:6.2f}x {batched[name]:12.0f} "
+            f"{batched[name] / batched['none']:6.2f}x  {rate}"
+        )
+    print("machine:", describe(finish(record)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

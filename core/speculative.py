@@ -1,0 +1,139 @@
+"""Speculative decoding in the core: what the engine speculates with, which requests may, and
+the n-gram proposer (prompt lookup). Torch-free.
+
+A speculating request's decode step computes its last token and K proposed ones in one chunk;
+the worker keeps the longest prefix of the proposal that the target model itself would have
+chosen, plus the target's token after it, so the output is token for token the one without
+speculation. The proposal's KV past what was kept is rolled back by the scheduler.
+
+A request whose proposals keep failing (none of a proposal's tokens confirmed) waits 2, 4, ...
+up to 64 steps before it proposes again, decoding meanwhile as without speculation (async
+scheduling included): a proposer that does not follow an output costs little.
+
+This first version speculates for greedy requests (temperature 0) without logprobs,
+penalties, constraints or beams; other requests decode one token a step beside them.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+
+from .errors import InvalidParameter
+from .request import Request
+
+METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16
+# steps a request waits at most before proposing again, after proposals with nothing confirmed
+MAX_BACKOFF = 64
+
+
+class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's `speculative_config` fields for the n-gram method."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4  # the longest suffix matched against earlier tokens
+    prompt_lookup_min: int = 1  # the shortest
+    # no speculation in a step with more running requests than this (vLLM's name): a full batch
+    # is bound by arithmetic, and verifying rejected tokens costs more than it saves
+    disable_by_batch_size: int | None = 16
+
+    def __post_init__(self):
+        if self.method == "draft_model" or self.method not in METHODS:
+            hint = " (a draft model is not supported yet)" if self.method in ("draft_model", "eagle") else ""
+            raise InvalidParameter("speculative_config.method", f"must be one of {METHODS}{hint}, got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise InvalidParameter(
+                "speculative_config.num_speculative_tokens",
+                f"must be in 1..{MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}",
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise InvalidParameter(
+                "speculative_config.prompt_lookup_min",
+                f"must be >= 1 and <= prompt_lookup_max ({self.prompt_lookup_max}), got {self.prompt_lookup_min}",
+            )
+
+
+def parse_speculative_config(value) -> SpeculativeConfig | None:
+    """From a dict, a JSON string (the CLI's --speculative-config) or None."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, str):
+        try:
+            value = msgspec.json.decode(value)
+        except msgspec.DecodeError as e:
+            raise InvalidParameter("speculative_config", f"is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise InvalidParameter("speculative_config", f"must be a JSON object, got {type(value).__name__}")
+    unknown = sorted(set(value) - set(SpeculativeConfig.__struct_fields__))
+    if unknown:
+        raise InvalidParameter("speculative_config", f"unknown fields {unknown}")
+    try:
+        return SpeculativeConfig(**value)
+    except TypeError as e:  # a value of the wrong type
+        raise InvalidParameter("speculative_config", str(e)) from None
+
+
+def may_speculate(request: Request) -> bool:
+    """Whether the verification's greedy choice is exactly what this request samples: greedy,
+    nothing that reshapes the logits per position or needs each position's logprobs."""
+    p = request.sampling_params
+    return (
+        p.temperature == 0.0
+        and p.logprobs is None
+        and not p.beam_width
+        and p.presence_penalty == 0.0
+        and p.frequency_penalty == 0.0
+        and p.repetition_penalty == 1.0
+        and request.matcher is None
+        and request.forks_pending == 0
+        and request.num_tokens - request.num_prompt_tokens >= request.min_tokens
+    )
+
+
+def propose_ngram(tokens: list[int], k: int, lookup_min: int, lookup_max: int) -> list[int]:
+    """Prompt lookup: the longest suffix of `tokens` (lookup_max down to lookup_min tokens)
+    that occurred before; the up to k tokens that followed its latest such occurrence."""
+    n_tokens = len(tokens)
+    if n_tokens < 2:
+        return []
+    seq = np.asarray(tokens)
+    ends = np.flatnonzero(seq[:-1] == seq[-1])  # earlier occurrences of the last token
+    if not len(ends):
+        return []
+    # how far back each occurrence keeps matching the suffix, up to lookup_max tokens
+    matched = np.ones(len(ends), dtype=np.int64)
+    alive = np.ones(len(ends), dtype=bool)
+    for back in range(1, min(lookup_max, n_tokens - 1)):
+        at = ends - back
+        alive &= (at >= 0) & (seq[np.maximum(at, 0)] == seq[n_tokens - 1 - back])
+        if not alive.any():
+            break
+        matched += alive
+    best = matched.max()
+    if best < lookup_min:
+        return []
+    start = int(ends[np.flatnonzero(matched == best)[-1]]) + 1  # the latest of the longest
+    return tokens[start : start + k]
+
+
+class SpecStats(msgspec.Struct):
+    """Counts since the engine started, as vLLM's spec_decode metrics name them."""
+
+    num_accepted_tokens_per_pos: list[int]  # proposals whose token at position i was confirmed
+    num_drafts: int = 0  # proposals verified
+    num_draft_tokens: int = 0  # tokens proposed
+    num_accepted_tokens: int = 0  # of those, confirmed
+
+    def copy(self) -> SpecStats:
+        return SpecStats(
+            list(self.num_accepted_tokens_per_pos), self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens
+        )
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        for i in range(accepted):
+            self.num_accepted_tokens_per_pos[i] += 1

@@ -1,0 +1,117 @@
+"""Speculative decoding (n-gram, greedy): the proposer, the configuration's refusals, and engines
+started with and without speculation giving the same tokens — through preemption, prefix hits,
+stops inside a confirmed run, length limits, a windowed model and two ranks — with the
+proposals' counts in the stats and at /metrics."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.benchmarks.bench_speculative import quoting_prompts
+from pagedllm.core.errors import InvalidParameter
+from pagedllm.core.speculative import parse_speculative_config, propose_ngram
+from pagedllm.entrypoints.metrics import EngineMetrics
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+
+
+def test_prompt_lookup_takes_the_longest_latest_match():
+    assert propose_ngram([1, 2, 3, 4, 1, 2], 3, 1, 4) == [3, 4, 1]
+    assert propose_ngram([9, 1, 2, 8, 3, 7, 1, 2], 2, 2, 4) == [8, 3]
+    assert propose_ngram([9, 1, 2, 8, 3, 7, 1, 2], 2, 3, 4) == []  # no earlier run of 3
+    assert propose_ngram([5, 1, 6, 2, 1, 7, 5, 1], 2, 1, 4) == [6, 2]  # [5, 1] beats the later [1]
+    assert propose_ngram([1, 4, 1, 5, 1], 1, 1, 1) == [5]  # the latest of equal matches
+    assert propose_ngram([5, 6, 7], 3, 1, 4) == [] and propose_ngram([5], 3, 1, 4) == []
+
+
+@pytest.mark.parametrize(
+    "value,field",
+    [
+        ({"method": "draft_model"}, "speculative_config.method"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
+        ({"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}, "speculative_config.prompt_lookup_min"),
+        ('{"method": "ngram",', "speculative_config"),
+        ({"method": "ngram", "lookahead": 3}, "speculative_config"),
+    ],
+)
+def test_a_bad_speculative_config_is_refused_naming_its_field(value, field):
+    with pytest.raises(InvalidParameter) as e:
+        parse_speculative_config(value)
+    assert e.value.field == field
+
+
+def looping_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """Prompts with repeated runs (so proposals are found) and a shared prefix (prefix hits)."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(5, 390) for _ in range(40)]
+    prompts = []
+    for i in range(n):
+        motif = [rng.randrange(5, 390) for _ in range(rng.randrange(3, 9))]
+        body = motif * rng.randrange(2, 6) + [rng.randrange(5, 390) for _ in range(rng.randrange(1, 30))]
+        prompts.append(shared + body if i % 3 == 0 else body)
+    return prompts
+
+
+def generate(path, prompts, params, **engine):
+    with LLM(path, skip_tokenizer_init=path is not None, **engine) as llm:
+        out = llm.generate(prompts, params, use_tqdm=False)
+        return [o.outputs[0] for o in out], llm.last_stats
+
+
+@pytest.mark.parametrize("model", ["demo", "mistral-window"])
+def test_greedy_tokens_are_those_without_speculation_through_preemption_and_prefix_hits(tiny_model, model):
+    """A pool small enough to preempt, prompts sharing a prefix, mixed lengths; every request
+    greedy with a length limit, some with a stop token: the same tokens, finish reasons and stop
+    reasons with speculation as without. The demo model, on text that quotes itself, confirms
+    some proposals; the random windowed model rejects nearly all, and rolls them back in tables
+    whose early blocks were released behind the window."""
+    if model == "demo":
+        path, prompts = None, quoting_prompts(6)
+        engine = dict(num_kv_blocks=48, max_model_len=512, max_num_batched_tokens=256)
+    else:
+        path, prompts = tiny_model("mistral", sliding_window=24), looping_prompts(12)
+        engine = dict(num_kv_blocks=40, max_model_len=256, max_num_batched_tokens=96)
+    params = [
+        SamplingParams(
+            temperature=0, max_tokens=30 + 7 * i, ignore_eos=True, stop_token_ids=[11 + i] if i % 4 else None
+        )
+        for i in range(len(prompts))
+    ]
+    plain, _ = generate(path, prompts, params, **engine)
+    spec, stats = generate(path, prompts, params, **engine, speculative_config=NGRAM)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert [(o.finish_reason, o.stop_reason) for o in spec] == [(o.finish_reason, o.stop_reason) for o in plain]
+    counts = stats.scheduler.spec_decode
+    assert counts.num_drafts > 0 and counts.num_accepted_tokens <= counts.num_draft_tokens
+    assert sum(counts.num_accepted_tokens_per_pos) == counts.num_accepted_tokens
+    assert stats.scheduler.prefix_cache_hits > 0
+    if model == "demo":  # (the windowed model releases blocks behind its window: that pool stays roomy)
+        assert counts.num_accepted_tokens > 0 and stats.scheduler.num_preemptions > 0
+    assert stats.scheduler.kv_cache_usage == 0.0  # every block back, rolled-back ones included
+    metrics = EngineMetrics("m")  # what /metrics shows of them
+    metrics.observe_stats(stats)
+    text = metrics.render().decode()
+    assert (
+        f'pagedllm:spec_decode_num_accepted_tokens_total{{model_name="m"}} {float(counts.num_accepted_tokens)}' in text
+    )
+    assert f'pagedllm:spec_decode_num_drafts_total{{model_name="m"}} {float(counts.num_drafts)}' in text
+    first = counts.num_accepted_tokens_per_pos[0]
+    assert (
+        f'pagedllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="0"}} {float(first)}' in text
+    )
+
+
+def test_two_ranks_and_requests_that_do_not_speculate_beside_those_that_do():
+    """Tensor parallelism (rank 0 decides, the other learns the confirmed tokens) with sampled
+    and logprob requests in the same batch, which decode one token a step as before."""
+    path, prompts = None, quoting_prompts(6)
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True) for _ in prompts]
+    params[1] = SamplingParams(temperature=0.8, seed=7, max_tokens=40, ignore_eos=True)
+    params[2] = SamplingParams(temperature=0, logprobs=2, max_tokens=40, ignore_eos=True)
+    plain, _ = generate(path, prompts, params)
+    spec, stats = generate(path, prompts, params, tensor_parallel_size=2, speculative_config=NGRAM)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert stats.scheduler.spec_decode.num_accepted_tokens > 0
