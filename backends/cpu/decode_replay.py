@@ -11,6 +11,10 @@ with the step's row count and thread count. The calls are the eager path's own k
 same data in the same order (the query and key rotations are two calls instead of one over
 both, the same arithmetic per head), so logits are bit-identical to the eager step's.
 
+A row is a token: steps with a few tokens a request (short prefills, chunks after a cached
+prefix, speculative decoding's verification) replay too, every row at its own position with
+its request's table, as long as the step's tokens fit the captured rows.
+
 Captured only where the eager path is all compiled kernels: float32 or 16-bit weights on the
 panel kernel, fused norms and activation, one rank, no q/k norms; else None (eager steps).
 """
