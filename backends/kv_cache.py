@@ -44,14 +44,6 @@ def is_quantized(kv_cache_dtype: str) -> bool:
     return kv_cache_dtype in KV_CODE_DTYPES
 
 
-def block_bytes(kv_cache_dtype: str, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block of one layer's K (or V)."""
-    rows = block_size * num_kv_heads
-    if is_quantized(kv_cache_dtype):
-        return rows * (head_size + SCALE_BYTES)
-    return rows * head_size * dtype.itemsize
-
-
 def pool_shape(
     kv_cache_dtype: str, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
 ):
@@ -65,7 +57,7 @@ def allocate_pool(
 ) -> torch.Tensor:
     """A zeroed pool (all scales zero: every value reads as 0)."""
     shape = pool_shape(kv_cache_dtype, num_layers, num_blocks, block_size, num_kv_heads, head_size)
-    return torch.zeros(shape, dtype=torch.uint8 if is_quantized(kv_cache_dtype) else dtype, device=device)
+    return torch.zeros(shape, dtype=pool_dtype(kv_cache_dtype, dtype), device=device)
 
 
 def pool_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:

@@ -185,7 +185,7 @@ class Worker:
         wanted = prompt_positions(chunks)
         drafts = plan.draft_token_ids
         # speculating chunks: the logits of every position, to verify the proposal
-        verify = {i: c.num_tokens for i, c in enumerate(chunks) if drafts and c.request_id in drafts}
+        verify = {i: c.num_tokens for i, c in enumerate(chunks) if c.request_id in drafts} if drafts else {}
         if self.threads:
             self.threads.begin(sum(len(s.token_ids) for s in seqs))
         spec_tokens = None

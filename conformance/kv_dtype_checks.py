@@ -34,11 +34,10 @@ LARGE = 1e4  # magnitude of the large KV head's K and V (float16 holds its value
 NUM_KV_HEADS = 2
 
 
-def kv_dtype_cases(ops, quick: bool) -> list[tuple[str, tuple, tuple]]:
+def kv_dtype_cases(bs: int, quick: bool) -> list[tuple[str, tuple, tuple]]:
     """(phase, query lengths, context lengths) per case. --quick: a decode batch, and a prefill
     of a fresh prompt beside a chunk after a cached prefix (Triton's interpreter pays seconds
-    a case)."""
-    bs = _block_size(ops)
+    a case). bs: the block size."""
     if quick:
         return [("decode", (1, 1, 1), (1, bs + 1, 40)), ("prefill", (5, 7), (5, 2 * bs + 8))]
     return [
@@ -47,16 +46,6 @@ def kv_dtype_cases(ops, quick: bool) -> list[tuple[str, tuple, tuple]]:
         ("prefill", (1, 7, bs + 1), (bs + 1, 3 * bs, 1000)),  # after a cached prefix
         ("decode", (1, 1), (2500, 4097)),  # past a decode partition
     ]
-
-
-def _head_size(ops) -> int:
-    sizes = ops.supported_head_sizes
-    return 128 if sizes is None or 128 in sizes else sizes[0]
-
-
-def _block_size(ops) -> int:
-    sizes = ops.supported_block_sizes
-    return 16 if sizes is None or 16 in sizes else sizes[0]
 
 
 def _history(context_lens, head_size, seed) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -75,10 +64,12 @@ def write_bound(x: torch.Tensor, code_dtype: torch.dtype) -> torch.Tensor:
     return rel * x.abs() + sub * row_max / FORMAT_MAX[code_dtype] + 1e-6 * row_max
 
 
-def _run_case(ops, kv_dtype: str, dtype, phase, query_lens, context_lens, seed) -> tuple[str | None, float, bool]:
-    """(what failed or None, worst attention error, whether it passed) of one case."""
-    device, bs, hs = ops.device, _block_size(ops), _head_size(ops)
-    group = 4
+def _run_case(
+    ops, kv_dtype: str, dtype, point, phase, query_lens, context_lens, seed
+) -> tuple[str | None, float, bool]:
+    """(what failed or None, worst attention error, whether it passed) of one case at `point`
+    (block size, head size, GQA group)."""
+    device, (bs, hs, group) = ops.device, point
     code_dtype = KV_CODE_DTYPES[kv_dtype]
     keys, values = _history(context_lens, hs, seed)
     blocks_each = [cdiv(c, bs) for c in context_lens]
@@ -139,21 +130,22 @@ def _run_case(ops, kv_dtype: str, dtype, phase, query_lens, context_lens, seed) 
     return (None if ok else f"attention off by {err:.3g}"), err, ok
 
 
-def check_kv_cache_dtypes(ops, quick: bool, dtypes) -> list[CheckResult]:
-    """A row per 8-bit format: skipped where the backend does not declare it."""
+def check_kv_cache_dtypes(ops, quick: bool, dtypes, point: tuple[int, int, int]) -> list[CheckResult]:
+    """A row per 8-bit format: skipped where the backend does not declare it. point: (block
+    size, head size, GQA group) the cases run at (op_checks' long-context point)."""
     rows = []
     for kv_dtype in KV_CODE_DTYPES:
         row = CheckResult(f"kv_cache {kv_dtype}", "write: the format's rounding; attention: " + tolerance_text(dtypes))
         rows.append(row)
-        problem = ops.unsupported_kv_cache_dtype(kv_dtype, _head_size(ops))
+        problem = ops.unsupported_kv_cache_dtype(kv_dtype, point[1])
         if problem:
             row.skipped = f"not declared (AttentionOps.supported_kv_cache_dtypes); {problem} is refused"
             continue
-        for i, (phase, q_lens, ctx) in enumerate(kv_dtype_cases(ops, quick)):
+        for i, (phase, q_lens, ctx) in enumerate(kv_dtype_cases(point[0], quick)):
             for dt in dtypes:
                 label = f"{phase} contexts {list(ctx)[:5]} query {DTYPE_NAMES[dt]}"
                 try:
-                    failure, err, ok = _run_case(ops, kv_dtype, dt, phase, q_lens, ctx, seed=700 + i)
+                    failure, err, ok = _run_case(ops, kv_dtype, dt, point, phase, q_lens, ctx, seed=700 + i)
                 except Exception as e:  # noqa: BLE001 - report, do not crash
                     failure, err, ok = f"raised {type(e).__name__}: {e}", float("inf"), False
                 row.record(ok, err, None if ok else f"{label}: {failure}")

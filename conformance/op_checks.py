@@ -437,7 +437,7 @@ def op_checks(ops, quick: bool = False, only_dtypes=None) -> list[tuple[str, obj
         ("large_scores", lambda: check_large_scores(ops, quick, dtypes)),
         ("sliding_window", lambda: check_limits(ops, quick, dtypes, "sliding_window")),
         ("soft_cap", lambda: check_limits(ops, quick, dtypes, "soft_cap")),
-        ("kv_cache", lambda: check_kv_cache_dtypes(ops, quick, dtypes)),
+        ("kv_cache", lambda: check_kv_cache_dtypes(ops, quick, dtypes, _long_point(ops))),
         ("shared_blocks", lambda: check_shared_blocks(ops, device)),
         ("output_buffers", lambda: check_output_buffers(ops, device)),
         ("copy_blocks / swap_blocks", lambda: check_copy_and_swap(ops, device)),

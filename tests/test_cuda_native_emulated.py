@@ -96,7 +96,7 @@ def run_attention(fn, case, rows_request, rows_position, partitions, kv_scales=N
     rows, heads, head_size = q.shape
     k_cache, v_cache = kv[0], kv[1]
     codes = {torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}.get(k_cache.dtype, 0)
-    scales = (None, None, 0, 0) if kv_scales is None else (kv_scales[0], kv_scales[1])
+    scales = (None, None, 0, 0)
     if kv_scales is not None:
         scales = (kv_scales[0].data_ptr(), kv_scales[1].data_ptr(), kv_scales.stride(1), kv_scales.stride(2))
     out = torch.full_like(q, float("nan"))
