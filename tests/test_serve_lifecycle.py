@@ -58,7 +58,9 @@ async def _zmq_stream(endpoint: str, max_tokens: int, started: asyncio.Event):
 
 
 def test_sigterm_finishes_short_requests_aborts_long_ones_and_exits_0(model):
-    srv = ServerProcess(model, "--num-kv-blocks", "512", "--shutdown-timeout", "1")
+    # eager steps: the long streams must outlast the drain on a quiet machine too (replayed
+    # steps of this tiny model make 1,000 tokens in about a second)
+    srv = ServerProcess(model, "--num-kv-blocks", "512", "--shutdown-timeout", "1", "--enforce-eager")
 
     async def main():
         started = [asyncio.Event() for _ in range(3)]
