@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .kv_dtype_checks import check_kv_cache_dtypes
+from .multi_token_checks import check_multi_token_decode
 from .op_cases import context_lengths, make_case
 from .results import DTYPE_NAMES, CheckResult, compare, tolerance_text
 
@@ -438,6 +439,7 @@ def op_checks(ops, quick: bool = False, only_dtypes=None) -> list[tuple[str, obj
         ("sliding_window", lambda: check_limits(ops, quick, dtypes, "sliding_window")),
         ("soft_cap", lambda: check_limits(ops, quick, dtypes, "soft_cap")),
         ("kv_cache", lambda: check_kv_cache_dtypes(ops, quick, dtypes, _long_point(ops))),
+        ("multi_token_decode", lambda: check_multi_token_decode(ops, quick, dtypes, _long_point(ops))),
         ("shared_blocks", lambda: check_shared_blocks(ops, device)),
         ("output_buffers", lambda: check_output_buffers(ops, device)),
         ("copy_blocks / swap_blocks", lambda: check_copy_and_swap(ops, device)),

@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import torch
 
+from pagedllm.backends.attention import DecodeMetadata
 from pagedllm.backends.cpu import CpuAttentionOps
 
 
@@ -244,3 +245,22 @@ class KVScaleDropped(CpuAttentionOps):
     def prefill_attention(self, query, kv_cache, meta, scale, *, window=None, soft_cap=None, kv_scales=None):
         ones = None if kv_scales is None else torch.ones_like(kv_scales)
         return super().prefill_attention(query, kv_cache, meta, scale, window=window, soft_cap=soft_cap, kv_scales=ones)
+
+
+class OneQueryPerDecodeRow(CpuAttentionOps):
+    """Sends a short query over a long context (a speculative verification row) to its decode
+    kernel, which handles one query token per row: every token of the row sees the whole
+    context, the proposal's later tokens included."""
+
+    name = "broken-one-query-per-decode-row"
+
+    def prefill_attention(self, query, kv_cache, meta, scale):
+        out = super().prefill_attention(query, kv_cache, meta, scale)
+        starts = meta.query_start_loc.tolist()
+        for r, (q_len, ctx) in enumerate(zip(meta.query_lens, meta.context_lens_list)):
+            if 2 <= q_len <= 8 and ctx >= 512:
+                rows = slice(starts[r], starts[r] + q_len)
+                tables = meta.block_tables[r : r + 1].expand(q_len, -1)
+                full = torch.full((q_len,), ctx, dtype=torch.int32)
+                out[rows] = super().decode_attention(query[rows], kv_cache, DecodeMetadata(tables, full, ctx), scale)
+        return out
