@@ -57,6 +57,7 @@ from .models.parallel import SINGLE, TensorParallel
 from .registry import load_backend
 from .runner import ModelRunner, SeqInput
 from .sampler import Sampler, SamplingRow
+from .spec_verify import verify as verify_proposals
 
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 logger = logging.getLogger("pagedllm.backends")
@@ -188,12 +189,12 @@ class Worker:
         verify = {i: c.num_tokens for i, c in enumerate(chunks) if c.request_id in drafts} if drafts else {}
         if self.threads:
             self.threads.begin(sum(len(s.token_ids) for s in seqs))
-        spec_tokens = None
+        spec_tokens = spec_logprobs = None
         if wanted or verify:
             logits, hidden = self.runner.execute_with_hidden(seqs, {**wanted, **verify})
             prompt_lps = self._prompt_logprobs(chunks, {i: hidden[i] for i in wanted}) if wanted else None
             if verify:
-                spec_tokens = self._verify(chunks, hidden, verify, drafts)
+                spec_tokens, spec_logprobs = self._verify(chunks, hidden, verify, drafts)
         else:
             logits, prompt_lps = self.runner.execute(seqs), None
         if self.threads:
@@ -221,31 +222,42 @@ class Worker:
             forward_seconds=time.perf_counter() - t0,
             prompt_logprobs=prompt_lps,
             spec_token_ids=spec_tokens,
+            spec_logprobs=spec_logprobs,
         )
 
-    def _verify(self, chunks, hidden: dict, verify: dict[int, int], drafts: dict[str, list[int]]) -> dict:
-        """Speculative decoding, greedy: for each speculating chunk (its last token, then the
-        proposal), the model's choice after each of its positions; the proposal's tokens stay up
-        to the first it disagrees with, and its own choice there follows. Every rank takes part
-        (the logits gather to rank 0, which decides; the others learn its answer)."""
-        width = max(verify.values())
-        table = torch.full((len(verify), width), -1, dtype=torch.int64)
-        for row, i in enumerate(verify):
-            logits = self.model.compute_logits(hidden[i])
-            if logits is None:  # not rank 0
-                continue
-            choices = self.ops.argmax(logits).tolist()
-            proposal = drafts[chunks[i].request_id]
-            accepted = next((j for j, (p, c) in enumerate(zip(proposal, choices)) if p != c), len(proposal))
-            table[row, : accepted + 1] = torch.tensor(proposal[:accepted] + [choices[accepted]])
+    def _verify(self, chunks, hidden: dict, verify: dict[int, int], drafts: dict[str, list[int]]):
+        """Speculative decoding: rank 0 samples every position of each speculating chunk (its
+        last token, then the proposal) and keeps the proposal up to the first token its draws
+        disagree with, then its own draw there (backends/spec_verify.py); the other ranks
+        compute the logits with it and learn the kept tokens. Returns the tokens and, where
+        asked, their logprobs, by request id."""
+        speculating = [chunks[i] for i in verify]
+        logits = [self.model.compute_logits(hidden[i]) for i in verify]
+        table = torch.full((len(verify), max(verify.values())), -1, dtype=torch.int64)
+        logprobs = None
+        if self.tp.is_first:
+            rows = [
+                SamplingRow(
+                    c.state.params, c.state.token_ids[: c.start + 1], c.state.num_prompt_tokens, c.state.eos_token_ids
+                )
+                for c in speculating
+            ]
+            proposals = [drafts[c.request_id] for c in speculating]
+            for row, (tokens, lps) in enumerate(verify_proposals(self.sampler, logits, rows, proposals)):
+                table[row, : len(tokens)] = torch.tensor(tokens)
+                if lps[0] is not None:
+                    logprobs = logprobs or {}
+                    logprobs[speculating[row].request_id] = [
+                        TokenLogprobs(lp.token_logprob, lp.rank, lp.top_token_ids, lp.top_logprobs) for lp in lps
+                    ]
         if self.tp.size > 1:
             table = self.tp.broadcast_from_first(table.to(self.device)).cpu()
         out = {}
-        for row, i in enumerate(verify):
-            tokens = [t for t in table[row].tolist() if t >= 0]
-            self.state.keep_confirmed(chunks[i], tokens)
-            out[chunks[i].request_id] = tokens
-        return out
+        for chunk, row in zip(speculating, table.tolist()):
+            tokens = [t for t in row if t >= 0]
+            self.state.keep_confirmed(chunk, tokens)
+            out[chunk.request_id] = tokens
+        return out, logprobs
 
     def _step_masks(self, plan: SchedulerOutput) -> dict[str, torch.Tensor]:
         """Structured outputs: each constrained request's token bitmask for this step, by id —

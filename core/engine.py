@@ -349,12 +349,15 @@ class EngineCore:
         """The scheduler's outputs, with the worker's logprobs (prompt logprobs too, also of a
         prefill chunk that sampled nothing) and the prefix-cache hit added."""
         logprobs = result.logprobs or {}
+        spec_logprobs = result.spec_logprobs or {}
         prompt_logprobs = dict(result.prompt_logprobs or {})
         requests = self.scheduler.requests
         for out in outputs:
             lp = logprobs.get(out.request_id)
             if lp is not None and out.beams is None:
                 out.logprobs = [lp]
+            elif out.request_id in spec_logprobs:  # a stop inside the kept run ends the tokens early
+                out.logprobs = spec_logprobs[out.request_id][: len(out.new_token_ids)]
             out.prompt_logprobs = prompt_logprobs.pop(out.request_id, None)
             req = requests.get(out.request_id)
             if req is not None:

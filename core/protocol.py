@@ -188,6 +188,7 @@ class StepResult(FromWorkerMessage, tag="result", kw_only=True):
     # speculative decoding: each speculating request's tokens of this step (the proposed ones the
     # model confirmed, then its own next one), by request id
     spec_token_ids: dict[str, list[int]] | None = None
+    spec_logprobs: dict[str, list[TokenLogprobs]] | None = None  # of those tokens, where asked
 
 
 class WorkerFailed(FromWorkerMessage, tag="failed", kw_only=True):

@@ -10,8 +10,10 @@ A request whose proposals keep failing (none of a proposal's tokens confirmed) w
 up to 64 steps before it proposes again, decoding meanwhile as without speculation (async
 scheduling included): a proposer that does not follow an output costs little.
 
-This first version speculates for greedy requests (temperature 0) without logprobs,
-penalties, constraints or beams; other requests decode one token a step beside them.
+Verification samples each proposed position as plain decoding would (backends/spec_verify.py):
+greedy and sampled requests, penalties, min_tokens and logprobs all speculate, and a seeded
+request's tokens are those it gets without speculation. Beams and constrained requests decode
+one token a step beside the others.
 """
 
 from __future__ import annotations
@@ -76,20 +78,10 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
 
 
 def may_speculate(request: Request) -> bool:
-    """Whether the verification's greedy choice is exactly what this request samples: greedy,
-    nothing that reshapes the logits per position or needs each position's logprobs."""
-    p = request.sampling_params
-    return (
-        p.temperature == 0.0
-        and p.logprobs is None
-        and not p.beam_width
-        and p.presence_penalty == 0.0
-        and p.frequency_penalty == 0.0
-        and p.repetition_penalty == 1.0
-        and request.matcher is None
-        and request.forks_pending == 0
-        and request.num_tokens - request.num_prompt_tokens >= request.min_tokens
-    )
+    """Every request speculates except a beam (its group chooses among the top tokens of one
+    position), a constrained one (each position's mask needs the grammar advanced by the tokens
+    before it, in the core) and one about to fork its n samples."""
+    return not request.sampling_params.beam_width and request.matcher is None and request.forks_pending == 0
 
 
 def propose_ngram(tokens: list[int], k: int, lookup_min: int, lookup_max: int) -> list[int]:

@@ -8,8 +8,11 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.backends.sampler import Sampler, SamplingRow, probabilities
+from pagedllm.backends.spec_verify import verify
 from pagedllm.benchmarks.bench_speculative import quoting_prompts
 from pagedllm.core.errors import InvalidParameter
 from pagedllm.core.speculative import parse_speculative_config, propose_ngram
@@ -104,14 +107,96 @@ def test_greedy_tokens_are_those_without_speculation_through_preemption_and_pref
     )
 
 
+def test_seeded_sampled_requests_get_the_tokens_they_get_without_speculation():
+    """Sampled requests speculate too: each position is drawn with the randomness plain decoding
+    uses there, so seeded requests (top-p, top-k, a repetition penalty, min_tokens, logprobs)
+    repeat their tokens — and logprobs — from an engine without speculation, and the demo model
+    confirms proposals at these temperatures."""
+    prompts = quoting_prompts(4)
+    params = [
+        SamplingParams(temperature=0.7, top_p=0.9, seed=1, max_tokens=48, ignore_eos=True),
+        SamplingParams(temperature=0.5, top_k=20, seed=2, max_tokens=48, logprobs=2, ignore_eos=True),
+        SamplingParams(temperature=0.6, repetition_penalty=1.1, seed=3, max_tokens=48, ignore_eos=True),
+        SamplingParams(temperature=0.4, seed=4, max_tokens=48, min_tokens=40, stop_token_ids=[2, 3, 4]),
+    ]
+    plain, _ = generate(None, prompts, params)
+    spec, stats = generate(None, prompts, params, speculative_config=NGRAM)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert stats.scheduler.spec_decode.num_accepted_tokens > 0
+    _assert_same_logprobs(spec[1], plain[1])
+
+
+def _assert_same_logprobs(a, b):
+    assert len(a.logprobs) == len(b.logprobs) == len(a.token_ids)
+    for x, y in zip(a.logprobs, b.logprobs):
+        assert x.keys() == y.keys()  # the sampled token and the top 2, the same ones
+        assert all(x[t].logprob == pytest.approx(y[t].logprob, abs=1e-3) for t in x)  # float32, two ranks
+
+
 def test_two_ranks_and_requests_that_do_not_speculate_beside_those_that_do():
-    """Tensor parallelism (rank 0 decides, the other learns the confirmed tokens) with sampled
-    and logprob requests in the same batch, which decode one token a step as before."""
+    """Tensor parallelism (rank 0 decides, the other learns the kept tokens) with greedy,
+    sampled and logprob requests speculating beside a constrained one, which decodes one token
+    a step as before."""
     path, prompts = None, quoting_prompts(6)
     params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True) for _ in prompts]
     params[1] = SamplingParams(temperature=0.8, seed=7, max_tokens=40, ignore_eos=True)
     params[2] = SamplingParams(temperature=0, logprobs=2, max_tokens=40, ignore_eos=True)
+    params[3] = SamplingParams(temperature=0, max_tokens=40, structured_outputs={"regex": "[a-z ]{10,30}"})
     plain, _ = generate(path, prompts, params)
     spec, stats = generate(path, prompts, params, tensor_parallel_size=2, speculative_config=NGRAM)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert stats.scheduler.spec_decode.num_accepted_tokens > 0
+    _assert_same_logprobs(spec[2], plain[2])
+
+
+def _redraw_including_the_rejected(sampler, logits, rows, proposals):
+    """A planted bug: keeps a proposed token d with probability p(d), as it should, but on a
+    rejection draws again from p itself instead of p without d (d comes out too often)."""
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    for row_logits, row, proposal in zip(logits, rows, proposals):
+        probs = probabilities([row.params] * len(row_logits), row_logits)
+        tokens = []
+        for j, p in enumerate(probs):
+            if j < len(proposal) and torch.rand((), generator=gen) < p[proposal[j]]:
+                tokens.append(proposal[j])
+                continue
+            tokens.append(int(torch.multinomial(p, 1, generator=gen)))
+            break
+        results.append((tokens, [None] * len(tokens)))
+    return results
+
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """Pearson's statistic over the tokens p allows, and its degrees of freedom; a token p
+    forbids must never be drawn."""
+    allowed = probs > 0
+    assert counts[~allowed].sum() == 0
+    expected = probs[allowed] * counts.sum()
+    return float(((counts[allowed] - expected) ** 2 / expected).sum()), int(allowed.sum()) - 1
+
+
+# Pearson's statistic above which a right sampler lands once in 10,000 runs, by degrees of freedom
+CHI2_CRITICAL = {4: 23.51, 5: 25.74}
+
+
+@pytest.mark.parametrize("verifier", [verify, _redraw_including_the_rejected], ids=["real", "planted"])
+def test_verified_tokens_are_distributed_as_the_targets(verifier):
+    """4,000 verifications of the same two-token proposal (unseeded draws): the first token is
+    distributed as the target's p0 (temperature and top-k applied), and after an accepted
+    first token the second as p1; the planted sampler that redraws from p without removing the
+    rejected token fails the test."""
+    torch.manual_seed(3)
+    logits = torch.randn(3, 6) * 1.5
+    params = SamplingParams(temperature=0.8, top_k=5)
+    proposal = [int(logits[0].argsort()[2]), int(logits[1].argsort()[-2])]  # middling tokens
+    trials = 4_000
+    row = SamplingRow(params, [1, 2, 3], num_prompt_tokens=3)
+    results = verifier(Sampler(seed=0), [logits] * trials, [row] * trials, [proposal] * trials)
+    probs = probabilities([params] * 3, logits)
+    first = torch.bincount(torch.tensor([tokens[0] for tokens, _ in results]), minlength=6).double()
+    kept_first = [tokens[1] for tokens, _ in results if len(tokens) > 1]
+    second = torch.bincount(torch.tensor(kept_first), minlength=6).double()
+    statistics = [_chi_square(first, probs[0].double()), _chi_square(second, probs[1].double())]
+    passed = all(stat < CHI2_CRITICAL[df] for stat, df in statistics)
+    assert passed == (verifier is verify), statistics
