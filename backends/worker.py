@@ -50,6 +50,7 @@ from pagedllm.core.protocol import (
 from pagedllm.core.worker_group import rank_identity
 from pagedllm.core.worker_state import WorkerState
 
+from .draft_proposer import DraftProposer
 from .kv_cache import allocate_pool, pool_dtype, pool_shape
 from .models.config import DTYPES, ModelConfig
 from .models.loader import load_model
@@ -102,29 +103,63 @@ class Worker:
             quantization=config.quantization,
         )
         self.model_config = self.model.config
+        self.draft_model = self._load_draft(DTYPE_NAMES[self.model_config.dtype])  # at the target's dtype
+        self.drafter: DraftProposer | None = None  # with the pool (init_cache)
         self.state = WorkerState()
         self.runner: ModelRunner | None = None
         self.sampler = Sampler(config.seed, argmax=self.ops.argmax, apply_bitmask=self.ops.apply_token_bitmask)
         self.receive_masks = None  # rank 0: () -> the StepMasks of the step it runs (set by serve)
         self._mappings = []
 
-    def hello(self) -> WorkerHello:
-        cfg = self.model_config
-        kv_spec = KVSpec(
+    def _spec_of(self, model) -> KVSpec:
+        cfg = model.config
+        return KVSpec(
             num_layers=cfg.num_layers,
-            num_kv_heads=self.model.shards.num_kv_heads,
+            num_kv_heads=model.shards.num_kv_heads,
             head_size=cfg.head_dim,
             dtype=DTYPE_NAMES[cfg.dtype],
             kv_cache_dtype=self.config.kv_cache_dtype,
         )
+
+    def hello(self) -> WorkerHello:
+        cfg = self.model_config
+        kv_spec = self._spec_of(self.model)
+        if self.draft_model is not None:
+            kv_spec.draft_bytes_per_slot = self._spec_of(self.draft_model).bytes_per_block_slot
         return WorkerHello(
             rank=self.rank,
             kv_spec=kv_spec,
             max_position_embeddings=cfg.max_position_embeddings,
             sliding_window=cfg.uniform_window,
             kv_in_shared_memory=self.ops.kv_in_shared_memory,
-            num_device_blocks=self._profile_num_blocks(kv_spec.bytes_per_block_slot),
+            num_device_blocks=self._profile_num_blocks(kv_spec.pool_bytes_per_slot),
         )
+
+    def _load_draft(self, dtype: str):
+        """speculative_config's draft model, checked against the target and the backend; None
+        for other methods."""
+        cfg, spec = self.config, self.config.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return None
+        if self.tp.size > 1:
+            raise ValueError("a draft model under tensor parallelism is not supported yet (tensor_parallel_size > 1)")
+        if self.model_config.uniform_window:
+            raise ValueError(
+                "a draft model beside a target whose every layer has a sliding window is not supported (the core "
+                "releases the blocks behind the window, which the draft would still read)"
+            )
+        wanted = ModelConfig.from_pretrained(spec.model, dtype)
+        if wanted.vocab_size != self.model_config.vocab_size:
+            raise ValueError(
+                f"the draft model's vocabulary ({wanted.vocab_size} tokens) is not the target's "
+                f"({self.model_config.vocab_size}): a draft model must share the target's tokenizer"
+            )
+        problem = self.ops.unsupported(wanted.dtype, wanted.head_dim, cfg.block_size, cfg.max_model_len)
+        problem = problem or self.ops.unsupported_features(wanted.attention_features())
+        if problem:
+            raise ValueError(f"backend {cfg.backend} does not support the draft model's {problem}")
+        max_positions = cfg.max_model_len or self.model_config.max_position_embeddings
+        return load_model(spec.model, dtype=dtype, max_positions=max_positions, device=self.device)
 
     def _profile_num_blocks(self, slot_bytes: int) -> int | None:
         """The platform's answer to how many blocks its memory holds (None: the core sizes the
@@ -143,17 +178,22 @@ class Worker:
             self.device,
         )
 
-    def _cache_tensor(self, segment: str | None, num_blocks: int, block_size: int) -> torch.Tensor:
-        cfg, kv_dtype = self.model_config, self.config.kv_cache_dtype
-        kv_heads = self.model.shards.num_kv_heads
+    def _cache_tensor(self, segment: str | None, num_blocks: int, block_size: int, model=None) -> torch.Tensor:
+        """A model's pool (the target's, or with `model` a draft's, which follows the target's in
+        the same segment)."""
+        model = model or self.model
+        cfg, kv_dtype = model.config, self.config.kv_cache_dtype
+        kv_heads = model.shards.num_kv_heads
         if segment is None:
             return allocate_pool(
                 kv_dtype, cfg.num_layers, num_blocks, block_size, kv_heads, cfg.head_dim, cfg.dtype, self.device
             )
         shape = pool_shape(kv_dtype, cfg.num_layers, num_blocks, block_size, kv_heads, cfg.head_dim)
+        offset = 0 if model is self.model else self._spec_of(self.model).bytes_per_block_slot * block_size * num_blocks
         mapping = shm.map_segment(segment)
         self._mappings.append(mapping)
-        return torch.frombuffer(mapping, dtype=pool_dtype(kv_dtype, cfg.dtype), count=int(np.prod(shape))).view(shape)
+        dtype = pool_dtype(kv_dtype, cfg.dtype)
+        return torch.frombuffer(mapping, dtype=dtype, count=int(np.prod(shape)), offset=offset).view(shape)
 
     def init_cache(self, msg: InitCache) -> WorkerReady:
         kv = self._cache_tensor(msg.kv_segment, msg.num_blocks, msg.block_size)
@@ -161,6 +201,12 @@ class Worker:
             self._cache_tensor(msg.swap_segment, msg.num_swap_blocks, msg.block_size) if msg.num_swap_blocks else None
         )
         self.runner = ModelRunner(self.model, self.ops, kv, msg.block_size, self.device, self.config.kv_cache_dtype)
+        if self.draft_model is not None:
+            draft_kv = self._cache_tensor(msg.kv_segment, msg.num_blocks, msg.block_size, self.draft_model)
+            runner = ModelRunner(
+                self.draft_model, self.ops, draft_kv, msg.block_size, self.device, self.config.kv_cache_dtype
+            )
+            self.drafter = DraftProposer(runner, self.ops.argmax)
         if self.swap is not None:
             self.ops.pin_memory(self.swap)
         if not self.config.enforce_eager:
@@ -173,6 +219,9 @@ class Worker:
         """Run a step; rank 0 samples and answers, the other ranks learn its tokens and answer
         nothing."""
         chunks = self.state.apply(plan)
+        drafter = self.drafter
+        if drafter is not None:
+            drafter.forget(plan, self.runner.block_size)
         kv = self.runner.kv_caches
         self.ops.swap_blocks(kv, self.swap, plan.swap_out)
         self.ops.swap_blocks(self.swap, kv, plan.swap_in)
@@ -182,9 +231,11 @@ class Worker:
                 return None
             return StepResult(step_id=plan.step_id, sampled_token_ids=np.empty(0, dtype=np.int64))
         t0 = time.perf_counter()
+        drafts = plan.draft_token_ids
+        if drafts and drafter is not None:  # the draft model fills in the proposals
+            drafts = drafter.propose([c for c in chunks if c.request_id in drafts])
         seqs = [SeqInput(c.token_ids, c.start, c.state.block_ids) for c in chunks]
         wanted = prompt_positions(chunks)
-        drafts = plan.draft_token_ids
         # speculating chunks: the logits of every position, to verify the proposal
         verify = {i: c.num_tokens for i, c in enumerate(chunks) if c.request_id in drafts} if drafts else {}
         if self.threads:
@@ -256,6 +307,8 @@ class Worker:
         for chunk, row in zip(speculating, table.tolist()):
             tokens = [t for t in row if t >= 0]
             self.state.keep_confirmed(chunk, tokens)
+            if self.drafter is not None:
+                self.drafter.keep(chunk)
             out[chunk.request_id] = tokens
         return out, logprobs
 

@@ -1,7 +1,8 @@
-"""Speculative decoding (n-gram prompt lookup) on the demo model: one request alone, and 64 at
-once, with and without speculation, engines alternated round by round so that the machine's
-drift hits each alike. The workload quotes its input: a held-out pydoc passage, given twice,
-then its start once more, to be continued (greedy, 256 tokens).
+"""Speculative decoding (n-gram prompt lookup, and the demo model's shipped one-layer draft)
+on the demo model: one request alone, and 64 at once, with and without speculation, engines
+alternated round by round so that the machine's drift hits each alike. The workload quotes
+its input: a held-out pydoc passage, given twice, then its start once more, to be continued
+(greedy, 256 tokens).
 
 Run: python -m pagedllm.benchmarks.bench_speculative [--rounds 3] [--tokens 256]
 """
@@ -22,6 +23,8 @@ CONFIGS = {
     "none": None,
     "ngram k=2": {"method": "ngram", "num_speculative_tokens": 2},
     "ngram k=4": {"method": "ngram", "num_speculative_tokens": 4},
+    "draft k=2": {"model": "demo-draft", "num_speculative_tokens": 2},
+    "draft k=4": {"model": "demo-draft", "num_speculative_tokens": 4},
 }
 
 

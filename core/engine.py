@@ -125,15 +125,16 @@ class EngineCore:
     def _init_cache(self, rank: int, hello: WorkerHello, cache: CacheConfig, sched: SchedulerConfig) -> str | None:
         """Rank `rank`'s pools — shared-memory segments of its own KV heads when it runs on this
         host and its backend keeps them in host memory — and its InitCache."""
-        block_bytes = hello.kv_spec.bytes_per_block_slot * cache.block_size
         local = self.workers.is_local(rank)
         kv = (
-            self._create_segment(f"kv-r{rank}", cache.num_blocks * block_bytes)
+            self._create_segment(f"kv-r{rank}", cache.num_blocks * hello.kv_spec.pool_bytes_per_slot * cache.block_size)
             if local and hello.kv_in_shared_memory
             else None
         )
         swap = (
-            self._create_segment(f"swap-r{rank}", cache.num_swap_blocks * block_bytes)
+            self._create_segment(
+                f"swap-r{rank}", cache.num_swap_blocks * hello.kv_spec.bytes_per_block_slot * cache.block_size
+            )
             if local and cache.num_swap_blocks
             else None
         )
@@ -154,7 +155,7 @@ class EngineCore:
         context length: the model's own, no longer than what the pool holds."""
         cfg, hello = self.config, hellos[0]  # every rank has the same model; pools of its own heads
         max_model_len = cfg.max_model_len or hello.max_position_embeddings
-        block_bytes = hello.kv_spec.bytes_per_block_slot * cfg.block_size
+        block_bytes = hello.kv_spec.pool_bytes_per_slot * cfg.block_size
         if cfg.num_kv_blocks:
             num_blocks = cfg.num_kv_blocks
         elif hello.num_device_blocks is not None:
@@ -167,7 +168,7 @@ class EngineCore:
         cache = CacheConfig(
             block_size=cfg.block_size,
             num_blocks=num_blocks,
-            num_swap_blocks=cfg.swap_space // block_bytes,
+            num_swap_blocks=cfg.swap_space // (hello.kv_spec.bytes_per_block_slot * cfg.block_size),
             enable_prefix_caching=cfg.enable_prefix_caching,
             block_placement=cfg.block_placement,
             sliding_window=hello.sliding_window,

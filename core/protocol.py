@@ -102,12 +102,20 @@ class KVSpec(msgspec.Struct):
     head_size: int
     dtype: str  # float32, bfloat16, float16
     kv_cache_dtype: str = "auto"  # or an 8-bit format: a code byte per element, a float32 scale per row
+    # a draft model's KV, in the same pool after the target's (speculative decoding); not swapped
+    draft_bytes_per_slot: int = 0
 
     @property
     def bytes_per_block_slot(self) -> int:
+        """The target model's KV of one token slot (what swap space holds)."""
         if self.kv_cache_dtype != "auto":
             return 2 * self.num_layers * self.num_kv_heads * (self.head_size + 4)
         return 2 * self.num_layers * self.num_kv_heads * self.head_size * DTYPE_SIZES[self.dtype]
+
+    @property
+    def pool_bytes_per_slot(self) -> int:
+        """One token slot of the pool: the target's KV and a draft model's."""
+        return self.bytes_per_block_slot + self.draft_bytes_per_slot
 
 
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}

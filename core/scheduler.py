@@ -30,7 +30,7 @@ from .outputs import Fragmentation, RequestOutputDelta, SchedulerOutput, Schedul
 from .request import EngineRequest, Request, RequestStatus, child_request_id, child_seed, sample_request_ids
 from .request_queue import RequestQueue
 from .sampling_params import SamplingParams
-from .speculative import MAX_BACKOFF, SpecStats, may_speculate, propose_ngram
+from .speculative import DRAFT_PLACEHOLDER, MAX_BACKOFF, SpecStats, may_speculate, propose_ngram
 from .step_builder import StepBuilder, WorkerView
 
 RUNNING = RequestStatus.RUNNING
@@ -270,7 +270,11 @@ class Scheduler:
                 self.config.max_model_len - request.num_tokens,
             )
             k = min(spec.num_speculative_tokens, room - 1)  # the model's own token comes after them
-            if k > 0:
+            if k <= 0:
+                continue
+            if spec.method == "draft_model":  # the worker's draft fills it in
+                drafts[request.request_id] = [DRAFT_PLACEHOLDER] * k
+            else:
                 proposal = propose_ngram(request.all_token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
                 if proposal:
                     drafts[request.request_id] = proposal
@@ -529,7 +533,7 @@ class Scheduler:
         blocks that held only them, go back — before the confirmed tokens join (blocks they fill
         enter the prefix cache then, never with an unconfirmed token)."""
         accepted = len(tokens) - 1
-        if tokens[:accepted] != proposal[:accepted]:
+        if accepted > len(proposal) or (proposal[0] != DRAFT_PLACEHOLDER and tokens[:accepted] != proposal[:accepted]):
             raise RuntimeError(f"the worker confirmed {tokens[:accepted]} of the proposal {proposal}")
         self.spec_stats.record(len(proposal), accepted)
         if accepted:

@@ -24,16 +24,18 @@ import numpy as np
 from .errors import InvalidParameter
 from .request import Request
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
+DRAFT_PLACEHOLDER = -1  # a draft model's proposal, before the worker's draft fills it in
 MAX_SPECULATIVE_TOKENS = 16
 # steps a request waits at most before proposing again, after proposals with nothing confirmed
 MAX_BACKOFF = 64
 
 
 class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """vLLM's `speculative_config` fields for the n-gram method."""
+    """vLLM's `speculative_config` fields for the n-gram and draft-model methods."""
 
-    method: str = "ngram"
+    method: str | None = None  # "draft_model" where a model is given, else "ngram"
+    model: str | None = None  # the draft model's folder (draft_model)
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4  # the longest suffix matched against earlier tokens
     prompt_lookup_min: int = 1  # the shortest
@@ -42,9 +44,14 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     disable_by_batch_size: int | None = 16
 
     def __post_init__(self):
-        if self.method == "draft_model" or self.method not in METHODS:
-            hint = " (a draft model is not supported yet)" if self.method in ("draft_model", "eagle") else ""
-            raise InvalidParameter("speculative_config.method", f"must be one of {METHODS}{hint}, got {self.method!r}")
+        if self.method is None:
+            self.method = "draft_model" if self.model else "ngram"
+        if self.method not in METHODS:
+            raise InvalidParameter("speculative_config.method", f"must be one of {METHODS}, got {self.method!r}")
+        if self.method == "draft_model" and not self.model:
+            raise InvalidParameter("speculative_config.model", "the draft model's folder is required by draft_model")
+        if self.method == "ngram" and self.model:
+            raise InvalidParameter("speculative_config.model", "is a draft model's: the ngram method takes none")
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise InvalidParameter(
                 "speculative_config.num_speculative_tokens",

@@ -22,6 +22,11 @@ def shipped_model_dir() -> str:
     return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "demo-model")
 
 
+def shipped_draft_dir() -> str:
+    """The demo model's draft (speculative decoding): one layer, the same tokenizer."""
+    return os.path.join(os.path.dirname(shipped_model_dir()), "demo-draft")
+
+
 def default_model_dir() -> str:
     shipped = shipped_model_dir()
     if os.path.isfile(os.path.join(shipped, "config.json")):

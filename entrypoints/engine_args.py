@@ -28,6 +28,7 @@ from .engine_client import EngineClient
 from .input_processor import InputProcessor
 
 GiB = 1 << 30
+DEMO_DRAFT = "demo-draft"
 logger = logging.getLogger("pagedllm.entrypoints")
 # a field's annotation (a string: postponed annotations) -> the type of its CLI flag
 _ANNOTATION_TYPES = {
@@ -113,7 +114,8 @@ class EngineArgs:
     speculative_config: dict | str | None = option(  # noqa: RUF009 - the default is None
         None,
         'speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_max": 4, "prompt_lookup_min": 1, "disable_by_batch_size": 16}; greedy requests speculate',
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 1, "disable_by_batch_size": 16}, or a draft model: '
+        '{"model": "DRAFT_FOLDER", "num_speculative_tokens": 4} ("demo-draft": the demo model\'s)',
         cli_type=str,
     )
     tokenizer: str | None = option(None, "tokenizer folder (default: the model's)")
@@ -181,9 +183,29 @@ class EngineArgs:
                 "kv_cache_memory": parse_size(self.kv_cache_memory, "kv_cache_memory"),
                 "swap_space": swap,
                 "quantization": quantization,
-                "speculative_config": parse_speculative_config(self.speculative_config),
+                "speculative_config": self._speculative_config(),
             }
         )
+
+    def _speculative_config(self):
+        """The parsed config, its draft model's folder checked and made absolute ("demo-draft":
+        the draft of the demo model that ships with the package)."""
+        spec = parse_speculative_config(self.speculative_config)
+        if spec is None or spec.model is None:
+            return spec
+        path = spec.model
+        if path == DEMO_DRAFT:
+            from .default_model import shipped_draft_dir
+
+            path = shipped_draft_dir()
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise InvalidParameter("speculative_config.model", f"{spec.model!r} is not a folder with a config.json")
+        if self.tensor_parallel_size > 1:
+            raise InvalidParameter(
+                "speculative_config.model", "a draft model under tensor parallelism is not supported yet (use ngram)"
+            )
+        spec.model = os.path.abspath(path)
+        return spec
 
     def _check_tensor_parallel(self, folder: ModelFolder, backend: str) -> None:
         """Refused before anything starts: a split the model does not allow, or more ranks on

@@ -33,7 +33,9 @@ def test_prompt_lookup_takes_the_longest_latest_match():
 @pytest.mark.parametrize(
     "value,field",
     [
-        ({"method": "draft_model"}, "speculative_config.method"),
+        ({"method": "eagle"}, "speculative_config.method"),
+        ({"method": "draft_model"}, "speculative_config.model"),
+        ({"method": "ngram", "model": "/some/draft"}, "speculative_config.model"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
         ({"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}, "speculative_config.prompt_lookup_min"),
         ('{"method": "ngram",', "speculative_config"),
@@ -110,8 +112,8 @@ def test_greedy_tokens_are_those_without_speculation_through_preemption_and_pref
 def test_seeded_sampled_requests_get_the_tokens_they_get_without_speculation():
     """Sampled requests speculate too: each position is drawn with the randomness plain decoding
     uses there, so seeded requests (top-p, top-k, a repetition penalty, min_tokens, logprobs)
-    repeat their tokens — and logprobs — from an engine without speculation, and the demo model
-    confirms proposals at these temperatures."""
+    repeat their tokens — and logprobs — from an engine without speculation, with n-gram
+    proposals and with the demo model's shipped draft, and both have proposals kept."""
     prompts = quoting_prompts(4)
     params = [
         SamplingParams(temperature=0.7, top_p=0.9, seed=1, max_tokens=48, ignore_eos=True),
@@ -120,10 +122,11 @@ def test_seeded_sampled_requests_get_the_tokens_they_get_without_speculation():
         SamplingParams(temperature=0.4, seed=4, max_tokens=48, min_tokens=40, stop_token_ids=[2, 3, 4]),
     ]
     plain, _ = generate(None, prompts, params)
-    spec, stats = generate(None, prompts, params, speculative_config=NGRAM)
-    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
-    assert stats.scheduler.spec_decode.num_accepted_tokens > 0
-    _assert_same_logprobs(spec[1], plain[1])
+    for config in (NGRAM, {"model": "demo-draft", "num_speculative_tokens": 3}):
+        spec, stats = generate(None, prompts, params, speculative_config=config)
+        assert [o.token_ids for o in spec] == [o.token_ids for o in plain], config
+        assert stats.scheduler.spec_decode.num_accepted_tokens > 0
+        _assert_same_logprobs(spec[1], plain[1])
 
 
 def _assert_same_logprobs(a, b):
@@ -200,3 +203,52 @@ def test_verified_tokens_are_distributed_as_the_targets(verifier):
     statistics = [_chi_square(first, probs[0].double()), _chi_square(second, probs[1].double())]
     passed = all(stat < CHI2_CRITICAL[df] for stat, df in statistics)
     assert passed == (verifier is verify), statistics
+
+
+def test_a_draft_model_keeps_the_tokens_through_preemption_forks_and_prefix_hits(tiny_model):
+    """A draft model in the same pool: the target itself as its draft (every greedy proposal
+    kept: its KV, caught up lazily and cut back with the target's, is right) under recompute
+    preemption, and a random one-layer draft (nearly every proposal rolled back) under swap
+    preemption — greedy, seeded sampled, n = 2 and logprob requests alike get the tokens of an
+    engine without speculation, and every block comes back."""
+    target = tiny_model("llama")
+    other = tiny_model("llama", num_hidden_layers=1, seed=1)
+    prompts = looping_prompts(8)
+    params = [
+        SamplingParams(
+            temperature=0, max_tokens=30 + 5 * i, ignore_eos=True, stop_token_ids=[11 + i] if i % 3 else None
+        )
+        for i in range(8)
+    ]
+    params[1] = SamplingParams(temperature=0.8, seed=5, max_tokens=40, n=2, ignore_eos=True)
+    params[2] = SamplingParams(temperature=0.7, seed=6, max_tokens=40, logprobs=1, ignore_eos=True)
+    engine = dict(num_kv_blocks=24, max_model_len=256, max_num_batched_tokens=96)
+
+    def tokens(**kw):
+        with LLM(target, skip_tokenizer_init=True, **engine, **kw) as llm:
+            out = llm.generate(prompts, params, use_tqdm=False)
+            return [[c.token_ids for c in o.outputs] for o in out], llm.last_stats.scheduler
+
+    plain, _ = tokens()
+    for draft, mode in ((target, "recompute"), (other, "swap")):
+        spec, stats = tokens(speculative_config={"model": draft, "num_speculative_tokens": 3}, preemption_mode=mode)
+        assert spec == plain, mode
+        counts = stats.spec_decode
+        assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0 and stats.kv_cache_usage == 0.0
+        if draft == target:  # only the sampled requests' draws differ from the greedy draft
+            assert counts.num_accepted_tokens >= 0.7 * counts.num_draft_tokens
+        else:
+            assert counts.num_drafts > 0 and counts.num_accepted_tokens < 0.1 * counts.num_draft_tokens
+
+
+def test_draft_models_the_engine_cannot_run_are_refused_naming_why(tiny_model):
+    target = tiny_model("llama")
+    with pytest.raises(InvalidParameter, match="tensor parallelism"):
+        LLM(target, skip_tokenizer_init=True, tensor_parallel_size=2, speculative_config={"model": target})
+    with pytest.raises(InvalidParameter, match="not a folder"):
+        LLM(target, skip_tokenizer_init=True, speculative_config={"model": "/nonexistent/draft"})
+    with pytest.raises(InvalidParameter, match="required"):
+        LLM(target, skip_tokenizer_init=True, speculative_config={"method": "draft_model"})
+    other_vocab = tiny_model("llama", num_hidden_layers=1, vocab_size=500)
+    with pytest.raises(Exception, match="share the target's tokenizer"):
+        LLM(target, skip_tokenizer_init=True, speculative_config={"model": other_vocab})

@@ -87,10 +87,12 @@ def run_through_kills(llm, killer: Killer, prompts, params) -> tuple[list, objec
 
 
 # swap runs with an 8-bit KV cache: its scales live in the blocks, so swapped and recovered
-# blocks must bring them along
+# blocks must bring them along; recompute runs speculating with a draft model (the target
+# itself), whose KV beside the target's a replacement worker catches up again
 @pytest.mark.parametrize("mode,kv_cache_dtype", [("recompute", "auto"), ("swap", "int8")])
 def test_five_worker_kills_change_no_token(tiny_model, mode, kv_cache_dtype):
     path = tiny_model("llama")
+    speculative = {"model": path, "num_speculative_tokens": 3} if mode == "recompute" else None
     prompts, params = workload()
     engine = dict(
         kv_cache_dtype=kv_cache_dtype,
@@ -104,12 +106,14 @@ def test_five_worker_kills_change_no_token(tiny_model, mode, kv_cache_dtype):
     with LLM(path, **engine) as llm:
         expected = tokens_of(llm.generate(prompts, params, use_tqdm=False))
         assert llm.last_stats.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
-    with LLM(path, **engine, max_worker_restarts=5) as llm:
+    with LLM(path, **engine, max_worker_restarts=5, speculative_config=speculative) as llm:
         core = llm.engine.pid
         killer = Killer(core, times=5)
         runs, stats = run_through_kills(llm, killer, prompts, params)
     assert len(killer.killed) == 5, "four runs of the workload ended before five kills"
     assert stats.worker_restarts == 5
+    if speculative:
+        assert stats.scheduler.spec_decode.num_accepted_tokens > 0
     assert all(got == expected for got in runs)
     assert stats.recovered_tokens > 0, "the shared pool should have spared some recomputation"
     assert not children_of(core) and not segments_of(core)
