@@ -11,8 +11,8 @@ cases keep full-precision inputs (a kernel that rounds float32 to TF32 or bfloat
 
 from __future__ import annotations
 
-import functools
 import random
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 
 import torch
@@ -36,6 +36,10 @@ class PagedCase:
     def limits(self) -> dict:
         """The keyword arguments of the attention ops this case needs (none for plain attention)."""
         return {k: v for k, v in (("window", self.window), ("soft_cap", self.soft_cap)) if v is not None}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.kv_cache, self.query, self.expected))
 
     def cast(self, dtype: torch.dtype, device="cpu") -> PagedCase:
         """The same case in `dtype` on `device` (exact when the inputs were drawn for it)."""
@@ -132,7 +136,7 @@ def make_case(
     scores dominant_logits[r] against them (a softmax that skips subtracting the max
     overflows). window / soft_cap: the answer is sliding-window / soft-capped attention's. The
     returned case is in `dtype` on `device`."""
-    return _base_case(
+    return _cached_base_case(
         tuple(query_lens),
         tuple(context_lens),
         block_size,
@@ -150,7 +154,25 @@ def make_case(
     ).cast(dtype, device)
 
 
-@functools.lru_cache(maxsize=2)  # the checks ask for a case in each dtype, one after the other
+CACHE_BYTES = 512 << 20
+_cases: OrderedDict[tuple, PagedCase] = OrderedDict()
+
+
+def _cached_base_case(*key) -> PagedCase:
+    """_base_case's cases kept, the most recently used up to CACHE_BYTES: every dtype of a check
+    and every backend run in one process (a test session's, a matrix's) draws the same cases,
+    whose references are most of an op run's time. Callers get copies (PagedCase.cast)."""
+    case = _cases.get(key)
+    if case is not None:
+        _cases.move_to_end(key)
+        return case
+    case = _cases[key] = _base_case(*key)
+    total = sum(c.nbytes for c in _cases.values())
+    while total > CACHE_BYTES and len(_cases) > 1:
+        total -= _cases.popitem(last=False)[1].nbytes
+    return case
+
+
 def _base_case(
     query_lens,
     context_lens,

@@ -1,7 +1,8 @@
-"""Speculative decoding (n-gram, greedy): the proposer, the configuration's refusals, and engines
-started with and without speculation giving the same tokens — through preemption, prefix hits,
-stops inside a confirmed run, length limits, a windowed model and two ranks — with the
-proposals' counts in the stats and at /metrics."""
+"""Speculative decoding (n-gram and draft model; greedy and sampled): the proposer, the
+configuration's refusals, the verification's distribution, and engines started with and
+without speculation giving the same tokens — through preemption, prefix hits, stops inside a
+kept run, length limits, a windowed model, two ranks and forks — with the proposals' counts in
+the stats and at /metrics."""
 
 from __future__ import annotations
 
@@ -66,18 +67,23 @@ def generate(path, prompts, params, **engine):
         return [o.outputs[0] for o in out], llm.last_stats
 
 
+DEMO_DRAFT = {"model": "demo-draft", "num_speculative_tokens": 3}
+
+
 @pytest.mark.parametrize("model", ["demo", "mistral-window"])
-def test_greedy_tokens_are_those_without_speculation_through_preemption_and_prefix_hits(tiny_model, model):
-    """A pool small enough to preempt, prompts sharing a prefix, mixed lengths; every request
-    greedy with a length limit, some with a stop token: the same tokens, finish reasons and stop
-    reasons with speculation as without. The demo model, on text that quotes itself, confirms
-    some proposals; the random windowed model rejects nearly all, and rolls them back in tables
-    whose early blocks were released behind the window."""
+def test_tokens_are_those_without_speculation_through_preemption_and_prefix_hits(tiny_model, model):
+    """A pool small enough to preempt, prompts sharing a prefix, mixed lengths; greedy requests
+    with a length limit, some with a stop token, and seeded sampled ones (top-p, top-k, a
+    repetition penalty, min_tokens, logprobs), whose positions are drawn with the randomness
+    plain decoding uses there: the same tokens, finish and stop reasons, and logprobs, with
+    speculation as without. The demo model, on text that quotes itself, keeps some n-gram and
+    some draft-model proposals; the random windowed model rejects nearly all, and rolls them
+    back in tables whose early blocks were released behind the window."""
     if model == "demo":
-        path, prompts = None, quoting_prompts(6)
+        path, prompts, configs = None, quoting_prompts(6), (NGRAM, DEMO_DRAFT)
         engine = dict(num_kv_blocks=48, max_model_len=512, max_num_batched_tokens=256)
     else:
-        path, prompts = tiny_model("mistral", sliding_window=24), looping_prompts(12)
+        path, prompts, configs = tiny_model("mistral", sliding_window=24), looping_prompts(12), (NGRAM,)
         engine = dict(num_kv_blocks=40, max_model_len=256, max_num_batched_tokens=96)
     params = [
         SamplingParams(
@@ -85,17 +91,23 @@ def test_greedy_tokens_are_those_without_speculation_through_preemption_and_pref
         )
         for i in range(len(prompts))
     ]
+    params[1] = SamplingParams(temperature=0.7, top_p=0.9, seed=1, max_tokens=48, ignore_eos=True)
+    params[2] = SamplingParams(temperature=0.5, top_k=20, seed=2, max_tokens=48, logprobs=2, ignore_eos=True)
+    params[3] = SamplingParams(temperature=0.6, repetition_penalty=1.1, seed=3, max_tokens=48, ignore_eos=True)
+    params[5] = SamplingParams(temperature=0.4, seed=4, max_tokens=48, min_tokens=40, stop_token_ids=[2, 3, 4])
     plain, _ = generate(path, prompts, params, **engine)
-    spec, stats = generate(path, prompts, params, **engine, speculative_config=NGRAM)
-    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
-    assert [(o.finish_reason, o.stop_reason) for o in spec] == [(o.finish_reason, o.stop_reason) for o in plain]
-    counts = stats.scheduler.spec_decode
-    assert counts.num_drafts > 0 and counts.num_accepted_tokens <= counts.num_draft_tokens
-    assert sum(counts.num_accepted_tokens_per_pos) == counts.num_accepted_tokens
-    assert stats.scheduler.prefix_cache_hits > 0
-    if model == "demo":  # (the windowed model releases blocks behind its window: that pool stays roomy)
-        assert counts.num_accepted_tokens > 0 and stats.scheduler.num_preemptions > 0
-    assert stats.scheduler.kv_cache_usage == 0.0  # every block back, rolled-back ones included
+    for config in configs:
+        spec, stats = generate(path, prompts, params, **engine, speculative_config=config)
+        assert [o.token_ids for o in spec] == [o.token_ids for o in plain], config
+        assert [(o.finish_reason, o.stop_reason) for o in spec] == [(o.finish_reason, o.stop_reason) for o in plain]
+        _assert_same_logprobs(spec[2], plain[2])
+        counts = stats.scheduler.spec_decode
+        assert counts.num_drafts > 0 and counts.num_accepted_tokens <= counts.num_draft_tokens
+        assert sum(counts.num_accepted_tokens_per_pos) == counts.num_accepted_tokens
+        assert stats.scheduler.prefix_cache_hits > 0
+        if model == "demo":  # (the windowed model releases blocks behind its window: that pool stays roomy)
+            assert counts.num_accepted_tokens > 0 and stats.scheduler.num_preemptions > 0
+        assert stats.scheduler.kv_cache_usage == 0.0  # every block back, rolled-back ones included
     metrics = EngineMetrics("m")  # what /metrics shows of them
     metrics.observe_stats(stats)
     text = metrics.render().decode()
@@ -107,26 +119,6 @@ def test_greedy_tokens_are_those_without_speculation_through_preemption_and_pref
     assert (
         f'pagedllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="0"}} {float(first)}' in text
     )
-
-
-def test_seeded_sampled_requests_get_the_tokens_they_get_without_speculation():
-    """Sampled requests speculate too: each position is drawn with the randomness plain decoding
-    uses there, so seeded requests (top-p, top-k, a repetition penalty, min_tokens, logprobs)
-    repeat their tokens — and logprobs — from an engine without speculation, with n-gram
-    proposals and with the demo model's shipped draft, and both have proposals kept."""
-    prompts = quoting_prompts(4)
-    params = [
-        SamplingParams(temperature=0.7, top_p=0.9, seed=1, max_tokens=48, ignore_eos=True),
-        SamplingParams(temperature=0.5, top_k=20, seed=2, max_tokens=48, logprobs=2, ignore_eos=True),
-        SamplingParams(temperature=0.6, repetition_penalty=1.1, seed=3, max_tokens=48, ignore_eos=True),
-        SamplingParams(temperature=0.4, seed=4, max_tokens=48, min_tokens=40, stop_token_ids=[2, 3, 4]),
-    ]
-    plain, _ = generate(None, prompts, params)
-    for config in (NGRAM, {"model": "demo-draft", "num_speculative_tokens": 3}):
-        spec, stats = generate(None, prompts, params, speculative_config=config)
-        assert [o.token_ids for o in spec] == [o.token_ids for o in plain], config
-        assert stats.scheduler.spec_decode.num_accepted_tokens > 0
-        _assert_same_logprobs(spec[1], plain[1])
 
 
 def _assert_same_logprobs(a, b):
