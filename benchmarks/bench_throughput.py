@@ -44,7 +44,7 @@ def run_pagedllm(
     try:
         params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
         warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-        llm.generate(prompts[:2], [warm, warm], use_tqdm=False)  # warm-up, as each peer gets one
+        llm.generate(prompts[:2], [warm] * len(prompts[:2]), use_tqdm=False)  # warm-up, as each peer gets one
         before = llm.last_stats
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
