@@ -209,10 +209,11 @@ class Worker:
             self.drafter = DraftProposer(runner, self.ops.argmax)
         if self.swap is not None:
             self.ops.pin_memory(self.swap)
-        if not self.config.enforce_eager:
-            self.runner.decode_graphs = self.ops.capture_graphs(
-                self.model, self.runner.layer_caches, msg.block_size, self.config.max_num_seqs, msg.max_model_len
-            )
+        if not self.config.enforce_eager:  # the draft's one-token passes replay too
+            for runner in (self.runner, self.drafter.runner) if self.drafter else (self.runner,):
+                runner.decode_graphs = self.ops.capture_graphs(
+                    runner.model, runner.layer_caches, msg.block_size, self.config.max_num_seqs, msg.max_model_len
+                )
         return WorkerReady(rank=self.rank)
 
     def execute(self, plan: SchedulerOutput) -> StepResult | None:
