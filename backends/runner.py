@@ -117,6 +117,12 @@ class ModelRunner:
         """Float32 logits [len(seqs), vocab], row i for seqs[i]'s last token."""
         return self.execute_with_hidden(seqs)[0]
 
+    @staticmethod
+    def _whole_chunks(seqs: list[SeqInput], wanted: dict[int, int] | None) -> bool:
+        """Whether each wanted count is its whole chunk (speculative decoding's verification),
+        as a decode replay answers; prompt logprobs over part of a prefill are not."""
+        return not wanted or all(n == len(seqs[i].token_ids) for i, n in wanted.items())
+
     @torch.inference_mode()
     def execute_with_hidden(
         self, seqs: list[SeqInput], wanted: dict[int, int] | None = None
@@ -124,8 +130,14 @@ class ModelRunner:
         """As `execute`, and for each `wanted` {seq index: count}, the final hidden states of
         that sequence's first `count` tokens of this step ([count, hidden]; see
         CausalLM.compute_logits), for prompt logprobs."""
-        if not wanted and self.decode_graphs is not None and self.decode_graphs.fits(seqs):
-            return self.model.compute_logits(self.decode_graphs.run(seqs)), {}
+        graphs = self.decode_graphs
+        if graphs is not None and self._whole_chunks(seqs, wanted) and graphs.fits(seqs):
+            hidden = graphs.run(seqs)
+            if len(hidden) == len(seqs):  # one token each
+                return self.model.compute_logits(hidden), ({i: hidden[i : i + 1] for i in wanted} if wanted else {})
+            ends = np.cumsum([len(s.token_ids) for s in seqs])
+            rest = {i: hidden[ends[i] - n : ends[i]] for i, n in (wanted or {}).items()}
+            return self.model.compute_logits(hidden[torch.from_numpy(ends - 1)]), rest
         batch = prepare_batch(seqs, self.block_size, self.device)
         keep = batch.logits_indices
         if wanted:

@@ -5,6 +5,7 @@ left out where a step is not all compiled kernels."""
 import pytest
 import torch
 
+from pagedllm.backends.attention import DecodeMetadata
 from pagedllm.backends.cpu import CpuAttentionOps
 from pagedllm.backends.cpu.decode_replay import DecodeReplay
 from pagedllm.backends.models.loader import load_model
@@ -46,11 +47,36 @@ def test_a_replayed_decode_step_equals_the_eager_one(dtype, window):
         assert torch.equal(runner.kv_caches, eager_kv)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_replayed_chunks_equal_eager_ones_and_give_every_rows_hidden_state(dtype):
+    """Several tokens a request (a short prefill, a chunk after a cached prefix, speculative
+    decoding's verification): a row a token, each at its own position; the same logits, K/V
+    and, where every row's hidden state is asked for, the same hidden states."""
+    runner, replay = runner_and_replay(dtype, max_batch=48)
+    tables = [list(range(1, 11)), list(range(11, 21))]
+    steps = [
+        [SeqInput(list(range(5, 38)), 0, tables[0]), SeqInput(list(range(7, 12)), 0, tables[1])],
+        [SeqInput(list(range(40, 47)), 33, tables[0]), SeqInput([9], 5, tables[1])],
+    ]
+    before = runner.kv_caches.clone()
+    results = {}
+    for graphs in (None, replay):
+        runner.kv_caches.copy_(before)
+        runner.decode_graphs = graphs
+        outs = [runner.execute(steps[0]), runner.execute_with_hidden(steps[1], {0: 7, 1: 1})]
+        results[graphs is None] = (outs, runner.kv_caches.clone())
+    (eager, eager_kv), (replayed, replayed_kv) = results[True], results[False]
+    assert torch.equal(eager[0], replayed[0]) and torch.equal(eager[1][0], replayed[1][0])
+    assert all(torch.equal(eager[1][1][i], replayed[1][1][i]) for i in (0, 1))
+    assert torch.equal(eager_kv, replayed_kv)
+
+
 def test_what_a_replay_does_not_take():
     replay = runner_and_replay("float32", max_batch=2)[1]
     table = list(range(1, 11))
-    assert not replay.fits([SeqInput([1, 2], 0, table)])  # a prefill chunk
-    assert not replay.fits([SeqInput([1], 3, table)] * 3)  # more rows than captured
+    assert replay.fits([SeqInput([1, 2], 0, table)])  # a short chunk: a row a token
+    assert not replay.fits([SeqInput([1, 2, 3], 0, table)])  # more rows than captured
+    assert not replay.fits([SeqInput([1], 3, table)] * 3)
     assert not replay.fits([SeqInput([1], 512, table)])  # past the captured context
     _, quantized = runner_and_replay("float32", quantization="int8")
     assert quantized is None  # its linear layers are not on the panel kernel: eager steps
@@ -69,3 +95,28 @@ def test_a_backend_built_on_the_cpu_one_keeps_its_own_decode_ops():
     ModelRunner(model, ops, kv, BLOCK)
     assert ops.capture_graphs(model, kv, BLOCK, 4, 128) is None
     assert CpuAttentionOps().capture_graphs(model, kv, BLOCK, 4, 128) is not None
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_each_rows_attention_is_the_rows_own_whatever_the_batch(threads):
+    """The compiled attention kernel hands a thread a few rows at a time; every row's output is
+    bit for bit the one it gets alone (a replayed step mixing chunks and decodes groups rows
+    unlike the eager one). The kernel's prefetcher once changed how GCC compiled the row loops
+    it sat in, so the first row of each group came out a few ulps off."""
+    ops = CpuAttentionOps()
+    gen = torch.Generator().manual_seed(0)
+    kv = torch.randn(2, 40, BLOCK, 2, 64, generator=gen)
+    q = torch.randn(8, 4, 64, generator=gen)
+    tables = torch.stack([torch.randperm(39, generator=gen)[:10] + 1 for _ in range(8)]).int()
+    ctx = torch.tensor([37, 100, 5, 150, 60, 33, 90, 17], dtype=torch.int32)
+
+    def attend(rows):
+        return ops.decode_attention(q[rows], kv, DecodeMetadata(tables[rows], ctx[rows], int(ctx[rows].max())), 0.125)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        batch = attend(list(range(8)))
+        assert all(torch.equal(batch[r], attend([r])[0]) for r in range(8))
+    finally:
+        torch.set_num_threads(before)

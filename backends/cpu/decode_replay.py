@@ -11,6 +11,10 @@ with the step's row count and thread count. The calls are the eager path's own k
 same data in the same order (the query and key rotations are two calls instead of one over
 both, the same arithmetic per head), so logits are bit-identical to the eager step's.
 
+A row is a token: steps with a few tokens a request (short prefills, chunks after a cached
+prefix, speculative decoding's verification) replay too, every row at its own position with
+its request's table, as long as the step's tokens fit the captured rows.
+
 Captured only where the eager path is all compiled kernels: float32 or 16-bit weights on the
 panel kernel, fused norms and activation, one rank, no q/k norms; else None (eager steps).
 """
@@ -69,7 +73,7 @@ class DecodeReplay:
         self.slots = torch.zeros(n, dtype=torch.int64)
         self.tables = torch.zeros(n, self.max_blocks, dtype=torch.int32)
         self.context = torch.ones(n, dtype=torch.int32)
-        self.rows = torch.arange(n, dtype=torch.int32)  # row r attends with table row r
+        self.rows = torch.arange(n, dtype=torch.int32)  # row r attends with table row rows[r]
         self.cos, self.sin = torch.empty(n, d, dtype=f32), torch.empty(n, d, dtype=f32)
         self.residual = torch.empty(n, hidden, dtype=f32)
         self.normed, self.out = torch.empty(n, hidden, dtype=f32), torch.empty(n, hidden, dtype=f32)
@@ -171,24 +175,32 @@ class DecodeReplay:
         return attend
 
     def fits(self, seqs) -> bool:
-        if not seqs or len(seqs) > self.max_batch:
+        """Decode steps, and steps of short chunks after a cached context (speculative
+        decoding's verification): a row per token, at most max_batch of them."""
+        if not seqs or sum(len(s.token_ids) for s in seqs) > self.max_batch:
             return False
         limit = self.max_blocks * self.block_size
-        return all(len(s.token_ids) == 1 and s.start_pos < limit for s in seqs)
+        return all(s.start_pos + len(s.token_ids) <= limit for s in seqs)
 
     def run(self, seqs) -> torch.Tensor:
-        """The final hidden states [len(seqs), hidden] of a decode step (float32)."""
-        rows, bs = len(seqs), self.block_size
+        """The final hidden states of every token of the step, [tokens, hidden] float32, in the
+        order of `seqs`: row r attends with its request's table up to its own position."""
+        bs = self.block_size
         ids, positions, slots = self.ids.numpy(), self.positions.numpy(), self.slots.numpy()
-        tables, context = self.tables.numpy(), self.context.numpy()
-        for r, s in enumerate(seqs):
-            pos = s.start_pos
-            ids[r] = s.token_ids[0]
-            positions[r] = pos
-            context[r] = pos + 1
+        tables, context, table_of = self.tables.numpy(), self.context.numpy(), self.rows.numpy()
+        r = 0
+        for j, s in enumerate(seqs):
             blocks = s.block_ids[: self.max_blocks]
-            tables[r, : len(blocks)] = blocks
-            slots[r] = blocks[pos // bs] * bs + pos % bs
+            tables[j, : len(blocks)] = blocks
+            for t, token in enumerate(s.token_ids):
+                pos = s.start_pos + t
+                ids[r] = token
+                positions[r] = pos
+                context[r] = pos + 1
+                table_of[r] = j
+                slots[r] = blocks[pos // bs] * bs + pos % bs
+                r += 1
+        rows = r
         model = self.model
         self.residual[:rows].copy_(model.embed_tokens(self.ids[:rows]))
         torch.index_select(model.rope.cos, 0, self.positions[:rows], out=self.cos[:rows])

@@ -161,7 +161,10 @@ struct Prefetcher {
     per_step = (nbytes / 64 + steps - 1) / steps * 64;
   }
   void stop() { bytes = done = 0; }
-  inline void step() {
+  // not inlined: inlined into the row loops, it let GCC compile a row's arithmetic one way
+  // while a prefetch was running and another way when not, so a row's output depended on
+  // whether another row followed it in its group (a few ulps; tests/test_decode_replay.py)
+  __attribute__((noinline)) void step() {
     for (const int64_t end = std::min(bytes, done + per_step); done < end; done += 64) {
       __builtin_prefetch(k + done, 0, 1);
       __builtin_prefetch(v + done, 0, 1);
