@@ -182,6 +182,14 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=256, help="hidden size (the MLP is 2.75x, heads 64 wide)")
     ap.add_argument("--tokenizer", help="a model folder whose tokenizer to use (a draft model's target)")
+    ap.add_argument("--seq", type=int, default=SEQ, help="training sequence length")
+    ap.add_argument(
+        "--copy-fraction",
+        type=float,
+        default=0.0,
+        help="share of training sequences that are a span of text followed by the same span again "
+        "(to teach quoting: what speculative decoding's n-gram proposals pay on)",
+    )
     args = ap.parse_args(argv)
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -227,8 +235,12 @@ def main(argv=None):
         lr = 3e-3 * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         for group in opt.param_groups:
             group["lr"] = lr
-        starts = torch.randint(0, len(data) - SEQ - 1, (batch,), generator=gen)
-        x = torch.stack([data[s : s + SEQ] for s in starts])
+        seq = args.seq
+        starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=gen)
+        x = torch.stack([data[s : s + seq] for s in starts])
+        copies = int(args.copy_fraction * batch)
+        if copies:  # the first half of the sequence, then the same again
+            x[:copies, seq // 2 : seq // 2 * 2] = x[:copies, : seq // 2]
         loss = model(input_ids=x, labels=x).loss
         opt.zero_grad()
         loss.backward()
@@ -245,7 +257,7 @@ def main(argv=None):
     model.to(torch.bfloat16).save_pretrained(args.out)
     tokenizer.save_pretrained(args.out)
     print(
-        f"trained {step} steps ({step * batch * SEQ} tokens) in {time.time() - start:.0f} s; "
+        f"trained {step} steps ({step * batch * args.seq} tokens) in {time.time() - start:.0f} s; "
         f"total {time.time() - t0:.0f} s; saved to {args.out}"
     )
 
