@@ -139,10 +139,8 @@ class Worker:
         """speculative_config's draft model, checked against the target and the backend; None
         for other methods."""
         cfg, spec = self.config, self.config.speculative_config
-        if spec is None or spec.method != "draft_model":
-            return None
-        if self.tp.size > 1:
-            raise ValueError("a draft model under tensor parallelism is not supported yet (tensor_parallel_size > 1)")
+        if spec is None or spec.method != "draft_model" or not self.tp.is_first:
+            return None  # under tensor parallelism rank 0 runs the whole draft and shares its proposals
         if self.model_config.uniform_window:
             raise ValueError(
                 "a draft model beside a target whose every layer has a sliding window is not supported (the core "
@@ -233,8 +231,8 @@ class Worker:
             return StepResult(step_id=plan.step_id, sampled_token_ids=np.empty(0, dtype=np.int64))
         t0 = time.perf_counter()
         drafts = plan.draft_token_ids
-        if drafts and drafter is not None:  # the draft model fills in the proposals
-            drafts = drafter.propose([c for c in chunks if c.request_id in drafts])
+        if drafts and self.config.speculative_config.method == "draft_model":  # the draft fills them in
+            drafts = self._draft_proposals([c for c in chunks if c.request_id in drafts])
         seqs = [SeqInput(c.token_ids, c.start, c.state.block_ids) for c in chunks]
         wanted = prompt_positions(chunks)
         # speculating chunks: the logits of every position, to verify the proposal
@@ -276,6 +274,22 @@ class Worker:
             spec_token_ids=spec_tokens,
             spec_logprobs=spec_logprobs,
         )
+
+    def _draft_proposals(self, speculating: list) -> dict[str, list[int]]:
+        """Rank 0's draft proposes; under tensor parallelism the other ranks receive its
+        proposals and put them in their copy of the tokens."""
+        if self.tp.size == 1:
+            return self.drafter.propose(speculating)
+        table = torch.full((len(speculating), max(c.num_tokens for c in speculating)), -1, dtype=torch.int64)
+        if self.drafter is not None:
+            for row, proposal in enumerate(self.drafter.propose(speculating).values()):
+                table[row, : len(proposal)] = torch.tensor(proposal)
+        table = self.tp.broadcast_from_first(table.to(self.device)).cpu()
+        out = {}
+        for c, row in zip(speculating, table.tolist()):
+            out[c.request_id] = proposal = row[: c.num_tokens - 1]
+            c.state.token_ids[c.start + 1 : c.start + c.num_tokens] = proposal
+        return out
 
     def _verify(self, chunks, hidden: dict, verify: dict[int, int], drafts: dict[str, list[int]]):
         """Speculative decoding: rank 0 samples every position of each speculating chunk (its

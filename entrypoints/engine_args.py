@@ -200,10 +200,6 @@ class EngineArgs:
             path = shipped_draft_dir()
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise InvalidParameter("speculative_config.model", f"{spec.model!r} is not a folder with a config.json")
-        if self.tensor_parallel_size > 1:
-            raise InvalidParameter(
-                "speculative_config.model", "a draft model under tensor parallelism is not supported yet (use ngram)"
-            )
         spec.model = os.path.abspath(path)
         return spec
 

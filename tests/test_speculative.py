@@ -129,19 +129,20 @@ def _assert_same_logprobs(a, b):
 
 
 def test_two_ranks_and_requests_that_do_not_speculate_beside_those_that_do():
-    """Tensor parallelism (rank 0 decides, the other learns the kept tokens) with greedy,
-    sampled and logprob requests speculating beside a constrained one, which decodes one token
-    a step as before."""
+    """Tensor parallelism (rank 0 decides, the other learns the kept tokens; with a draft model,
+    rank 0 runs the draft and the other learns its proposals) with greedy, sampled and logprob
+    requests speculating beside a constrained one, which decodes one token a step as before."""
     path, prompts = None, quoting_prompts(6)
     params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True) for _ in prompts]
     params[1] = SamplingParams(temperature=0.8, seed=7, max_tokens=40, ignore_eos=True)
     params[2] = SamplingParams(temperature=0, logprobs=2, max_tokens=40, ignore_eos=True)
     params[3] = SamplingParams(temperature=0, max_tokens=40, structured_outputs={"regex": "[a-z ]{10,30}"})
     plain, _ = generate(path, prompts, params)
-    spec, stats = generate(path, prompts, params, tensor_parallel_size=2, speculative_config=NGRAM)
-    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
-    assert stats.scheduler.spec_decode.num_accepted_tokens > 0
-    _assert_same_logprobs(spec[2], plain[2])
+    for config in (NGRAM, DEMO_DRAFT):  # the draft runs whole on rank 0, which shares its proposals
+        spec, stats = generate(path, prompts, params, tensor_parallel_size=2, speculative_config=config)
+        assert [o.token_ids for o in spec] == [o.token_ids for o in plain], config
+        assert stats.scheduler.spec_decode.num_accepted_tokens > 0
+        _assert_same_logprobs(spec[2], plain[2])
 
 
 def _redraw_including_the_rejected(sampler, logits, rows, proposals):
@@ -235,8 +236,6 @@ def test_a_draft_model_keeps_the_tokens_through_preemption_forks_and_prefix_hits
 
 def test_draft_models_the_engine_cannot_run_are_refused_naming_why(tiny_model):
     target = tiny_model("llama")
-    with pytest.raises(InvalidParameter, match="tensor parallelism"):
-        LLM(target, skip_tokenizer_init=True, tensor_parallel_size=2, speculative_config={"model": target})
     with pytest.raises(InvalidParameter, match="not a folder"):
         LLM(target, skip_tokenizer_init=True, speculative_config={"model": "/nonexistent/draft"})
     with pytest.raises(InvalidParameter, match="required"):
