@@ -57,7 +57,7 @@ from .models.loader import load_model
 from .models.parallel import SINGLE, TensorParallel
 from .registry import load_backend
 from .runner import ModelRunner, SeqInput
-from .sampler import Sampler, SamplingRow
+from .sampler import Logprobs, Sampler, SamplingRow
 from .spec_verify import verify as verify_proposals
 
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -86,10 +86,7 @@ class Worker:
         self.device = self.ops.device
         self.threads = self.ops.compute_threads(config.cpu_threads)  # after set_device shared the cores
         dtype = self.ops.default_dtype(config.model, config.dtype)
-        wanted = ModelConfig.from_pretrained(config.model, dtype)  # refused before any weight loads
-        problem = self.ops.unsupported(wanted.dtype, wanted.head_dim, config.block_size, config.max_model_len)
-        problem = problem or self.ops.unsupported_features(wanted.attention_features())
-        problem = problem or self.ops.unsupported_kv_cache_dtype(config.kv_cache_dtype, wanted.head_dim)
+        problem = self._unsupported(ModelConfig.from_pretrained(config.model, dtype))  # before any weight loads
         if problem:
             raise ValueError(f"backend {config.backend} does not support {problem}")
         # rotary tables as long as the context (a config past the model's positions was refused
@@ -135,6 +132,14 @@ class Worker:
             num_device_blocks=self._profile_num_blocks(kv_spec.pool_bytes_per_slot),
         )
 
+    def _unsupported(self, wanted: ModelConfig) -> str | None:
+        """What of a model (the target or a draft), with this engine's block size, context and
+        KV cache dtype, the backend does not support; None: all of it."""
+        cfg = self.config
+        problem = self.ops.unsupported(wanted.dtype, wanted.head_dim, cfg.block_size, cfg.max_model_len)
+        problem = problem or self.ops.unsupported_features(wanted.attention_features())
+        return problem or self.ops.unsupported_kv_cache_dtype(cfg.kv_cache_dtype, wanted.head_dim)
+
     def _load_draft(self, dtype: str):
         """speculative_config's draft model, checked against the target and the backend; None
         for other methods."""
@@ -152,8 +157,7 @@ class Worker:
                 f"the draft model's vocabulary ({wanted.vocab_size} tokens) is not the target's "
                 f"({self.model_config.vocab_size}): a draft model must share the target's tokenizer"
             )
-        problem = self.ops.unsupported(wanted.dtype, wanted.head_dim, cfg.block_size, cfg.max_model_len)
-        problem = problem or self.ops.unsupported_features(wanted.attention_features())
+        problem = self._unsupported(wanted)
         if problem:
             raise ValueError(f"backend {cfg.backend} does not support the draft model's {problem}")
         max_positions = cfg.max_model_len or self.model_config.max_position_embeddings
@@ -278,18 +282,23 @@ class Worker:
     def _draft_proposals(self, speculating: list) -> dict[str, list[int]]:
         """Rank 0's draft proposes; under tensor parallelism the other ranks receive its
         proposals and put them in their copy of the tokens."""
+        mine = list(self.drafter.propose(speculating).values()) if self.drafter is not None else None
+        proposals = self._from_first_rank(mine, len(speculating), max(c.num_tokens for c in speculating))
+        if mine is None:  # rank 0's draft filled in its own copy
+            for c, proposal in zip(speculating, proposals):
+                c.state.token_ids[c.start + 1 : c.start + c.num_tokens] = proposal
+        return {c.request_id: proposal for c, proposal in zip(speculating, proposals)}
+
+    def _from_first_rank(self, rows: list[list[int]] | None, count: int, width: int) -> list[list[int]]:
+        """Rows of token ids that rank 0 has (`rows`; None on the other ranks), on every rank:
+        `count` rows of at most `width` ids."""
         if self.tp.size == 1:
-            return self.drafter.propose(speculating)
-        table = torch.full((len(speculating), max(c.num_tokens for c in speculating)), -1, dtype=torch.int64)
-        if self.drafter is not None:
-            for row, proposal in enumerate(self.drafter.propose(speculating).values()):
-                table[row, : len(proposal)] = torch.tensor(proposal)
+            return rows
+        table = torch.full((count, width), -1, dtype=torch.int64)
+        for r, row in enumerate(rows or ()):
+            table[r, : len(row)] = torch.tensor(row)
         table = self.tp.broadcast_from_first(table.to(self.device)).cpu()
-        out = {}
-        for c, row in zip(speculating, table.tolist()):
-            out[c.request_id] = proposal = row[: c.num_tokens - 1]
-            c.state.token_ids[c.start + 1 : c.start + c.num_tokens] = proposal
-        return out
+        return [[t for t in row if t >= 0] for row in table.tolist()]
 
     def _verify(self, chunks, hidden: dict, verify: dict[int, int], drafts: dict[str, list[int]]):
         """Speculative decoding: rank 0 samples every position of each speculating chunk (its
@@ -299,8 +308,7 @@ class Worker:
         asked, their logprobs, by request id."""
         speculating = [chunks[i] for i in verify]
         logits = [self.model.compute_logits(hidden[i]) for i in verify]
-        table = torch.full((len(verify), max(verify.values())), -1, dtype=torch.int64)
-        logprobs = None
+        kept = logprobs = None
         if self.tp.is_first:
             rows = [
                 SamplingRow(
@@ -309,18 +317,15 @@ class Worker:
                 for c in speculating
             ]
             proposals = [drafts[c.request_id] for c in speculating]
+            kept = []
             for row, (tokens, lps) in enumerate(verify_proposals(self.sampler, logits, rows, proposals)):
-                table[row, : len(tokens)] = torch.tensor(tokens)
+                kept.append(tokens)
                 if lps[0] is not None:
                     logprobs = logprobs or {}
-                    logprobs[speculating[row].request_id] = [
-                        TokenLogprobs(lp.token_logprob, lp.rank, lp.top_token_ids, lp.top_logprobs) for lp in lps
-                    ]
-        if self.tp.size > 1:
-            table = self.tp.broadcast_from_first(table.to(self.device)).cpu()
+                    logprobs[speculating[row].request_id] = [wire_logprobs(lp) for lp in lps]
+        kept = self._from_first_rank(kept, len(speculating), max(verify.values()))
         out = {}
-        for chunk, row in zip(speculating, table.tolist()):
-            tokens = [t for t in row if t >= 0]
+        for chunk, tokens in zip(speculating, kept):
             self.state.keep_confirmed(chunk, tokens)
             if self.drafter is not None:
                 self.drafter.keep(chunk)
@@ -376,7 +381,7 @@ class Worker:
         for chunk, lp in zip(batch, out.logprobs):
             if lp is not None:
                 logprobs = logprobs or {}
-                logprobs[chunk.request_id] = TokenLogprobs(lp.token_logprob, lp.rank, lp.top_token_ids, lp.top_logprobs)
+                logprobs[chunk.request_id] = wire_logprobs(lp)
         return out.token_ids, logprobs
 
 
@@ -390,6 +395,11 @@ def prompt_positions(chunks) -> dict[int, int]:
             if n > 0:
                 wanted[i] = n
     return wanted
+
+
+def wire_logprobs(lp: Logprobs) -> TokenLogprobs:
+    """The sampler's logprobs of a token as the core takes them."""
+    return TokenLogprobs(lp.token_logprob, lp.rank, lp.top_token_ids, lp.top_logprobs)
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> list[TokenLogprobs]:
