@@ -9,6 +9,9 @@ Its draft model for speculative decoding (one layer, the demo model's tokenizer)
     python tools/train_demo_model.py --out assets/demo-draft --tokenizer assets/demo-model \
         --layers 1 --hidden 128 --minutes 12
 
+Going on from a trained model, with copy lessons (random tokens, then the same again) in part
+of each batch: `--init assets/demo-model --copy-fraction 0.5 --seq 512 --lr 8e-4`.
+
 Held out from training (for the loss test): every 10th pydoc topic, in sorted order.
 """
 
@@ -182,12 +185,15 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=256, help="hidden size (the MLP is 2.75x, heads 64 wide)")
     ap.add_argument("--tokenizer", help="a model folder whose tokenizer to use (a draft model's target)")
+    ap.add_argument("--init", help="a model folder to go on training from (its weights and its tokenizer)")
+    ap.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seq", type=int, default=SEQ, help="training sequence length")
     ap.add_argument(
         "--copy-fraction",
         type=float,
         default=0.0,
-        help="share of training sequences that are a span of text followed by the same span again "
+        help="share of training sequences that are a span of random tokens followed by the same span again "
         "(to teach quoting: what speculative decoding's n-gram proposals pay on)",
     )
     args = ap.parse_args(argv)
@@ -197,7 +203,8 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     t0 = time.time()
     texts = training_texts()
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer) if args.tokenizer else train_tokenizer(texts)
+    tokenizer_from = args.init or args.tokenizer
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_from) if tokenizer_from else train_tokenizer(texts)
     eos = tokenizer.eos_token_id
     ids = []
     for text in texts:
@@ -222,26 +229,37 @@ def main(argv=None):
         pad_token_id=tokenizer.pad_token_id,
         rms_norm_eps=1e-5,
     )
-    model = LlamaForCausalLM(cfg)
+    if args.init:
+        model = LlamaForCausalLM.from_pretrained(args.init, dtype=torch.float32)
+    else:
+        model = LlamaForCausalLM(cfg)
     params = sum(p.numel() for p in model.parameters())
     print(f"model: {params / 1e6:.1f}M parameters")
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
-    batch, budget = 32, args.minutes * 60
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    batch, budget = args.batch, args.minutes * 60
     start, step, losses = time.time(), 0, []
     gen = torch.Generator().manual_seed(args.seed)
     model.train()
     while time.time() - start < budget:
         frac = (time.time() - start) / budget
-        lr = 3e-3 * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        lr = args.lr * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         for group in opt.param_groups:
             group["lr"] = lr
         seq = args.seq
         starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=gen)
         x = torch.stack([data[s : s + seq] for s in starts])
-        copies = int(args.copy_fraction * batch)
-        if copies:  # the first half of the sequence, then the same again
-            x[:copies, seq // 2 : seq // 2 * 2] = x[:copies, : seq // 2]
-        loss = model(input_ids=x, labels=x).loss
+        labels = x.clone()  # rewritten below where a row is a copy lesson
+        # random tokens then the same tokens again: text from the corpus would not do, the model
+        # recalls it from its weights instead of copying it. The span's length is drawn anew each
+        # time (a fixed one would teach "look back so far" instead of "find the last match"); the
+        # first span is no lesson, so it carries no loss.
+        for row in range(int(args.copy_fraction * batch)):
+            span = int(torch.randint(seq // 16, seq // 2 + 1, (1,), generator=gen))
+            noise = torch.randint(3, len(tokenizer), (span,), generator=gen)
+            x[row, :span] = x[row, span : 2 * span] = noise
+            labels[row] = x[row]
+            labels[row, :span] = -100
+        loss = model(input_ids=x, labels=labels).loss
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
