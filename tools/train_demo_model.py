@@ -215,24 +215,25 @@ def main(argv=None):
         f"tokenizer trained in {time.time() - t0:.0f} s"
     )
 
-    cfg = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=args.hidden,
-        intermediate_size=args.hidden * 11 // 4,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.hidden // 64,
-        num_key_value_heads=max(1, args.hidden // 128),
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=eos,
-        pad_token_id=tokenizer.pad_token_id,
-        rms_norm_eps=1e-5,
-    )
-    if args.init:
+    if args.init:  # its shape is the saved one: --layers and --hidden do not apply
         model = LlamaForCausalLM.from_pretrained(args.init, dtype=torch.float32)
     else:
-        model = LlamaForCausalLM(cfg)
+        model = LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=len(tokenizer),
+                hidden_size=args.hidden,
+                intermediate_size=args.hidden * 11 // 4,
+                num_hidden_layers=args.layers,
+                num_attention_heads=args.hidden // 64,
+                num_key_value_heads=max(1, args.hidden // 128),
+                max_position_embeddings=512,
+                tie_word_embeddings=True,
+                bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=eos,
+                pad_token_id=tokenizer.pad_token_id,
+                rms_norm_eps=1e-5,
+            )
+        )
     params = sum(p.numel() for p in model.parameters())
     print(f"model: {params / 1e6:.1f}M parameters")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
@@ -248,16 +249,16 @@ def main(argv=None):
         seq = args.seq
         starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=gen)
         x = torch.stack([data[s : s + seq] for s in starts])
-        labels = x.clone()  # rewritten below where a row is a copy lesson
         # random tokens then the same tokens again: text from the corpus would not do, the model
         # recalls it from its weights instead of copying it. The span's length is drawn anew each
         # time (a fixed one would teach "look back so far" instead of "find the last match"); the
         # first span is no lesson, so it carries no loss.
-        for row in range(int(args.copy_fraction * batch)):
-            span = int(torch.randint(seq // 16, seq // 2 + 1, (1,), generator=gen))
-            noise = torch.randint(3, len(tokenizer), (span,), generator=gen)
+        spans = torch.randint(seq // 16, seq // 2 + 1, (int(args.copy_fraction * batch),), generator=gen).tolist()
+        for row, span in enumerate(spans):
+            noise = torch.randint(3, len(tokenizer), (span,), generator=gen)  # past pad, bos, eos (0-2)
             x[row, :span] = x[row, span : 2 * span] = noise
-            labels[row] = x[row]
+        labels = x.clone()
+        for row, span in enumerate(spans):
             labels[row, :span] = -100
         loss = model(input_ids=x, labels=labels).loss
         opt.zero_grad()
