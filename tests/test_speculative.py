@@ -131,13 +131,16 @@ def _assert_same_logprobs(a, b):
 def test_two_ranks_and_requests_that_do_not_speculate_beside_those_that_do():
     """Tensor parallelism (rank 0 decides, the other learns the kept tokens; with a draft model,
     rank 0 runs the draft and the other learns its proposals) with greedy, sampled and logprob
-    requests speculating beside a constrained one, which decodes one token a step as before."""
+    requests speculating beside a constrained one, which decodes one token a step as before.
+    Compared with two ranks without speculation: where the CPU multiplies bfloat16, the demo
+    model's layers round their inputs to bfloat16 (as transformers does), and the ranks' partial
+    sums, added in another order than one rank's, can flip a token one bfloat16 step from a tie."""
     path, prompts = None, quoting_prompts(6)
     params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True) for _ in prompts]
     params[1] = SamplingParams(temperature=0.8, seed=7, max_tokens=40, ignore_eos=True)
     params[2] = SamplingParams(temperature=0, logprobs=2, max_tokens=40, ignore_eos=True)
     params[3] = SamplingParams(temperature=0, max_tokens=40, structured_outputs={"regex": "[a-z ]{10,30}"})
-    plain, _ = generate(path, prompts, params)
+    plain, _ = generate(path, prompts, params, tensor_parallel_size=2)
     for config in (NGRAM, DEMO_DRAFT):  # the draft runs whole on rank 0, which shares its proposals
         spec, stats = generate(path, prompts, params, tensor_parallel_size=2, speculative_config=config)
         assert [o.token_ids for o in spec] == [o.token_ids for o in plain], config

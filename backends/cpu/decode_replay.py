@@ -16,7 +16,8 @@ prefix, speculative decoding's verification) replay too, every row at its own po
 its request's table, as long as the step's tokens fit the captured rows.
 
 Captured only where the eager path is all compiled kernels: float32 or 16-bit weights on the
-panel kernel, fused norms and activation, one rank, no q/k norms; else None (eager steps).
+panel kernel (or bfloat16 ones on oneDNN's bfloat16 GEMM, called through torch), fused norms
+and activation, one rank, no q/k norms; else None (eager steps).
 """
 
 from __future__ import annotations
@@ -27,11 +28,16 @@ from pagedllm.core.utils import cdiv
 
 from ..models.decoder import CausalLM
 from . import native
-from .model_kernels import FusedRMSNorm, PanelLinear
+from .model_kernels import Bfloat16Linear, FusedRMSNorm, PanelLinear
 
 
 def _ptr(t: torch.Tensor, offset_elements: int = 0) -> int:
     return t.data_ptr() + offset_elements * t.element_size()
+
+
+# the panel kernel, called here by pointer; oneDNN's bfloat16 GEMM (CPUs that multiply bfloat16),
+# called through its module on views of the step's buffers
+REPLAYED_LINEARS = (PanelLinear, Bfloat16Linear)
 
 
 def replayable(model: CausalLM, kv_caches: torch.Tensor) -> bool:
@@ -48,7 +54,9 @@ def replayable(model: CausalLM, kv_caches: torch.Tensor) -> bool:
     for layer in model.layers:
         linears = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        if not all(isinstance(m, PanelLinear) for m in linears) or not all(isinstance(n, FusedRMSNorm) for n in norms):
+        if not all(isinstance(m, REPLAYED_LINEARS) for m in linears):
+            return False
+        if not all(isinstance(n, FusedRMSNorm) for n in norms):
             return False
         if layer.q_norm is not None or layer.act is not native.silu_and_mul or layer.rotate is not native.rotate:
             return False
@@ -95,7 +103,10 @@ class DecodeReplay:
         panel = lib.pagedllm_panel_linear
         row_bytes = kv_size * kv_caches.element_size()
 
-        def linear(module: PanelLinear, x: torch.Tensor, out: torch.Tensor):
+        def linear(module: PanelLinear | Bfloat16Linear, x: torch.Tensor, out: torch.Tensor):
+            if isinstance(module, Bfloat16Linear):
+                x2, out2 = x.view(x.shape[0], -1), out.view(out.shape[0], -1)
+                return lambda rows, threads: out2[:rows].copy_(module(x2[:rows]))
             kind, w = native.PANEL_KINDS[module.packed.dtype], _ptr(module.packed)
             bias = None if module.bias is None else _ptr(module.bias)
             n_out, k_in, xp, op = module.out_features, module.in_features, _ptr(x), _ptr(out)

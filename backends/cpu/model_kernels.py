@@ -1,6 +1,6 @@
 """Models onto the compiled kernels. float32: RMSNorm and silu-and-multiply fused; the linear
-layers on the panel kernel (PanelLinear) where the CPU has AVX2 but not AVX-512, on oneDNN's
-packed GEMM (packed_linear.py) where it has AVX-512 (panel_float32_linear says why). 16-bit:
+layers on the panel kernel (PanelLinear) where the CPU has AVX2 and FMA, else on oneDNN's
+packed GEMM (packed_linear.py; panel_float32_linear says why). 16-bit:
 weights and KV blocks stay in bfloat16 or float16 (their memory and their memory traffic),
 the activations between the ops are float32. Linear
 layers: on CPUs without 16-bit arithmetic torch's own 16-bit path widens and rounds at every op
@@ -89,13 +89,15 @@ class Float32Embedding(nn.Module):
 
 def panel_float32_linear() -> bool:
     """Whether float32 linear layers run on the panel kernel rather than oneDNN's packed GEMM:
-    where the kernels are built and the CPU has AVX2 with FMA but not AVX-512. There its 6 x 16
-    AVX2 tile beat or matched oneDNN at every shape measured (Zen 3, benchmarks/bench_linear.py:
-    1.25-2.0x at one row, where oneDNN spends 30-70 us a call on any layer, 1.0-1.4x at 8-1,860
-    rows); with AVX-512, oneDNN's 512-bit kernels ran twice the panel kernel's rate on the Zen 5
-    (on 16-bit weights; docs/bench/README.md), so they stay."""
+    wherever the kernels are built and the CPU has AVX2 with FMA. On Zen 3 (AVX2) its 6 x 16
+    tile beat or matched oneDNN at every shape measured (benchmarks/bench_linear.py: 1.25-2.0x
+    at one row, where oneDNN spends 30-70 us a call on any layer, 1.0-1.4x at 8-1,860 rows). On
+    Zen 4 (AVX-512) it still wins at 1-8 rows (1.0-1.8x) and loses 5-20% from 64 rows on, but
+    it is kept there too: a row's result does not depend on the rows beside it (oneDNN's
+    blocking changes with the row count, so a speculative verification row or a batched decode
+    could flip a near-tied greedy token), and decode steps replay on it (decode_replay.py)."""
     flags = native.cpu_flags()
-    return native.unavailable_reason() is None and {"avx2", "fma"} <= flags and "avx512f" not in flags
+    return native.unavailable_reason() is None and {"avx2", "fma"} <= flags
 
 
 def use_panel_linear(model: nn.Module) -> int:
