@@ -330,7 +330,7 @@ def test_prepare_model_puts_each_dtype_on_its_kernels(tiny_model, dtype):
     assert all(layer.act is native.silu_and_mul and layer.rotate is native.rotate for layer in model.layers)
     linears = [m for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear, PanelLinear, Bfloat16Linear))]
     if dtype == "float32":
-        # the panel kernel on AVX2 CPUs without AVX-512, oneDNN's packed GEMM elsewhere
+        # the panel kernel on CPUs with AVX2 and FMA, oneDNN's packed GEMM elsewhere
         if panel_float32_linear():
             want = PanelLinear
         else:
