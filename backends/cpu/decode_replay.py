@@ -37,7 +37,7 @@ def _ptr(t: torch.Tensor, offset_elements: int = 0) -> int:
 
 
 # the panel kernel, called here by pointer; oneDNN's bfloat16 GEMM (CPUs that multiply bfloat16),
-# called through its module on views of the step's buffers
+# called through torch on views of the step's buffers (OneDnnBfloat16Call)
 REPLAYED_LINEARS = (PanelLinear, Bfloat16Linear)
 
 

@@ -93,9 +93,8 @@ def panel_float32_linear() -> bool:
     tile beat or matched oneDNN at every shape measured (benchmarks/bench_linear.py: 1.25-2.0x
     at one row, where oneDNN spends 30-70 us a call on any layer, 1.0-1.4x at 8-1,860 rows). On
     Zen 4 (AVX-512) it still wins at 1-8 rows (1.0-1.8x) and loses 5-20% from 64 rows on, but
-    it is kept there too: a row's result does not depend on the rows beside it (oneDNN's
-    blocking changes with the row count, so a speculative verification row or a batched decode
-    could flip a near-tied greedy token), and decode steps replay on it (decode_replay.py)."""
+    it is kept there too: decode steps replay on it (decode_replay.py calls it by pointer), and
+    whole runs were 1.3-1.5x those on oneDNN there (docs/bench/README.md, 2026-12-05)."""
     flags = native.cpu_flags()
     return native.unavailable_reason() is None and {"avx2", "fma"} <= flags
 
