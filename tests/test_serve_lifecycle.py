@@ -19,12 +19,17 @@ from pagedllm.entrypoints.zmq_client import AsyncZmqClient, ZmqClient, ZmqReques
 from proc_helpers import is_running, segments_of, wait_until
 from serve_helpers import ServerProcess
 
-LONG = 1000  # tokens: far longer than the shutdown timeout allows
+LONG = 8000  # tokens: far longer than the shutdown timeout allows, even on a fast CPU
 
 
 @pytest.fixture(scope="module")
 def model(tiny_model):
     return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def long_model(tiny_model):
+    return tiny_model("llama", max_position_embeddings=LONG + 64)
 
 
 async def _openai_stream(url: str, model: str, max_tokens: int, started: asyncio.Event):
@@ -57,10 +62,11 @@ async def _zmq_stream(endpoint: str, max_tokens: int, started: asyncio.Event):
     return len(final.completions[0].token_ids), final.completions[0].finish_reason
 
 
-def test_sigterm_finishes_short_requests_aborts_long_ones_and_exits_0(model):
-    # eager steps: the long streams must outlast the drain on a quiet machine too (replayed
-    # steps of this tiny model make 1,000 tokens in about a second)
-    srv = ServerProcess(model, "--num-kv-blocks", "512", "--shutdown-timeout", "1", "--enforce-eager")
+def test_sigterm_finishes_short_requests_aborts_long_ones_and_exits_0(long_model):
+    # eager steps, and streams of 8,000 tokens: they must outlast the drain on a fast, quiet
+    # machine too (a Zen 4 made 1,000 eager tokens of this tiny model within the drain)
+    model = long_model
+    srv = ServerProcess(model, "--num-kv-blocks", "1100", "--shutdown-timeout", "1", "--enforce-eager")
 
     async def main():
         started = [asyncio.Event() for _ in range(3)]
