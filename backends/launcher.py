@@ -18,6 +18,8 @@ import select
 import signal
 import sys
 
+from .heap import keep_freed_memory
+
 POLL_S = 0.05
 SPIN_ROUNDS = 10_000
 
@@ -34,6 +36,7 @@ def openmp_wait_defaults(env) -> dict[str, str]:
 
 
 os.environ.update(openmp_wait_defaults(os.environ))  # before torch loads libgomp, which reads it once
+keep_freed_memory(os.environ)  # forked workers inherit the heap's settings
 from . import worker  # noqa: E402 - imports torch and the backends: every fork has them ready
 
 
