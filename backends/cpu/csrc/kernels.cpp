@@ -460,20 +460,15 @@ void block_values_dot(const float* p, const bf16* v, int64_t n, int64_t num_head
   }
 }
 
-template <int64_t HS>
+template <int64_t HS, int P>
 void attend_block_dot(const bf16* q16, const bf16* k_block, const bf16* v_block, int64_t n, int64_t num_heads,
                       int64_t group, int64_t token_stride, int64_t block_size, float scale, float soft_cap,
                       float* scores, float* max, float* sum, float* acc, bf16* p16, int64_t p16_stride,
                       Prefetcher& pf) {
-  const bool pairs = group % 2 == 0;
-  if (pairs) block_scores_dot<HS, 2>(q16, k_block, n, num_heads, group, token_stride, block_size, scale, scores, pf);
-  else block_scores_dot<HS, 1>(q16, k_block, n, num_heads, group, token_stride, block_size, scale, scores, pf);
+  block_scores_dot<HS, P>(q16, k_block, n, num_heads, group, token_stride, block_size, scale, scores, pf);
   cap_scores(scores, n, num_heads, block_size, soft_cap);
   softmax_update(scores, n, num_heads, HS, block_size, max, sum, acc);
-  if (pairs)
-    block_values_dot<HS, 2>(scores, v_block, n, num_heads, group, token_stride, block_size, acc, p16, p16_stride, pf);
-  else
-    block_values_dot<HS, 1>(scores, v_block, n, num_heads, group, token_stride, block_size, acc, p16, p16_stride, pf);
+  block_values_dot<HS, P>(scores, v_block, n, num_heads, group, token_stride, block_size, acc, p16, p16_stride, pf);
 }
 #endif
 
@@ -527,6 +522,7 @@ void paged_attention(const float* q, const T* k_cache, const T* v_cache, const i
   const int64_t block_elements = block_size * token_stride;
 #ifdef PAGEDLLM_AVX512_BF16
   const bool dot = std::is_same_v<T, bf16> && dot_products && (head_size == 32 || head_size == 64 || head_size == 128);
+  const bool head_pairs = dot && group % 2 == 0;  // the dot products take a GQA group's heads two at a time
 #else
   (void)dot_products;
 #endif
@@ -577,7 +573,7 @@ void paged_attention(const float* q, const T* k_cache, const T* v_cache, const i
         // token in the values, bfloat16 decode attention (128 rows of 200 tokens, one layer of
         // the demo model, in-process) took 0.35-0.44 ms where it takes 0.26-0.29 now.
 #ifdef PAGEDLLM_AVX512_BF16
-        const int64_t passes = dot && group % 2 == 0 ? num_heads / 2 : num_heads;
+        const int64_t passes = head_pairs ? num_heads / 2 : num_heads;
 #else
         const int64_t passes = num_heads;
 #endif
@@ -599,9 +595,15 @@ void paged_attention(const float* q, const T* k_cache, const T* v_cache, const i
         if constexpr (std::is_same_v<T, bf16>) {
           if (dot) {
             const auto block = [&](auto hs) {
-              attend_block_dot<decltype(hs)::value>(q16.data(), k_block, v_block, n, num_heads, group, token_stride,
-                                                    block_size, scale, soft_cap, scores.data(), max.data(),
-                                                    sum.data(), acc.data(), p16.data(), p16_stride, pf);
+              constexpr int64_t HS = decltype(hs)::value;
+              if (head_pairs)
+                attend_block_dot<HS, 2>(q16.data(), k_block, v_block, n, num_heads, group, token_stride, block_size,
+                                        scale, soft_cap, scores.data(), max.data(), sum.data(), acc.data(),
+                                        p16.data(), p16_stride, pf);
+              else
+                attend_block_dot<HS, 1>(q16.data(), k_block, v_block, n, num_heads, group, token_stride, block_size,
+                                        scale, soft_cap, scores.data(), max.data(), sum.data(), acc.data(),
+                                        p16.data(), p16_stride, pf);
             };
             if (head_size == 32) block(std::integral_constant<int64_t, 32>());
             else if (head_size == 64) block(std::integral_constant<int64_t, 64>());
