@@ -120,3 +120,44 @@ def test_each_rows_attention_is_the_rows_own_whatever_the_batch(threads):
         assert all(torch.equal(batch[r], attend([r])[0]) for r in range(8))
     finally:
         torch.set_num_threads(before)
+
+
+def test_onednn_sees_row_counts_padded_to_a_multiple_of_8_and_the_padding_is_cut_off(monkeypatch):
+    """oneDNN builds a primitive for every row count it has not seen (~0.4 ms each): layers on
+    it, eager and replayed, run at most 32 counts up to 256 rows; larger ones as they are."""
+    from torch import nn
+
+    from pagedllm.backends.cpu import decode_replay, packed_linear
+    from pagedllm.backends.cpu.model_kernels import Bfloat16Linear
+
+    seen, gemm = [], packed_linear.packed_linear
+
+    def recording(x, packed, bias):
+        seen.append(x.shape[0])
+        return gemm(x, packed, bias)
+
+    layers = []
+    if packed_linear.packing_available(torch.float32):
+        layers.append((packed_linear.PackedLinear(nn.Linear(48, 40)), torch.float32))
+    if packed_linear.native_bfloat16_matmul():
+        layers.append((Bfloat16Linear(nn.Linear(48, 40, dtype=torch.bfloat16)), torch.bfloat16))
+    if not layers:
+        pytest.skip("oneDNN packs neither float32 nor bfloat16 weights here")
+    monkeypatch.setattr(packed_linear, "packed_linear", recording)
+    x = torch.randn(300, 48)
+    for layer, dtype in layers:
+        for rows in (1, 7, 8, 9, 63, 256, 257, 300):
+            seen.clear()
+            got = layer(x[:rows])
+            assert seen == [packed_linear.padded_rows(rows)] == [rows if rows > 256 else -(-rows // 8) * 8]
+            assert got.shape == (rows, 40)
+            want = packed_linear.plain_linear_pointwise(x[:rows].to(dtype), layer.packed, layer.bias).float()
+            torch.testing.assert_close(got.float(), want)
+    if not packed_linear.native_bfloat16_matmul():
+        return
+    runner, replay = runner_and_replay("bfloat16", max_batch=12)
+    runner.execute([SeqInput([3, 4, 5], 0, [1]), SeqInput([8, 9], 0, [2])])
+    monkeypatch.setattr(decode_replay, "packed_linear", recording)
+    seen.clear()
+    replay.run([SeqInput([6], 3, [1]), SeqInput([7], 2, [2])])
+    assert len(seen) == 4 * len(runner.model.layers) and set(seen) == {8}

@@ -29,7 +29,7 @@ from pagedllm.core.utils import cdiv
 from ..models.decoder import CausalLM
 from . import native
 from .model_kernels import Bfloat16Linear, FusedRMSNorm, PanelLinear
-from .packed_linear import packed_linear
+from .packed_linear import packed_linear, padded_rows
 
 
 def _ptr(t: torch.Tensor, offset_elements: int = 0) -> int:
@@ -76,20 +76,22 @@ class DecodeReplay:
         q_size, kv_size = heads * d, kv_heads * d
         width = q_size + 2 * kv_size
         hidden, inter = cfg.hidden_size, layer.down_proj.in_features
-        n, f32 = max_batch, torch.float32
+        # rows for the largest step, and the padding oneDNN's GEMMs run with (packed_linear.py);
+        # zeros, so padding rows never hold what is not a number
+        n, f32 = padded_rows(max_batch), torch.float32
         self.ids = torch.zeros(n, dtype=torch.int64)
         self.positions = torch.zeros(n, dtype=torch.int64)
         self.slots = torch.zeros(n, dtype=torch.int64)
         self.tables = torch.zeros(n, self.max_blocks, dtype=torch.int32)
         self.context = torch.ones(n, dtype=torch.int32)
         self.rows = torch.arange(n, dtype=torch.int32)  # row r attends with table row rows[r]
-        self.cos, self.sin = torch.empty(n, d, dtype=f32), torch.empty(n, d, dtype=f32)
-        self.residual = torch.empty(n, hidden, dtype=f32)
-        self.normed, self.out = torch.empty(n, hidden, dtype=f32), torch.empty(n, hidden, dtype=f32)
-        self.qkv, self.q = torch.empty(n, width, dtype=f32), torch.empty(n, heads, d, dtype=f32)
-        self.k, self.attn = torch.empty(n, kv_heads, d, dtype=f32), torch.empty(n, heads, d, dtype=f32)
-        self.gate_up, self.act = torch.empty(n, 2 * inter, dtype=f32), torch.empty(n, inter, dtype=f32)
-        self.hidden_out = torch.empty(n, hidden, dtype=f32)
+        self.cos, self.sin = torch.zeros(n, d, dtype=f32), torch.zeros(n, d, dtype=f32)
+        self.residual = torch.zeros(n, hidden, dtype=f32)
+        self.normed, self.out = torch.zeros(n, hidden, dtype=f32), torch.zeros(n, hidden, dtype=f32)
+        self.qkv, self.q = torch.zeros(n, width, dtype=f32), torch.zeros(n, heads, d, dtype=f32)
+        self.k, self.attn = torch.zeros(n, kv_heads, d, dtype=f32), torch.zeros(n, heads, d, dtype=f32)
+        self.gate_up, self.act = torch.zeros(n, 2 * inter, dtype=f32), torch.zeros(n, inter, dtype=f32)
+        self.hidden_out = torch.zeros(n, hidden, dtype=f32)
         cache_dtype = kv_caches.dtype
         # 16-bit blocks: the rotated keys and the values rounded to the cache's dtype first, as
         # the eager write_kv rounds them
@@ -110,7 +112,7 @@ class DecodeReplay:
             if isinstance(module, Bfloat16Linear):
                 k_in = module.in_features
                 if k_in not in bfloat16_inputs:
-                    bfloat16_inputs[k_in] = torch.empty(n, k_in, dtype=torch.bfloat16)
+                    bfloat16_inputs[k_in] = torch.zeros(n, k_in, dtype=torch.bfloat16)
                 return OneDnnBfloat16Call(module, x, bfloat16_inputs[k_in], out)
             kind, w = native.PANEL_KINDS[module.packed.dtype], _ptr(module.packed)
             bias = None if module.bias is None else _ptr(module.bias)
@@ -229,8 +231,9 @@ class DecodeReplay:
 
 class OneDnnBfloat16Call:
     """A Bfloat16Linear in a replayed step: the rows rounded into a preallocated bfloat16 buffer,
-    oneDNN's product copied into the step's float32 buffer; the views of each row count made
-    once (a replayed step is ~17 such calls, where torch's per-op cost is what a row costs)."""
+    oneDNN's product copied into the step's float32 buffer, at padded_rows' count as the eager
+    layer runs them; the views of each row count made once (a replayed step is ~17 such calls,
+    where torch's per-op cost is what a row costs)."""
 
     def __init__(self, module: Bfloat16Linear, x: torch.Tensor, rounded: torch.Tensor, out: torch.Tensor):
         self.packed, self.bias = module.packed, module.bias
@@ -241,7 +244,8 @@ class OneDnnBfloat16Call:
     def __call__(self, rows: int, threads: int) -> None:
         views = self.views.get(rows)
         if views is None:
-            views = self.views[rows] = (self.x[:rows], self.rounded[:rows], self.out[:rows])
+            padded = padded_rows(rows)
+            views = self.views[rows] = (self.x[:padded], self.rounded[:padded], self.out[:padded])
         x, rounded, out = views
         rounded.copy_(x)
         out.copy_(packed_linear(rounded, self.packed, self.bias))

@@ -23,7 +23,7 @@ from torch import nn
 from ..models.decoder import DecoderLayer, RMSNorm, silu_and_mul
 from ..models.parallel import VocabParallelEmbedding
 from . import native
-from .packed_linear import PackedLinear, native_bfloat16_matmul, packed_linear, plain_linears
+from .packed_linear import PackedLinear, linear_rows, native_bfloat16_matmul, plain_linears
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -54,8 +54,8 @@ class Bfloat16Linear(PackedLinear):
     to bfloat16 for the product as transformers' bfloat16 layers are, float32 out."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        return packed_linear(rows, self.packed, self.bias).float().view(*x.shape[:-1], self.out_features)
+        rows = linear_rows(x.reshape(-1, self.in_features), self.packed, self.bias, torch.bfloat16)
+        return rows.float().view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN bfloat16"

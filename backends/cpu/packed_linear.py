@@ -27,6 +27,31 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+# oneDNN builds a primitive for each row count it has not seen (~0.4 ms on a Zen 4, more than
+# the GEMM of a decode step), and its cache holds 1,024: a run whose batch shrinks by a request
+# a step built one for every layer at every step. Up to 256 rows (decode steps, LM heads) the
+# count is padded to a multiple of 8, at most 32 counts a layer; larger ones (prefill chunks)
+# go as they are.
+PADDED_ROWS_UP_TO, ROW_MULTIPLE = 256, 8
+
+
+def padded_rows(rows: int) -> int:
+    """The row count a GEMM of `rows` rows runs at (see ROW_MULTIPLE)."""
+    return rows if rows > PADDED_ROWS_UP_TO else -(-rows // ROW_MULTIPLE) * ROW_MULTIPLE
+
+
+def linear_rows(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+    """packed_linear of 2-D `rows` cast to `dtype`, padded with zero rows to padded_rows and the
+    padding's output cut off (a row's result does not depend on the others)."""
+    count, width = rows.shape
+    padded = padded_rows(count)
+    if padded == count:
+        return packed_linear(rows.to(dtype).contiguous(), packed, bias)
+    x = torch.zeros(padded, width, dtype=dtype)
+    x[:count] = rows
+    return packed_linear(x, packed, bias)[:count]
+
+
 # the same op takes a plain [N, K] weight too, as fast for a weight it sees once (quantized
 # layers decode theirs on every call) as for a packed one
 plain_linear_pointwise = packed_linear
@@ -77,7 +102,8 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return packed_linear(x.contiguous(), self.packed, self.bias)
+        rows = linear_rows(x.reshape(-1, self.in_features), self.packed, self.bias, x.dtype)
+        return rows.view(*x.shape[:-1], self.out_features)
 
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
