@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+from statistics import median
 
 import msgspec
 
@@ -61,6 +62,12 @@ def run_pagedllm(
     return seconds, [o.outputs[0].token_ids for o in outs], startup, stats
 
 
+def round_prompts(prompts: list[list[int]], rounds: int, vocab_size: int) -> list[list[list[int]]]:
+    """The workload for each round: round r's prompts start with the first token moved by r, so
+    that no round finds another's prefixes cached (same lengths, same work)."""
+    return [[[(p[0] + r) % vocab_size, *p[1:]] if p else p for p in prompts] for r in range(rounds)]
+
+
 def compare(
     hf,
     model_dir,
@@ -78,57 +85,97 @@ def compare(
     tensor_parallel_size=1,
     quantization=None,
     kv_cache_dtypes=("auto",),
+    rounds=1,
 ) -> dict:
     """The workload through pagedllm (once per KV cache dtype, one after the other), then each
-    peer; prints the table and returns the results (report.SystemResult, pagedllm first, each
-    with its greedy agreement with pagedllm)."""
+    peer, `rounds` times over, taking turns: round r runs every system before round r + 1
+    starts, so a change in the machine's speed meets all of them. pagedllm starts afresh each
+    round (its start-up untimed); peers in their own environments stay up between rounds. Each
+    system's median round counts. Prints the table and returns the results
+    (report.SystemResult, pagedllm first, each with its greedy agreement with pagedllm on the
+    first round and its rounds' seconds)."""
     from . import report
-    from .peers import hf_continuous, hf_static, llama_cpp_subprocess, vllm_subprocess
+    from .peers import hf_continuous, hf_static, llama_cpp_process, vllm_process
 
-    results, ours, startup = [], None, None
+    workloads = round_prompts(prompts, rounds, hf.config.vocab_size)
+    processes = {}
+    try:
+        if "vllm" in peers:
+            print("starting vLLM in its own environment (its start-up takes a minute or so)...", flush=True)
+            work = os.path.join(peer_work, "vllm-work")
+            processes["vllm"] = vllm_process(vllm_python, model_dir, workloads, max_tokens, dtype, work)
+        if "llama.cpp" in peers:
+            print("starting llama.cpp in its own environment (GGUF written first)...", flush=True)
+            work = os.path.join(peer_work, "llama-cpp-work")
+            processes["llama.cpp"] = llama_cpp_process(llama_cpp_python, model_dir, workloads, max_tokens, dtype, work)
+        for process in processes.values():  # loaded and warmed up before any round is timed
+            process.wait_ready()
+        seconds: dict[str, list[float]] = {}
+        outputs: dict[str, list[list[int]]] = {}
+        stats = {}
+        for r, work in enumerate(workloads):
+            for kv in kv_cache_dtypes:
+                secs, toks, started, st = run_pagedllm(
+                    model_dir, work, max_tokens, dtype, kv_cache_memory, backend, tensor_parallel_size, quantization, kv
+                )
+                seconds.setdefault(f"pagedllm {kv}", []).append(secs)
+                outputs.setdefault(f"pagedllm {kv}", toks)
+                stats.setdefault(kv, (started, st))
+            for peer in peers:
+                if peer == "hf-static":
+                    secs, toks = hf_static(hf, work, max_tokens, batch_size)
+                elif peer == "hf-cb":
+                    secs, toks = hf_continuous(hf, work, max_tokens)
+                else:
+                    secs, toks = processes[peer].run_round(), None
+                seconds.setdefault(peer, []).append(secs)
+                outputs.setdefault(peer, toks)
+            if rounds > 1:
+                line = ", ".join(f"{name} {sum(max_tokens) / s[r]:.0f}" for name, s in seconds.items())
+                print(f"round {r + 1}/{rounds}: out tok/s {line}", flush=True)
+        finished = {peer: process.result() for peer, process in processes.items()}
+    finally:
+        for process in processes.values():
+            process.stop()
+
+    results, ours = [], outputs[f"pagedllm {kv_cache_dtypes[0]}"]
     for kv in kv_cache_dtypes:
-        secs, toks, started, stats = run_pagedllm(
-            model_dir, prompts, max_tokens, dtype, kv_cache_memory, backend, tensor_parallel_size, quantization, kv
-        )
+        name = f"pagedllm {kv}"
         label = ", ".join([backend] + [q for q in (quantization,) if q] + ([f"KV {kv}"] if kv != "auto" else []))
-        results.append(report.account(f"pagedllm ({label})", secs, prompts, max_tokens, toks))
-        results[-1].extra = {"startup_seconds": started, "steps": stats.steps}
-        if ours is None:
-            ours, startup = toks, started
-        else:
-            results[-1].agreement = report.agreement(ours, toks)
-        overhead = (stats.step_seconds - stats.forward_seconds) / max(stats.steps, 1)
+        results.append(report.account(f"pagedllm ({label})", median(seconds[name]), prompts, max_tokens, outputs[name]))
+        started, st = stats[kv]
+        results[-1].extra = {"startup_seconds": started, "steps": st.steps, "round_seconds": seconds[name]}
+        if outputs[name] is not ours:
+            results[-1].agreement = report.agreement(ours, outputs[name])
+        overhead = (st.step_seconds - st.forward_seconds) / max(st.steps, 1)
         print(
-            f"pagedllm ({label}) start-up {started:.2f} s; {stats.steps} steps, engine overhead "
+            f"pagedllm ({label}) start-up {started:.2f} s; {st.steps} steps, engine overhead "
             f"{overhead * 1e3:.2f} ms/step"
         )
+    startup = stats[kv_cache_dtypes[0]][0]
     versions = {}
     for peer in peers:
+        secs, toks, extra = median(seconds[peer]), outputs[peer], {"round_seconds": seconds[peer]}
         if peer == "hf-static":
-            s, toks = hf_static(hf, prompts, max_tokens, batch_size)
-            results.append(report.account(f"transformers static batch {batch_size}", s, prompts, max_tokens, toks))
+            name = f"transformers static batch {batch_size}"
         elif peer == "hf-cb":
-            s, toks = hf_continuous(hf, prompts, max_tokens)
-            results.append(report.account("transformers continuous batching", s, prompts, max_tokens, toks))
-        elif peer == "vllm":
-            print("running vLLM in its own environment (its start-up takes a minute or so)...", flush=True)
-            s, toks, vllm_startup, versions["vllm"] = vllm_subprocess(
-                vllm_python, model_dir, prompts, max_tokens, dtype, os.path.join(peer_work, "vllm-work")
-            )
-            results.append(report.account(f"vLLM {versions['vllm']} (CPU)", s, prompts, max_tokens, toks))
-            results[-1].extra = {"startup_seconds": vllm_startup}
-            print(
-                f"start-up: pagedllm {startup:.1f} s, vLLM {vllm_startup:.1f} s ({vllm_startup / startup:.1f}x faster)"
-            )
-        elif peer == "llama.cpp":
-            print("running llama.cpp in its own environment (GGUF written first), one request at a time...", flush=True)
-            s, toks, llama_startup, versions["llama.cpp"] = llama_cpp_subprocess(
-                llama_cpp_python, model_dir, prompts, max_tokens, dtype, os.path.join(peer_work, "llama-cpp-work")
-            )
-            name = f"llama.cpp (llama-cpp-python {versions['llama.cpp']}, one at a time)"
-            results.append(report.account(name, s, prompts, max_tokens, toks))
-            results[-1].extra = {"startup_seconds": llama_startup}
+            name = "transformers continuous batching"
+        else:
+            done = finished[peer]
+            toks, extra["startup_seconds"] = done["outputs"], done["startup_seconds"]
+            if peer == "vllm":
+                versions["vllm"] = done["vllm_version"]
+                name = f"vLLM {versions['vllm']} (CPU)"
+                print(
+                    f"start-up: pagedllm {startup:.1f} s, vLLM {done['startup_seconds']:.1f} s "
+                    f"({done['startup_seconds'] / startup:.1f}x faster)"
+                )
+            else:
+                versions["llama.cpp"] = done["llama_cpp_version"]
+                name = f"llama.cpp (llama-cpp-python {versions['llama.cpp']}, one at a time)"
+        results.append(report.account(name, secs, prompts, max_tokens, toks))
+        results[-1].extra = extra
         results[-1].agreement = report.agreement(ours, toks)
     print()
     print(report.format_table(results))
-    return {"results": results, "peer_versions": versions}
+    return {"results": results, "peer_versions": versions, "rounds": rounds}

@@ -176,6 +176,8 @@ def _throughput_peers(args) -> list[str]:
     anything is imported or measured."""
     from .workload import PEERS
 
+    if args.rounds is not None and args.rounds < 1:
+        raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
     peers = [p for p in args.vs.split(",") if p and p != "none"]
     unknown = set(peers) - set(PEERS)
     if unknown:
@@ -229,6 +231,7 @@ def _throughput(args, out_dir: str, peers: list[str]) -> int:
         tensor_parallel_size=args.tensor_parallel_size,
         quantization=args.quantization,
         kv_cache_dtypes=args.kv_cache_dtype.split(","),
+        rounds=args.rounds or 1,
     )
     results = run["results"]
     _write_json(
@@ -240,6 +243,7 @@ def _throughput(args, out_dir: str, peers: list[str]) -> int:
             "dtype": args.dtype,
             "dataset": args.dataset,
             "requests": len(prompts),
+            "rounds": run["rounds"],
             "transformers": transformers.__version__,
             "torch": torch.__version__,
             "peer_versions": run["peer_versions"],
@@ -301,7 +305,7 @@ def _serving(args, out_dir: str) -> int:
         args.dtype,
         args.kv_cache_memory,
         args.seed,
-        rounds=args.rounds,
+        rounds=args.rounds or 2,
         tensor_parallel_size=args.tensor_parallel_size,
         quantization=args.quantization,
     )
@@ -413,7 +417,12 @@ def add_parser(sub) -> None:
         help="latency and serving: request rates (req/s) to sweep; serving adds inf (all at once)",
     )
     bench.add_argument(
-        "--rounds", type=int, default=2, help="serving: alternating offline and saturated served runs (the best counts)"
+        "--rounds",
+        type=int,
+        default=None,
+        help="throughput: the workload this many times, every system in turn each round, the median "
+        "counting (default 1); serving: alternating offline and saturated served runs, the best counting "
+        "(default 2)",
     )
     bench.add_argument("--concurrency", default="1,4,16,64,256", help="scaling: max_num_seqs values to sweep")
     bench.add_argument("--seed", type=int, default=0)

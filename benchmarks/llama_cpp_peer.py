@@ -6,8 +6,10 @@ nothing from pagedllm or torch.
     LLAMA_CPP_PYTHON llama_cpp_peer.py IN.json OUT.json
 
 IN.json:  {"model", "dtype": float32|bfloat16|float16, "prompts": [[token ids]], "max_tokens": [int],
-           "gguf": where to write the GGUF file, "threads"}
-OUT.json: {"llama_cpp_version", "startup_seconds", "seconds", "outputs": [[token ids]], "one_at_a_time": true}
+           "gguf": where to write the GGUF file, "threads", "rounds": [[[token ids]]] (each round's prompts)}
+OUT.json: {"llama_cpp_version", "startup_seconds", "seconds": [each round's], "outputs": [[token ids]]
+           (the first round's), "one_at_a_time": true}
+Each round runs when the bench says (peer_rounds.py).
 
 llama-cpp-python's Llama object decodes one sequence at a time, so the requests run one after
 another: its batched number is that, not a batch.
@@ -20,6 +22,7 @@ import sys
 import time
 
 import numpy as np
+from peer_rounds import timed_rounds  # beside this script
 
 SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}  # bfloat16 kept as its bits
 
@@ -184,9 +187,9 @@ def main() -> None:
         return out
 
     generate(job["prompts"][0], 2)  # warm-up, as the pagedllm side is warm
-    start = time.monotonic()
-    outputs = [generate(p, m) for p, m in zip(job["prompts"], job["max_tokens"])]
-    seconds = time.monotonic() - start
+    seconds, outputs = timed_rounds(
+        job["rounds"], lambda prompts: [generate(p, m) for p, m in zip(prompts, job["max_tokens"])]
+    )
     with open(sys.argv[2], "w") as f:
         json.dump(
             {

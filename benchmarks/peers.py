@@ -13,6 +13,8 @@ import torch
 
 from pagedllm.core.model_folder import model_folder
 
+from .peer_rounds import DONE, GO, READY
+
 
 def _greedy_config(model, max_new_tokens: int):
     from transformers import GenerationConfig
@@ -73,22 +75,21 @@ def hf_continuous(model, prompts: list[list[int]], max_tokens: list[int]):
     return seconds, ordered
 
 
-def vllm_subprocess(
+def vllm_process(
     python: str,
     model_dir: str,
-    prompts: list[list[int]],
+    rounds: list[list[list[int]]],
     max_tokens: list[int],
     dtype: str,
     work_dir: str,
     kv_cache_gib: int = 2,
     max_num_seqs: int = 256,
-    timeout_s: float = 1800,
-):
-    """vLLM's LLM.generate on the same token ids, run by `python` (an interpreter with vllm
-    installed) through benchmarks/vllm_peer.py. Returns (seconds, outputs, startup seconds,
-    vLLM version). Its caches go under work_dir."""
+) -> PeerProcess:
+    """vLLM's LLM.generate on the same token ids (each round's prompts), run by `python` (an
+    interpreter with vllm installed) through benchmarks/vllm_peer.py; its caches go under
+    work_dir. Its result: seconds (a round each), outputs, startup_seconds, vllm_version."""
     context = model_folder(model_dir).max_position_embeddings
-    job = _job(model_dir, dtype, prompts, max_tokens, max_num_seqs=max_num_seqs, max_model_len=context)
+    job = _job(model_dir, dtype, rounds, max_tokens, max_num_seqs=max_num_seqs, max_model_len=context)
     env = {
         "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}",  # all cores (it keeps one back by default)
         "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),  # GiB, allocated at start-up
@@ -96,50 +97,97 @@ def vllm_subprocess(
         "TORCHINDUCTOR_CACHE_DIR": os.path.join(os.path.abspath(work_dir), "inductor-cache"),
         "VLLM_LOGGING_LEVEL": "WARNING",
     }
-    out = _run_peer_script("vLLM", python, "vllm_peer.py", job, work_dir, env, timeout_s)
-    return out["seconds"], out["outputs"], out["startup_seconds"], out["vllm_version"]
+    return PeerProcess("vLLM", python, "vllm_peer.py", job, work_dir, env)
 
 
-def llama_cpp_subprocess(
-    python: str,
-    model_dir: str,
-    prompts: list[list[int]],
-    max_tokens: list[int],
-    dtype: str,
-    work_dir: str,
-    timeout_s: float = 3600,
-):
+def llama_cpp_process(
+    python: str, model_dir: str, rounds: list[list[list[int]]], max_tokens: list[int], dtype: str, work_dir: str
+) -> PeerProcess:
     """llama.cpp on the same token ids, run by `python` (an interpreter with llama-cpp-python
     and gguf installed) through benchmarks/llama_cpp_peer.py, which writes the weights as GGUF
     at `dtype` first. One request at a time (llama-cpp-python's Llama decodes one sequence).
-    Returns (seconds, outputs, startup seconds, version)."""
+    Its result: seconds (a round each), outputs, startup_seconds, llama_cpp_version."""
     gguf = os.path.join(os.path.abspath(work_dir), f"model-{dtype}.gguf")
-    job = _job(model_dir, dtype, prompts, max_tokens, gguf=gguf, threads=torch.get_num_threads())
-    out = _run_peer_script("llama.cpp", python, "llama_cpp_peer.py", job, work_dir, {}, timeout_s)
-    return out["seconds"], out["outputs"], out["startup_seconds"], out["llama_cpp_version"]
+    job = _job(model_dir, dtype, rounds, max_tokens, gguf=gguf, threads=torch.get_num_threads())
+    return PeerProcess("llama.cpp", python, "llama_cpp_peer.py", job, work_dir, {})
 
 
-def _job(model_dir: str, dtype: str, prompts, max_tokens, **extra) -> dict:
-    """A peer script's job: the model, the dtype and the workload, and what that peer needs."""
-    return {"model": os.path.abspath(model_dir), "dtype": dtype, "prompts": prompts, "max_tokens": max_tokens, **extra}
+def _job(model_dir: str, dtype: str, rounds, max_tokens, **extra) -> dict:
+    """A peer script's job: the model, the dtype, each round's prompts, and what that peer needs."""
+    return {
+        "model": os.path.abspath(model_dir),
+        "dtype": dtype,
+        "prompts": rounds[0],
+        "rounds": rounds,
+        "max_tokens": max_tokens,
+        **extra,
+    }
 
 
-def _run_peer_script(name: str, python: str, script: str, job: dict, work_dir: str, env: dict, timeout_s: float):
-    """Run benchmarks/SCRIPT under `python` (a peer's own environment) on the job, in work_dir,
-    with `env` added to this one's (PYTHONPATH left out: nothing of this environment may leak
-    into the peer's); its result as a dict."""
-    work_dir = os.path.abspath(work_dir)
-    os.makedirs(work_dir, exist_ok=True)
-    stem = os.path.splitext(script)[0]
-    job_path, result = os.path.join(work_dir, f"{stem}_job.json"), os.path.join(work_dir, f"{stem}_result.json")
-    with open(job_path, "w") as f:
-        json.dump(job, f)
-    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, **env}
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), script)
-    proc = subprocess.run(
-        [python, path, job_path, result], env=env, capture_output=True, text=True, timeout=timeout_s, cwd=work_dir
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"{name} ({python}) failed with code {proc.returncode}:\n{proc.stderr[-3000:]}")
-    with open(result) as f:
-        return json.load(f)
+class PeerProcess:
+    """benchmarks/SCRIPT under `python` (a peer's own environment) on the job, in work_dir, with
+    `env` added to this one's (PYTHONPATH left out: nothing of this environment may leak into
+    the peer's). Started, it loads and warms up; each run_round() runs one round of the job
+    (peer_rounds.py says how the two sides take turns); result() waits for it to end."""
+
+    def __init__(self, name: str, python: str, script: str, job: dict, work_dir: str, env: dict):
+        self.name, self.python = name, python
+        work_dir = os.path.abspath(work_dir)
+        os.makedirs(work_dir, exist_ok=True)
+        stem = os.path.splitext(script)[0]
+        job_path = os.path.join(work_dir, f"{stem}_job.json")
+        self.result_path = os.path.join(work_dir, f"{stem}_result.json")
+        with open(job_path, "w") as f:
+            json.dump(job, f)
+        env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, **env}
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), script)
+        self.stderr = open(os.path.join(work_dir, f"{stem}_stderr.txt"), "w+")  # noqa: SIM115 - the peer's, while it runs
+        self.proc = subprocess.Popen(
+            [python, path, job_path, self.result_path],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.stderr,
+            text=True,
+            cwd=work_dir,
+        )
+        self.ready = False  # it said it is ready for a round
+
+    def _line_starting(self, marker: str) -> str:
+        """The peer's next stdout line that starts with `marker` (its libraries may print too)."""
+        for line in self.proc.stdout:
+            if line.startswith(marker):
+                return line
+        self.proc.wait()
+        self.stderr.seek(0)
+        tail = self.stderr.read()[-3000:]
+        raise RuntimeError(f"{self.name} ({self.python}) failed with code {self.proc.returncode}:\n{tail}")
+
+    def wait_ready(self) -> None:
+        """Until it has loaded and warmed up, or finished its last round."""
+        if not self.ready:
+            self._line_starting(READY)
+            self.ready = True
+
+    def run_round(self) -> float:
+        """One round, timed by the peer; returns when it is done."""
+        self.wait_ready()
+        self.ready = False
+        self.proc.stdin.write(GO + "\n")
+        self.proc.stdin.flush()
+        return float(self._line_starting(DONE).split()[1])
+
+    def result(self) -> dict:
+        self.proc.stdin.close()
+        code = self.proc.wait()
+        self.stderr.close()
+        if code != 0:
+            raise RuntimeError(f"{self.name} ({self.python}) exited with code {code}")
+        with open(self.result_path) as f:
+            return json.load(f)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.stderr.close()

@@ -4,13 +4,17 @@ torch and transformers, so it cannot share pagedllm's). Imports nothing from pag
     VLLM_PYTHON vllm_peer.py IN.json OUT.json
 
 IN.json:  {"model", "dtype", "prompts": [[token ids]], "max_tokens": [int], "max_num_seqs",
-           "max_model_len"}
-OUT.json: {"vllm_version", "startup_seconds", "seconds", "outputs": [[token ids]]}
+           "max_model_len", "rounds": [[[token ids]]] (each round's prompts)}
+OUT.json: {"vllm_version", "startup_seconds", "seconds": [each round's], "outputs": [[token ids]]
+           (the first round's)}
+Each round runs when the bench says (peer_rounds.py).
 """
 
 import json
 import sys
 import time
+
+from peer_rounds import timed_rounds  # beside this script
 
 
 def main() -> None:
@@ -30,19 +34,21 @@ def main() -> None:
         enforce_eager=False,
     )
     startup = time.monotonic() - t0
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in job["max_tokens"]]
-    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up, as the pagedllm side is warm
-    start = time.monotonic()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.monotonic() - start
+
+    def generate(token_ids):
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in token_ids], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"][:2]], params[:2], use_tqdm=False)  # warm-up
+    seconds, outputs = timed_rounds(job["rounds"], generate)
     with open(sys.argv[2], "w") as f:
         json.dump(
             {
                 "vllm_version": vllm.__version__,
                 "startup_seconds": startup,
                 "seconds": seconds,
-                "outputs": [list(o.outputs[0].token_ids) for o in outs],
+                "outputs": outputs,
             },
             f,
         )

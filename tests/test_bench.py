@@ -2,6 +2,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from pagedllm.benchmarks.report import account, agreement
 
 PROMPTS = [[5, 6], [7, 8, 9]]
@@ -103,6 +105,8 @@ class _Output:
 class LLM:
     def __init__(self, **kw): pass
     def generate(self, prompts, params, use_tqdm=False):
+        with open("first_tokens.txt", "a") as f:  # in the peer's work folder
+            f.write(" ".join(str(p[0]) for p in prompts) + "\\n")
         # a lazy engine: every request gets one token fewer than it asked for
         return [_Output([7] * (p.max_tokens - 1)) for p in params]
 """
@@ -111,7 +115,9 @@ class LLM:
 def test_throughput_against_transformers_and_a_vllm_peer_through_its_own_interpreter(tiny_model, tmp_path):
     """One run against both peers: transformers' static batches, and vLLM through the
     interpreter of its own environment (a fake vLLM here, which returns a token short); one
-    request, as the README's single-request command runs (each system's warm-up included)."""
+    request, as the README's single-request command runs (each system's warm-up included), in
+    two rounds: each round runs every system, the second's prompt starts with another token (no
+    prefix is found cached), and the table counts each system's median."""
     pkg = tmp_path / "fake" / "vllm"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text(FAKE_VLLM)
@@ -130,17 +136,29 @@ def test_throughput_against_transformers_and_a_vllm_peer_through_its_own_interpr
         "hf-static",
         "--vllm-python",
         str(python),
+        "--rounds",
+        "2",
         "--out",
         str(out),
     )
     assert proc.returncode == 0, proc.stderr
+    assert [line.split(":")[0] for line in proc.stdout.splitlines() if line.startswith("round ")] == [
+        "round 1/2",
+        "round 2/2",
+    ]
+    assert "vllm" in proc.stdout.split("round 1/2")[1].split("\n")[0]  # vLLM's first round came before the second
+    warm, first, second = (out / "vllm-work" / "first_tokens.txt").read_text().split("\n")[:3]
+    assert warm == first != second and len(first.split()) == 1
     assert "transformers static batch 16" in proc.stdout and "pagedllm is" in proc.stdout
     assert "vLLM 0.0-fake (CPU)" in proc.stdout and "FLAGGED: 1 requests returned fewer tokens" in proc.stdout
     assert "start-up: pagedllm" in proc.stdout
     data = json.loads((out / "throughput.json").read_text())
     results = {r["name"]: r for r in data["results"]}
     assert data["results"][0]["name"] == "pagedllm (cpu)" and "transformers static batch 16" in results
-    assert data["peer_versions"] == {"vllm": "0.0-fake"}
+    assert data["peer_versions"] == {"vllm": "0.0-fake"} and data["rounds"] == 2
+    assert all(len(r["extra"]["round_seconds"]) == 2 for r in data["results"])
+    median = sum(results["pagedllm (cpu)"]["extra"]["round_seconds"]) / 2
+    assert results["pagedllm (cpu)"]["seconds"] == pytest.approx(median)
     assert [r["short_requests"] for r in data["results"] if r["name"].startswith("vLLM")] == [1]
     assert results["pagedllm (cpu)"]["short_requests"] == 0 == results["transformers static batch 16"]["short_requests"]
     # padded batches round differently, so long greedy paths may part at near-ties
