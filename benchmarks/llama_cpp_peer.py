@@ -5,8 +5,8 @@ nothing from pagedllm or torch.
 
     LLAMA_CPP_PYTHON llama_cpp_peer.py IN.json OUT.json
 
-IN.json:  {"model", "dtype": float32|bfloat16|float16, "prompts": [[token ids]], "max_tokens": [int],
-           "gguf": where to write the GGUF file, "threads", "rounds": [[[token ids]]] (each round's prompts)}
+IN.json:  {"model", "dtype": float32|bfloat16|float16, "rounds": [[[token ids]]] (each round's prompts,
+           of the same lengths), "max_tokens": [int], "gguf": where to write the GGUF file, "threads"}
 OUT.json: {"llama_cpp_version", "startup_seconds", "seconds": [each round's], "outputs": [[token ids]]
            (the first round's), "one_at_a_time": true}
 Each round runs when the bench says (peer_rounds.py).
@@ -163,7 +163,7 @@ def main() -> None:
     write_gguf(job["model"], job["dtype"], job["gguf"])
     import llama_cpp
 
-    context = max(len(p) + m for p, m in zip(job["prompts"], job["max_tokens"])) + 8
+    context = max(len(p) + m for p, m in zip(job["rounds"][0], job["max_tokens"])) + 8
     llm = llama_cpp.Llama(
         model_path=job["gguf"],
         n_ctx=context,
@@ -186,7 +186,7 @@ def main() -> None:
                 break
         return out
 
-    generate(job["prompts"][0], 2)  # warm-up, as the pagedllm side is warm
+    generate(job["rounds"][0][0], 2)  # warm-up, as the pagedllm side is warm
     seconds, outputs = timed_rounds(
         job["rounds"], lambda prompts: [generate(p, m) for p, m in zip(prompts, job["max_tokens"])]
     )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import threading
 import time
 
 import torch
@@ -84,6 +85,7 @@ def vllm_process(
     work_dir: str,
     kv_cache_gib: int = 2,
     max_num_seqs: int = 256,
+    timeout_s: float = 1800,
 ) -> PeerProcess:
     """vLLM's LLM.generate on the same token ids (each round's prompts), run by `python` (an
     interpreter with vllm installed) through benchmarks/vllm_peer.py; its caches go under
@@ -97,11 +99,17 @@ def vllm_process(
         "TORCHINDUCTOR_CACHE_DIR": os.path.join(os.path.abspath(work_dir), "inductor-cache"),
         "VLLM_LOGGING_LEVEL": "WARNING",
     }
-    return PeerProcess("vLLM", python, "vllm_peer.py", job, work_dir, env)
+    return PeerProcess("vLLM", python, "vllm_peer.py", job, work_dir, env, timeout_s)
 
 
 def llama_cpp_process(
-    python: str, model_dir: str, rounds: list[list[list[int]]], max_tokens: list[int], dtype: str, work_dir: str
+    python: str,
+    model_dir: str,
+    rounds: list[list[list[int]]],
+    max_tokens: list[int],
+    dtype: str,
+    work_dir: str,
+    timeout_s: float = 3600,
 ) -> PeerProcess:
     """llama.cpp on the same token ids, run by `python` (an interpreter with llama-cpp-python
     and gguf installed) through benchmarks/llama_cpp_peer.py, which writes the weights as GGUF
@@ -109,28 +117,22 @@ def llama_cpp_process(
     Its result: seconds (a round each), outputs, startup_seconds, llama_cpp_version."""
     gguf = os.path.join(os.path.abspath(work_dir), f"model-{dtype}.gguf")
     job = _job(model_dir, dtype, rounds, max_tokens, gguf=gguf, threads=torch.get_num_threads())
-    return PeerProcess("llama.cpp", python, "llama_cpp_peer.py", job, work_dir, {})
+    return PeerProcess("llama.cpp", python, "llama_cpp_peer.py", job, work_dir, {}, timeout_s)
 
 
 def _job(model_dir: str, dtype: str, rounds, max_tokens, **extra) -> dict:
     """A peer script's job: the model, the dtype, each round's prompts, and what that peer needs."""
-    return {
-        "model": os.path.abspath(model_dir),
-        "dtype": dtype,
-        "prompts": rounds[0],
-        "rounds": rounds,
-        "max_tokens": max_tokens,
-        **extra,
-    }
+    return {"model": os.path.abspath(model_dir), "dtype": dtype, "rounds": rounds, "max_tokens": max_tokens, **extra}
 
 
 class PeerProcess:
     """benchmarks/SCRIPT under `python` (a peer's own environment) on the job, in work_dir, with
     `env` added to this one's (PYTHONPATH left out: nothing of this environment may leak into
     the peer's). Started, it loads and warms up; each run_round() runs one round of the job
-    (peer_rounds.py says how the two sides take turns); result() waits for it to end."""
+    (peer_rounds.py says how the two sides take turns); result() waits for it to end. It is
+    killed if it has not ended timeout_s after its start."""
 
-    def __init__(self, name: str, python: str, script: str, job: dict, work_dir: str, env: dict):
+    def __init__(self, name: str, python: str, script: str, job: dict, work_dir: str, env: dict, timeout_s: float):
         self.name, self.python = name, python
         work_dir = os.path.abspath(work_dir)
         os.makedirs(work_dir, exist_ok=True)
@@ -152,6 +154,18 @@ class PeerProcess:
             cwd=work_dir,
         )
         self.ready = False  # it said it is ready for a round
+        self.timeout_s, self.timed_out = timeout_s, False
+        self.deadline = threading.Timer(timeout_s, self._kill_late)
+        self.deadline.daemon = True
+        self.deadline.start()
+
+    def _kill_late(self) -> None:
+        self.timed_out = True
+        self.proc.kill()
+
+    def _failure(self, what: str, stderr: str = "") -> RuntimeError:
+        late = f" (killed: not done within {self.timeout_s:.0f} s)" if self.timed_out else ""
+        return RuntimeError(f"{self.name} ({self.python}) {what}{late}" + (f":\n{stderr}" if stderr else ""))
 
     def _line_starting(self, marker: str) -> str:
         """The peer's next stdout line that starts with `marker` (its libraries may print too)."""
@@ -160,8 +174,7 @@ class PeerProcess:
                 return line
         self.proc.wait()
         self.stderr.seek(0)
-        tail = self.stderr.read()[-3000:]
-        raise RuntimeError(f"{self.name} ({self.python}) failed with code {self.proc.returncode}:\n{tail}")
+        raise self._failure(f"failed with code {self.proc.returncode}", self.stderr.read()[-3000:])
 
     def wait_ready(self) -> None:
         """Until it has loaded and warmed up, or finished its last round."""
@@ -180,13 +193,15 @@ class PeerProcess:
     def result(self) -> dict:
         self.proc.stdin.close()
         code = self.proc.wait()
+        self.deadline.cancel()
         self.stderr.close()
         if code != 0:
-            raise RuntimeError(f"{self.name} ({self.python}) exited with code {code}")
+            raise self._failure(f"exited with code {code}")
         with open(self.result_path) as f:
             return json.load(f)
 
     def stop(self) -> None:
+        self.deadline.cancel()
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()

@@ -3,8 +3,8 @@ torch and transformers, so it cannot share pagedllm's). Imports nothing from pag
 
     VLLM_PYTHON vllm_peer.py IN.json OUT.json
 
-IN.json:  {"model", "dtype", "prompts": [[token ids]], "max_tokens": [int], "max_num_seqs",
-           "max_model_len", "rounds": [[[token ids]]] (each round's prompts)}
+IN.json:  {"model", "dtype", "rounds": [[[token ids]]] (each round's prompts, of the same
+           lengths), "max_tokens": [int], "max_num_seqs", "max_model_len"}
 OUT.json: {"vllm_version", "startup_seconds", "seconds": [each round's], "outputs": [[token ids]]
            (the first round's)}
 Each round runs when the bench says (peer_rounds.py).
@@ -40,7 +40,8 @@ def main() -> None:
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in token_ids], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
-    llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"][:2]], params[:2], use_tqdm=False)  # warm-up
+    warm = [TokensPrompt(prompt_token_ids=p) for p in job["rounds"][0][:2]]
+    llm.generate(warm, params[:2], use_tqdm=False)  # warm-up, as the pagedllm side is warm
     seconds, outputs = timed_rounds(job["rounds"], generate)
     with open(sys.argv[2], "w") as f:
         json.dump(
