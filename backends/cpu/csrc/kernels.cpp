@@ -594,20 +594,18 @@ void paged_attention(const float* q, const T* k_cache, const T* v_cache, const i
 #ifdef PAGEDLLM_AVX512_BF16
         if constexpr (std::is_same_v<T, bf16>) {
           if (dot) {
-            const auto block = [&](auto hs) {
-              constexpr int64_t HS = decltype(hs)::value;
-              if (head_pairs)
-                attend_block_dot<HS, 2>(q16.data(), k_block, v_block, n, num_heads, group, token_stride, block_size,
-                                        scale, soft_cap, scores.data(), max.data(), sum.data(), acc.data(),
-                                        p16.data(), p16_stride, pf);
-              else
-                attend_block_dot<HS, 1>(q16.data(), k_block, v_block, n, num_heads, group, token_stride, block_size,
-                                        scale, soft_cap, scores.data(), max.data(), sum.data(), acc.data(),
-                                        p16.data(), p16_stride, pf);
+            const auto block = [&](auto hs, auto pairs) {
+              attend_block_dot<decltype(hs)::value, decltype(pairs)::value>(
+                  q16.data(), k_block, v_block, n, num_heads, group, token_stride, block_size, scale, soft_cap,
+                  scores.data(), max.data(), sum.data(), acc.data(), p16.data(), p16_stride, pf);
             };
-            if (head_size == 32) block(std::integral_constant<int64_t, 32>());
-            else if (head_size == 64) block(std::integral_constant<int64_t, 64>());
-            else block(std::integral_constant<int64_t, 128>());
+            const auto heads = [&](auto hs) {
+              if (head_pairs) block(hs, std::integral_constant<int, 2>());
+              else block(hs, std::integral_constant<int, 1>());
+            };
+            if (head_size == 32) heads(std::integral_constant<int64_t, 32>());
+            else if (head_size == 64) heads(std::integral_constant<int64_t, 64>());
+            else heads(std::integral_constant<int64_t, 128>());
             continue;
           }
         }
