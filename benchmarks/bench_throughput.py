@@ -17,49 +17,50 @@ from statistics import median
 import msgspec
 
 
-def run_pagedllm(
-    model_dir,
-    prompts,
-    max_tokens,
-    dtype,
-    kv_cache_memory,
-    backend="cpu",
-    tensor_parallel_size=1,
-    quantization=None,
-    kv_cache_dtype="auto",
-):
-    from pagedllm import LLM, SamplingParams
+class PagedllmRunner:
+    """One pagedllm engine kept up for every round, as the peers are: started (the start-up timed
+    on its own) and warmed up once, then told to run each round's workload."""
 
-    t0 = time.perf_counter()
-    llm = LLM(
-        model_dir,
-        backend=backend,
-        dtype=dtype,
-        skip_tokenizer_init=True,
-        kv_cache_memory=kv_cache_memory,
-        tensor_parallel_size=tensor_parallel_size,
-        quantization=quantization,
-        kv_cache_dtype=kv_cache_dtype,
-    )
-    startup = time.perf_counter() - t0
-    try:
-        params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
-        warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-        llm.generate(prompts[:2], [warm] * len(prompts[:2]), use_tqdm=False)  # warm-up, as each peer gets one
-        before = llm.last_stats
+    def __init__(self, model_dir, dtype, kv_cache_memory, backend, tensor_parallel_size, quantization, kv_cache_dtype):
+        from pagedllm import LLM, SamplingParams
+
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - t0
-        after = llm.last_stats
-        stats = msgspec.structs.replace(  # this run's steps, without the warm-up's
-            after,
-            steps=after.steps - before.steps,
-            step_seconds=after.step_seconds - before.step_seconds,
-            forward_seconds=after.forward_seconds - before.forward_seconds,
+        self.llm = LLM(
+            model_dir,
+            backend=backend,
+            dtype=dtype,
+            skip_tokenizer_init=True,
+            kv_cache_memory=kv_cache_memory,
+            tensor_parallel_size=tensor_parallel_size,
+            quantization=quantization,
+            kv_cache_dtype=kv_cache_dtype,
         )
-    finally:
-        llm.shutdown()
-    return seconds, [o.outputs[0].token_ids for o in outs], startup, stats
+        self.startup_seconds = time.perf_counter() - t0
+        self._params = SamplingParams
+        self.first_stats = None
+
+    def warm_up(self, prompts):
+        warm = self._params(temperature=0, max_tokens=8, ignore_eos=True)
+        self.llm.generate(prompts[:2], [warm] * len(prompts[:2]), use_tqdm=False)  # as each peer gets one
+
+    def run_round(self, prompts, max_tokens) -> tuple[float, list[list[int]]]:
+        params = [self._params(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+        before = self.llm.last_stats
+        t0 = time.perf_counter()
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        after = self.llm.last_stats
+        if self.first_stats is None:  # the first round's steps, without the warm-up's
+            self.first_stats = msgspec.structs.replace(
+                after,
+                steps=after.steps - before.steps,
+                step_seconds=after.step_seconds - before.step_seconds,
+                forward_seconds=after.forward_seconds - before.forward_seconds,
+            )
+        return seconds, [o.outputs[0].token_ids for o in outs]
+
+    def shutdown(self):
+        self.llm.shutdown()
 
 
 def round_prompts(prompts: list[list[int]], rounds: int, vocab_size: int) -> list[list[list[int]]]:
@@ -89,17 +90,21 @@ def compare(
 ) -> dict:
     """The workload through pagedllm (once per KV cache dtype, one after the other), then each
     peer, `rounds` times over, taking turns: round r runs every system before round r + 1
-    starts, so a change in the machine's speed meets all of them. pagedllm starts afresh each
-    round (its start-up untimed); peers in their own environments stay up between rounds. Each
-    system's median round counts. Prints the table and returns the results
-    (report.SystemResult, pagedllm first, each with its greedy agreement with pagedllm on the
-    first round and its rounds' seconds)."""
+    starts, so a change in the machine's speed meets all of them. Every system that keeps a
+    process (pagedllm, vLLM, llama.cpp) is started, timed on its own, and warmed up before the
+    first round and stays up between rounds. Each system's median round counts. Prints the
+    table and returns the results (report.SystemResult, pagedllm first, each with its greedy
+    agreement with pagedllm on the first round and its rounds' seconds)."""
     from . import report
     from .peers import hf_continuous, hf_static, llama_cpp_process, vllm_process
 
     workloads = round_prompts(prompts, rounds, hf.config.vocab_size)
-    processes = {}
+    processes, engines = {}, {}
     try:
+        for kv in kv_cache_dtypes:  # before the peers start, so that each start-up is timed alone
+            engines[kv] = PagedllmRunner(
+                model_dir, dtype, kv_cache_memory, backend, tensor_parallel_size, quantization, kv
+            )
         if "vllm" in peers:
             print("starting vLLM in its own environment (its start-up takes a minute or so)...", flush=True)
             work = os.path.join(peer_work, "vllm-work")
@@ -110,17 +115,15 @@ def compare(
             processes["llama.cpp"] = llama_cpp_process(llama_cpp_python, model_dir, workloads, max_tokens, dtype, work)
         for process in processes.values():  # loaded and warmed up before any round is timed
             process.wait_ready()
+        for engine in engines.values():
+            engine.warm_up(workloads[0])
         seconds: dict[str, list[float]] = {}
         outputs: dict[str, list[list[int]]] = {}
-        stats = {}
         for r, work in enumerate(workloads):
-            for kv in kv_cache_dtypes:
-                secs, toks, started, st = run_pagedllm(
-                    model_dir, work, max_tokens, dtype, kv_cache_memory, backend, tensor_parallel_size, quantization, kv
-                )
+            for kv, engine in engines.items():
+                secs, toks = engine.run_round(work, max_tokens)
                 seconds.setdefault(f"pagedllm {kv}", []).append(secs)
                 outputs.setdefault(f"pagedllm {kv}", toks)
-                stats.setdefault(kv, (started, st))
             for peer in peers:
                 if peer == "hf-static":
                     secs, toks = hf_static(hf, work, max_tokens, batch_size)
@@ -134,7 +137,10 @@ def compare(
                 line = ", ".join(f"{name} {sum(max_tokens) / s[r]:.0f}" for name, s in seconds.items())
                 print(f"round {r + 1}/{rounds}: out tok/s {line}", flush=True)
         finished = {peer: process.result() for peer, process in processes.items()}
+        stats = {kv: (engine.startup_seconds, engine.first_stats) for kv, engine in engines.items()}
     finally:
+        for engine in engines.values():
+            engine.shutdown()
         for process in processes.values():
             process.stop()
 
