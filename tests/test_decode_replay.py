@@ -26,9 +26,24 @@ def runner_and_replay(dtype: str, quantization=None, max_batch: int = 8, window=
     return runner, ops.capture_graphs(model, kv, BLOCK, max_batch, 512)
 
 
-@pytest.mark.parametrize("dtype,window", [("float32", None), ("bfloat16", None), ("float32", 21)])
-def test_a_replayed_decode_step_equals_the_eager_one(dtype, window):
+@pytest.mark.parametrize(
+    "dtype,window,float32_linears",
+    [("float32", None, "panel"), ("float32", None, "onednn"), ("bfloat16", None, None), ("float32", 21, None)],
+)
+def test_a_replayed_decode_step_equals_the_eager_one(dtype, window, float32_linears, monkeypatch):
+    """float32 layers run on the panel kernel or on oneDNN by the CPU (model_kernels'
+    panel_float32_linear): both are replayed, whichever this machine picks."""
+    from pagedllm.backends.cpu import ops, packed_linear
+
+    if float32_linears == "onednn" and not packed_linear.packing_available(torch.float32):
+        pytest.skip("oneDNN does not pack float32 weights here")
+    if float32_linears == "panel" and not {"avx2", "fma"} <= ops.native.cpu_flags():
+        pytest.skip("the panel kernel needs AVX2 with FMA")
+    if float32_linears:
+        monkeypatch.setattr(ops, "panel_float32_linear", lambda: float32_linears == "panel")
     runner, replay = runner_and_replay(dtype, window=window)
+    kinds = {type(layer.qkv_proj).__name__ for layer in runner.model.layers}
+    assert float32_linears is None or kinds == {"PanelLinear" if float32_linears == "panel" else "PackedLinear"}
     assert isinstance(replay, DecodeReplay)
     prompts = [list(range(10, 10 + n)) for n in (1, 15, 16, 130)]  # contexts across block edges
     tables = [list(range(1 + 10 * i, 11 + 10 * i)) for i in range(len(prompts))]

@@ -16,7 +16,7 @@ prefix, speculative decoding's verification) replay too, every row at its own po
 its request's table, as long as the step's tokens fit the captured rows.
 
 Captured only where the eager path is all compiled kernels: float32 or 16-bit weights on the
-panel kernel (or bfloat16 ones on oneDNN's bfloat16 GEMM, called through torch), fused norms
+panel kernel (or on oneDNN's packed GEMM, called through torch), fused norms
 and activation, one rank, no q/k norms; else None (eager steps).
 """
 
@@ -29,16 +29,17 @@ from pagedllm.core.utils import cdiv
 from ..models.decoder import CausalLM
 from . import native
 from .model_kernels import Bfloat16Linear, FusedRMSNorm, PanelLinear
-from .packed_linear import packed_linear, padded_rows
+from .packed_linear import PackedLinear, packed_linear, padded_rows
 
 
 def _ptr(t: torch.Tensor, offset_elements: int = 0) -> int:
     return t.data_ptr() + offset_elements * t.element_size()
 
 
-# the panel kernel, called here by pointer; oneDNN's bfloat16 GEMM (CPUs that multiply bfloat16),
-# called through torch on views of the step's buffers (OneDnnBfloat16Call)
-REPLAYED_LINEARS = (PanelLinear, Bfloat16Linear)
+# the panel kernel, called here by pointer; oneDNN's packed GEMMs (bfloat16 on CPUs that multiply
+# bfloat16, float32 where the panel kernel is not used), called through torch on views of the
+# step's buffers (OneDnnCall)
+REPLAYED_LINEARS = (PanelLinear, PackedLinear)
 
 
 def replayable(model: CausalLM, kv_caches: torch.Tensor) -> bool:
@@ -108,12 +109,14 @@ class DecodeReplay:
 
         bfloat16_inputs: dict[int, torch.Tensor] = {}  # in_features -> the rounded rows, shared by the layers
 
-        def linear(module: PanelLinear | Bfloat16Linear, x: torch.Tensor, out: torch.Tensor):
+        def linear(module: PanelLinear | PackedLinear, x: torch.Tensor, out: torch.Tensor):
             if isinstance(module, Bfloat16Linear):
                 k_in = module.in_features
                 if k_in not in bfloat16_inputs:
                     bfloat16_inputs[k_in] = torch.zeros(n, k_in, dtype=torch.bfloat16)
-                return OneDnnBfloat16Call(module, x, bfloat16_inputs[k_in], out)
+                return OneDnnCall(module, x, bfloat16_inputs[k_in], out)
+            if isinstance(module, PackedLinear):
+                return OneDnnCall(module, x, None, out)
             kind, w = native.PANEL_KINDS[module.packed.dtype], _ptr(module.packed)
             bias = None if module.bias is None else _ptr(module.bias)
             n_out, k_in, xp, op = module.out_features, module.in_features, _ptr(x), _ptr(out)
@@ -229,26 +232,30 @@ class DecodeReplay:
         return self.hidden_out[:rows]
 
 
-class OneDnnBfloat16Call:
-    """A Bfloat16Linear in a replayed step: the rows rounded into a preallocated bfloat16 buffer,
-    oneDNN's product copied into the step's float32 buffer, at padded_rows' count as the eager
-    layer runs them; the views of each row count made once (a replayed step is ~17 such calls,
-    where torch's per-op cost is what a row costs)."""
+class OneDnnCall:
+    """A PackedLinear (float32) or Bfloat16Linear in a replayed step: for bfloat16 the rows
+    rounded into a preallocated buffer (`rounded`) first; oneDNN's product copied into the
+    step's float32 buffer, at padded_rows' count as the eager layer runs them; the views of each
+    row count made once (a replayed step is ~17 such calls, where torch's per-op cost is what a
+    row costs)."""
 
-    def __init__(self, module: Bfloat16Linear, x: torch.Tensor, rounded: torch.Tensor, out: torch.Tensor):
+    def __init__(self, module: PackedLinear, x: torch.Tensor, rounded: torch.Tensor | None, out: torch.Tensor):
         self.packed, self.bias = module.packed, module.bias
         self.x, self.rounded = x.view(x.shape[0], -1), rounded
         self.out = out.view(out.shape[0], -1)
-        self.views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.views: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = {}
 
     def __call__(self, rows: int, threads: int) -> None:
         views = self.views.get(rows)
         if views is None:
             padded = padded_rows(rows)
-            views = self.views[rows] = (self.x[:padded], self.rounded[:padded], self.out[:padded])
+            rounded = None if self.rounded is None else self.rounded[:padded]
+            views = self.views[rows] = (self.x[:padded], rounded, self.out[:padded])
         x, rounded, out = views
-        rounded.copy_(x)
-        out.copy_(packed_linear(rounded, self.packed, self.bias))
+        if rounded is not None:
+            rounded.copy_(x)
+            x = rounded
+        out.copy_(packed_linear(x, self.packed, self.bias))
 
 
 def _bfloat16_dot_products() -> bool:

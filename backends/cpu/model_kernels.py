@@ -89,14 +89,19 @@ class Float32Embedding(nn.Module):
 
 def panel_float32_linear() -> bool:
     """Whether float32 linear layers run on the panel kernel rather than oneDNN's packed GEMM:
-    wherever the kernels are built and the CPU has AVX2 with FMA. On Zen 3 (AVX2) its 6 x 16
-    tile beat or matched oneDNN at every shape measured (benchmarks/bench_linear.py: 1.25-2.0x
-    at one row, where oneDNN spends 30-70 us a call on any layer, 1.0-1.4x at 8-1,860 rows). On
-    Zen 4 (AVX-512) it still wins at 1-8 rows (1.0-1.8x) and loses 5-20% from 64 rows on, but
-    it is kept there too: decode steps replay on it (decode_replay.py calls it by pointer), and
-    whole runs were 1.3-1.5x those on oneDNN there (docs/bench/README.md, 2026-12-05)."""
+    wherever the kernels are built and the CPU has AVX2 with FMA, except on Intel's AVX-512
+    cores. The panel kernel's tile is 256 bits wide. On Zen 3 (AVX2) it beat or matched oneDNN
+    at every shape measured (benchmarks/bench_linear.py: 1.25-2.0x at one row, where oneDNN
+    spends 30-70 us a call on any layer, 1.0-1.4x at 8-1,860 rows). On Zen 4, whose AVX-512 runs
+    on 256-bit pipes, it still wins at 1-8 rows (1.0-1.8x) and loses 5-20% from 64 rows on, and
+    whole runs were 1.3-1.5x those on oneDNN (docs/bench/README.md, 2026-12-05). Intel's server
+    cores have two 512-bit FMA pipes: on an AMX Xeon oneDNN ran the demo's layers 1.6-2.1x the
+    panel kernel's rate from 64 rows on (docs/bench, 2026-12-05, evening), so float32 goes to
+    oneDNN there (its decode steps replayed through torch, as bfloat16 ones are)."""
     flags = native.cpu_flags()
-    return native.unavailable_reason() is None and {"avx2", "fma"} <= flags
+    if native.unavailable_reason() is not None or not {"avx2", "fma"} <= flags:
+        return False
+    return not ("avx512f" in flags and native.cpu_vendor_family()[0] == "GenuineIntel")
 
 
 def use_panel_linear(model: nn.Module) -> int:

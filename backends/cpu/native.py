@@ -57,6 +57,22 @@ def cpu_flags() -> set[str]:
     return set(_cpu_flags().decode().partition(":")[2].split())
 
 
+def cpu_vendor_family() -> tuple[str, int]:
+    """This CPU's vendor_id and family number (/proc/cpuinfo); ("", 0) where they cannot be read."""
+    info: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                info.setdefault(key.strip(), value.strip())
+                if "vendor_id" in info and "cpu family" in info:
+                    break
+    except OSError:
+        pass
+    family = info.get("cpu family", "0")
+    return info.get("vendor_id", ""), int(family) if family.isdigit() else 0
+
+
 def _build(cxx: str) -> str:
     version = subprocess.run([cxx, "--version"], capture_output=True).stdout
     sources = b""
