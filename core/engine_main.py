@@ -9,9 +9,11 @@ import signal
 import sys
 
 from .local_workers import LocalWorkers
+from .logs import setup_logging
 
 
 def main(argv=None) -> int:
+    setup_logging()  # before the launcher starts: a launcher server's refusal is logged
     # the worker launcher imports torch, seconds: start it before this process's own imports
     launcher = LocalWorkers()
     import msgspec
@@ -19,7 +21,6 @@ def main(argv=None) -> int:
     from .config import EngineConfig
     from .engine import EngineCore
     from .errors import EngineFailure
-    from .logs import setup_logging
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", required=True)
@@ -27,7 +28,6 @@ def main(argv=None) -> int:
     ap.add_argument("--output", required=True)
     ap.add_argument("--workers", required=True, help="where the workers reach the core (unless the config says)")
     args = ap.parse_args(argv)
-    setup_logging()
     # Ctrl-C reaches the whole process group; the frontend decides how to shut down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # unwinds through close()

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from pagedllm.core.local_workers import LAUNCHER_SERVER_ENV
 from pagedllm.fixtures.tiny_models import make_model_dir
 
 CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,9 +41,8 @@ PLUGIN_SRC = os.path.join(os.path.dirname(__file__), "plugins", "pagedllm_test_b
 
 
 @pytest.fixture(scope="session")
-def plugins_installed(tmp_path_factory):
-    """pip-installs the plugin package into a folder put on the path, as a user's install would
-    be; engine worker processes inherit it through PYTHONPATH."""
+def plugin_site(tmp_path_factory):
+    """A folder the plugin package is pip-installed into, once a session, as a user's install would be."""
     target = tmp_path_factory.mktemp("site")
     # with setuptools here, skip the isolated build environment pip would set up (3 of its 5 s)
     isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
@@ -50,16 +50,50 @@ def plugins_installed(tmp_path_factory):
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", *isolation, "--target", str(target), PLUGIN_SRC],
         check=True,
     )
+    return target
+
+
+@pytest.fixture
+def plugins_installed(plugin_site):
+    """The plugin package on the path for one test; engine worker processes inherit it through
+    PYTHONPATH (so they get launchers of their own: the launcher server's path has no plugins)."""
     old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = str(target) + (os.pathsep + old if old else "")
-    sys.path.insert(0, str(target))
+    os.environ["PYTHONPATH"] = str(plugin_site) + (os.pathsep + old if old else "")
+    sys.path.insert(0, str(plugin_site))
     importlib.invalidate_caches()
-    yield target
-    sys.path.remove(str(target))
+    yield plugin_site
+    sys.path.remove(str(plugin_site))
     if old is None:
         del os.environ["PYTHONPATH"]
     else:
         os.environ["PYTHONPATH"] = old
+
+
+@pytest.fixture(scope="session", autouse=True)
+def launcher_server(tmp_path_factory):
+    """One launcher server for the session (backends/launcher_server.py): an engine whose
+    environment is the session's gets a launcher forked from it instead of importing torch
+    again (~1.3 s of each of ~100 engine starts here). Tests that look at an engine's process
+    tree, where a served launcher is not the core's child, use `own_launcher`."""
+    try:  # torch sets this in the tests' process the first time a model is saved: set it now
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        cache_dir()
+    except ImportError:
+        pass
+    path = str(tmp_path_factory.mktemp("launcher") / "server.sock")
+    os.environ[LAUNCHER_SERVER_ENV] = path
+    server = subprocess.Popen([sys.executable, "-m", "pagedllm.backends.launcher_server", path])
+    yield server
+    del os.environ[LAUNCHER_SERVER_ENV]
+    server.terminate()
+    server.wait(timeout=10)
+
+
+@pytest.fixture
+def own_launcher(monkeypatch):
+    """Engines started in this test start their launcher themselves, as without a server."""
+    monkeypatch.delenv(LAUNCHER_SERVER_ENV, raising=False)
 
 
 @pytest.fixture

@@ -52,11 +52,11 @@ def wait_until(predicate, timeout_s: float = 10.0, interval: float = 0.05) -> bo
 
 def workers_of(core_pid: int) -> list[int]:
     """The worker processes of an engine core: the children of its worker launcher."""
-    launchers = [p for p in children_of(core_pid) if _parent(p) == core_pid]
+    launchers = [p for p in children_of(core_pid) if parent_of(p) == core_pid]
     return [p for launcher in launchers for p in children_of(launcher)]
 
 
-def _parent(pid: int) -> int | None:
+def parent_of(pid: int) -> int | None:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return int(f.read().rsplit(")", 1)[1].split()[1])

@@ -15,6 +15,7 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm.core.ipc import free_tcp_port
+from pagedllm.core.local_workers import LAUNCHER_SERVER_ENV
 
 from proc_helpers import children_of, is_running, segments_of, wait_until
 
@@ -40,7 +41,8 @@ class ServerProcess:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env=env,
+            # its launcher its own child: stop() checks the whole process tree
+            env={k: v for k, v in (os.environ if env is None else env).items() if k != LAUNCHER_SERVER_ENV},
         )
         self.banner = self.proc.stdout.readline()
         if "serving" not in self.banner:

@@ -36,7 +36,7 @@ def reference(tiny_model):
 
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-cache", "no-prefix-cache"])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_32_requests_under_kv_pressure_match_transformers(reference, prefix_caching, mode):
+def test_32_requests_under_kv_pressure_match_transformers(reference, prefix_caching, mode, own_launcher):
     path, prompts, max_tokens, expected = reference
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     with LLM(

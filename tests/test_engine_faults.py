@@ -15,6 +15,9 @@ from pagedllm.entrypoints.engine_client import EngineDeadError
 
 from proc_helpers import children_of, is_running, segments_of, wait_until, workers_of
 
+# these tests look at the engine's process tree: its launcher must be the core's child
+pytestmark = pytest.mark.usefixtures("own_launcher")
+
 
 def test_killed_worker_without_restarts_left_raises_quickly_and_leaves_nothing(tiny_model):
     """With no restarts allowed (max_worker_restarts=0), a dead worker ends the engine; with

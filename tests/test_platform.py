@@ -20,6 +20,9 @@ from pagedllm.backends.registry import BackendUnavailable, check_available, load
 
 from proc_helpers import children_of, segments_of, workers_of
 
+# these tests look at the engine's process tree: its launcher must be the core's child
+pytestmark = pytest.mark.usefixtures("own_launcher")
+
 CHECKOUT = Path(__file__).resolve().parent.parent
 CUDA_FOLDERS = ("backends/cuda_native/", "backends/triton/", "backends/gpu/")
 # a decision on a device string: comparing it, testing its prefix, or calling into torch.cuda

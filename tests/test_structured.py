@@ -220,7 +220,7 @@ def constrained_tokens(llm, prompts, **kw):
 PROMPTS = [[5 + i, 6, 7, 8] * (2 + i % 6) for i in range(24)]
 
 
-def test_greedy_constrained_output_is_unchanged_by_preemption_tp_and_a_worker_kill(tiny_model):
+def test_greedy_constrained_output_is_unchanged_by_preemption_tp_and_a_worker_kill(tiny_model, own_launcher):
     model = tiny_model("llama")
     with LLM(model, num_kv_blocks=256, max_model_len=128) as llm:
         want = constrained_tokens(llm, PROMPTS)

@@ -138,7 +138,7 @@ def test_two_launches_meet_through_the_rendezvous(tiny_model):
             node.kill()
 
 
-def test_a_killed_rank_fails_every_request_within_10_s_and_leaves_nothing(tiny_model):
+def test_a_killed_rank_fails_every_request_within_10_s_and_leaves_nothing(tiny_model, own_launcher):
     """With no restarts allowed; with them, the ranks are replaced (test_worker_recovery.py)."""
     llm = LLM(
         tiny_model("llama"),

@@ -22,6 +22,9 @@ from pagedllm.entrypoints.zmq_client import AsyncZmqClient
 from proc_helpers import children_of, is_running, segments_of, wait_until, workers_of
 from serve_helpers import ServerProcess
 
+# these tests look at the engine's process tree: its launcher must be the core's child
+pytestmark = pytest.mark.usefixtures("own_launcher")
+
 
 class Killer(threading.Thread):
     """SIGKILLs the engine core's worker `times` times, each a random while after the current
