@@ -18,8 +18,9 @@ import time
 from .errors import EngineFailure
 
 LAUNCHER_SERVER_ENV = "PAGEDLLM_LAUNCHER_SERVER"
-# what may differ between a core and the launcher server: set by pytest and by shells, read by neither
-VOLATILE_ENV = ("PYTEST_CURRENT_TEST", "_", "SHLVL", "OLDPWD")
+# what may differ between a core and the launcher server: set by pytest and by shells (the last two:
+# the terminal's size), read by neither pagedllm nor torch
+VOLATILE_ENV = ("PYTEST_CURRENT_TEST", "_", "SHLVL", "OLDPWD", "COLUMNS", "LINES")
 HANDSHAKE_S = 10.0
 
 log = logging.getLogger("pagedllm.core")

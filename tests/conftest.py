@@ -53,20 +53,13 @@ def plugin_site(tmp_path_factory):
     return target
 
 
-@pytest.fixture
-def plugins_installed(plugin_site):
-    """The plugin package on the path for one test; engine worker processes inherit it through
-    PYTHONPATH (so they get launchers of their own: the launcher server's path has no plugins)."""
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = str(plugin_site) + (os.pathsep + old if old else "")
-    sys.path.insert(0, str(plugin_site))
-    importlib.invalidate_caches()
-    yield plugin_site
-    sys.path.remove(str(plugin_site))
-    if old is None:
-        del os.environ["PYTHONPATH"]
-    else:
-        os.environ["PYTHONPATH"] = old
+def start_launcher_server(path: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "pagedllm.backends.launcher_server", path], env=env)
+
+
+def stop(server: subprocess.Popen) -> None:
+    server.terminate()
+    server.wait(timeout=10)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -83,11 +76,47 @@ def launcher_server(tmp_path_factory):
         pass
     path = str(tmp_path_factory.mktemp("launcher") / "server.sock")
     os.environ[LAUNCHER_SERVER_ENV] = path
-    server = subprocess.Popen([sys.executable, "-m", "pagedllm.backends.launcher_server", path])
+    server = start_launcher_server(path)
     yield server
     del os.environ[LAUNCHER_SERVER_ENV]
-    server.terminate()
-    server.wait(timeout=10)
+    stop(server)
+
+
+def plugin_environment(site) -> dict[str, str]:
+    """The variables that put the plugin package on the path of the processes a test starts."""
+    old = os.environ.get("PYTHONPATH")
+    return {"PYTHONPATH": str(site) + (os.pathsep + old if old else "")}
+
+
+@pytest.fixture(scope="session")
+def plugin_launcher_server(plugin_site, launcher_server, tmp_path_factory):
+    """A second launcher server, in the environment `plugins_installed` gives (the session's
+    server refuses engines that see the plugins)."""
+    path = str(tmp_path_factory.mktemp("plugin-launcher") / "server.sock")
+    server = start_launcher_server(path, {**os.environ, **plugin_environment(plugin_site), LAUNCHER_SERVER_ENV: path})
+    yield path
+    stop(server)
+
+
+@pytest.fixture
+def plugins_installed(plugin_site, plugin_launcher_server):
+    """The plugin package on the path for one test; engine worker processes inherit it through
+    PYTHONPATH, and get their launchers from the plugin environment's server (unless the test
+    has `own_launcher`)."""
+    updates = plugin_environment(plugin_site)
+    if LAUNCHER_SERVER_ENV in os.environ:
+        updates[LAUNCHER_SERVER_ENV] = plugin_launcher_server
+    old = {name: os.environ.get(name) for name in updates}
+    os.environ.update(updates)
+    sys.path.insert(0, str(plugin_site))
+    importlib.invalidate_caches()
+    yield plugin_site
+    sys.path.remove(str(plugin_site))
+    for name, value in old.items():
+        if value is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture
