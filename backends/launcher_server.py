@@ -1,17 +1,19 @@
 """A fork server for worker launchers: one long-lived process that imports torch and the backends
 once and forks a launcher (backends/launcher.py) for each engine core that asks, so that an
-engine starts in the time its model takes to load instead of a torch import (1.3-1.6 s of a
-1.4 s start on the test models). For hosts that start many engines one after another: a test
-suite, a service with an engine per job.
+engine starts in the time its model takes to load instead of a torch import (a tiny model's
+engine: 0.2-0.3 s instead of 1.3 s here). For hosts that start many engines one after another:
+a test suite, a service with an engine per job.
 
 `python -m pagedllm.backends.launcher_server SOCKET` serves at the Unix socket SOCKET; an engine
 core uses it when $PAGEDLLM_LAUNCHER_SERVER names SOCKET, and starts a launcher of its own when
 it cannot connect or is refused. A request is refused unless the core's environment (less
-PYTEST_CURRENT_TEST), working directory, interpreter and CPU affinity are the server's: what was
+what shells and pytest set: VOLATILE_ENV), working directory, interpreter and CPU affinity are
+the server's: what was
 read at import time (OpenMP's spin count, Triton's interpreter switch, plugins on PYTHONPATH)
 must be what a launcher of the core's own would have read. The forked launcher takes the
 connection as its stdin and stdout and the core's stderr (sent with the request), and is the
 server's child, not the core's: it ends, with its workers, when the core closes the connection.
+The socket is its owner's alone (mode 0600): a launcher runs what its core sends it.
 """
 
 from __future__ import annotations
@@ -73,7 +75,11 @@ def serve(path: str) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     if os.path.exists(path):
         os.unlink(path)
-    listener.bind(path)
+    umask = os.umask(0o177)
+    try:
+        listener.bind(path)
+    finally:
+        os.umask(umask)
     listener.listen(64)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # launchers forked here are reaped by the kernel
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
