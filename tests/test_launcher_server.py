@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 
 from pagedllm import LLM, SamplingParams
 
@@ -58,3 +59,9 @@ def test_an_engine_in_another_environment_starts_its_own_launcher(tiny_model, la
         assert not children_of(launcher_server.pid)
         assert len(children_of(llm.engine.pid)) == 2  # its launcher and its worker
         tokens(llm)
+
+
+def test_the_server_socket_is_its_owners_alone(launcher_server):
+    path = os.environ["PAGEDLLM_LAUNCHER_SERVER"]
+    assert wait_until(lambda: os.path.exists(path), timeout_s=30)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
