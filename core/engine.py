@@ -119,6 +119,7 @@ class EngineCore:
                 max_model_len=sched_config.max_model_len,
                 backend=self.config.backend,
                 kv_segments=kv_segments,
+                launcher_pid=self.workers.launcher_pid(),
             )
         )
 

@@ -43,6 +43,7 @@ class OwnLauncher:
             [sys.executable, "-m", "pagedllm.backends.launcher"], stdin=subprocess.PIPE, stdout=subprocess.PIPE
         )
         os.set_blocking(self.proc.stdout.fileno(), False)
+        self.pid = self.proc.pid
 
     def send(self, data: bytes) -> None:
         self.proc.stdin.write(data)

@@ -60,6 +60,9 @@ class EngineReady(msgspec.Struct, tag="ready"):
     backend: str
     # per rank: the shared-memory segment of its KV pool, or None (device memory, another host)
     kv_segments: list[str | None]
+    # this host's worker launcher, whose children the local workers are: the core's own child, or
+    # a launcher server's (core/local_workers.py)
+    launcher_pid: int | None = None
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs"):

@@ -96,6 +96,9 @@ class WorkerGroup:
         self.master_port = self.config.master_port or free_tcp_port(self.config.master_addr)
         self.start()
 
+    def launcher_pid(self) -> int | None:
+        return None if self.local is None else self.local.launcher.pid
+
     def is_local(self, rank: int) -> bool:
         return rank in self.local_ranks
 

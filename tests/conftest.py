@@ -66,8 +66,9 @@ def stop(server: subprocess.Popen) -> None:
 def launcher_server(tmp_path_factory):
     """One launcher server for the session (backends/launcher_server.py): an engine whose
     environment is the session's gets a launcher forked from it instead of importing torch
-    again (~1.3 s of each of ~100 engine starts here). Tests that look at an engine's process
-    tree, where a served launcher is not the core's child, use `own_launcher`."""
+    again (~1.1 s of each of ~100 engine starts here). A served launcher is not the core's child:
+    tests that look at an engine's processes find it by EngineReady.launcher_pid
+    (proc_helpers.engine_processes), and those of the default path use `own_launcher`."""
     try:  # torch sets this in the tests' process the first time a model is saved: set it now
         from torch._inductor.runtime.cache_dir_utils import cache_dir
 

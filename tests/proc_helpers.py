@@ -50,10 +50,23 @@ def wait_until(predicate, timeout_s: float = 10.0, interval: float = 0.05) -> bo
     return predicate()
 
 
-def workers_of(core_pid: int) -> list[int]:
-    """The worker processes of an engine core: the children of its worker launcher."""
+def workers_of(core_pid: int, launcher_pid: int | None = None) -> list[int]:
+    """The worker processes of an engine core: the children of its worker launcher (the core's
+    child, or a launcher server's: EngineReady.launcher_pid)."""
+    if launcher_pid is not None:
+        return children_of(launcher_pid)
     launchers = [p for p in children_of(core_pid) if parent_of(p) == core_pid]
     return [p for launcher in launchers for p in children_of(launcher)]
+
+
+def engine_processes(engine) -> list[int]:
+    """The live processes of an engine (an EngineClient: llm.engine) below its core: the core's
+    descendants, and its launcher and the launcher's children when a launcher server forked it."""
+    found = children_of(engine.pid)
+    launcher = engine.ready.launcher_pid
+    if launcher not in found and is_running(launcher):
+        found += [launcher, *children_of(launcher)]
+    return found
 
 
 def parent_of(pid: int) -> int | None:

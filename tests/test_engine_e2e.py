@@ -8,7 +8,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.fixtures.tiny_models import load_hf
 
 from model_helpers import hf_greedy
-from proc_helpers import children_of, segments_of
+from proc_helpers import engine_processes, segments_of
 
 
 def workload(seed: int = 0, vocab: int = 400):
@@ -36,7 +36,7 @@ def reference(tiny_model):
 
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-cache", "no-prefix-cache"])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_32_requests_under_kv_pressure_match_transformers(reference, prefix_caching, mode, own_launcher):
+def test_32_requests_under_kv_pressure_match_transformers(reference, prefix_caching, mode):
     path, prompts, max_tokens, expected = reference
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     with LLM(
@@ -50,14 +50,14 @@ def test_32_requests_under_kv_pressure_match_transformers(reference, prefix_cach
     ) as llm:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         stats = llm.last_stats
-        core_pid = llm.engine.pid
+        engine = llm.engine
     assert stats.scheduler.num_preemptions > 0, "the KV budget was meant to force preemption"
     if prefix_caching:
         assert stats.scheduler.prefix_cache_hits > 0
     for i, (out, want) in enumerate(zip(outputs, expected)):
         assert out.outputs[0].token_ids == want, f"request {i}: prompt of {len(prompts[i])} tokens"
         assert out.outputs[0].finish_reason == "length"
-    assert not children_of(core_pid) and not segments_of(core_pid)
+    assert not engine_processes(engine) and not segments_of(engine.pid)
 
 
 def test_async_scheduling_gives_transformers_tokens_with_stops_and_late_arrivals(reference):

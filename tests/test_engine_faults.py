@@ -15,7 +15,7 @@ from pagedllm.entrypoints.engine_client import EngineDeadError
 
 from proc_helpers import children_of, is_running, segments_of, wait_until, workers_of
 
-# these tests look at the engine's process tree: its launcher must be the core's child
+# the faults on the default path: a worker launcher that is the core's own child
 pytestmark = pytest.mark.usefixtures("own_launcher")
 
 

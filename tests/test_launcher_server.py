@@ -8,12 +8,22 @@ import os
 import signal
 import stat
 
+import pytest
+
 from pagedllm import LLM, SamplingParams
 
 from proc_helpers import children_of, parent_of, wait_until
 
 PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 ENGINE = dict(num_kv_blocks=64, max_model_len=256, skip_tokenizer_init=True)
+
+
+@pytest.fixture(autouse=True)
+def listening(launcher_server):
+    """The session's server binds its socket once it has imported torch: wait for it (an engine
+    that starts before then gets a launcher of its own)."""
+    path = os.environ["PAGEDLLM_LAUNCHER_SERVER"]
+    assert wait_until(lambda: os.path.exists(path), timeout_s=60)
 
 
 def served_launchers(server: int) -> list[int]:
@@ -30,6 +40,7 @@ def test_a_served_launcher_replaces_a_killed_worker_and_ends_with_its_engine(tin
         core = llm.engine.pid
         assert not children_of(core), "the launcher is the server's child, not the core's"
         (launcher,) = served_launchers(server)
+        assert llm.engine.ready.launcher_pid == launcher
         (worker,) = children_of(launcher)
         # the launcher and its workers log where the core does
         assert os.readlink(f"/proc/{launcher}/fd/2") == os.readlink(f"/proc/{core}/fd/2")
@@ -58,10 +69,10 @@ def test_an_engine_in_another_environment_starts_its_own_launcher(tiny_model, la
     with LLM(tiny_model("llama"), **ENGINE) as llm:
         assert not children_of(launcher_server.pid)
         assert len(children_of(llm.engine.pid)) == 2  # its launcher and its worker
+        assert parent_of(llm.engine.ready.launcher_pid) == llm.engine.pid
         tokens(llm)
 
 
-def test_the_server_socket_is_its_owners_alone(launcher_server):
+def test_the_server_socket_is_its_owners_alone():
     path = os.environ["PAGEDLLM_LAUNCHER_SERVER"]
-    assert wait_until(lambda: os.path.exists(path), timeout_s=30)
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600

@@ -138,7 +138,7 @@ def test_two_launches_meet_through_the_rendezvous(tiny_model):
             node.kill()
 
 
-def test_a_killed_rank_fails_every_request_within_10_s_and_leaves_nothing(tiny_model, own_launcher):
+def test_a_killed_rank_fails_every_request_within_10_s_and_leaves_nothing(tiny_model):
     """With no restarts allowed; with them, the ranks are replaced (test_worker_recovery.py)."""
     llm = LLM(
         tiny_model("llama"),
@@ -148,8 +148,8 @@ def test_a_killed_rank_fails_every_request_within_10_s_and_leaves_nothing(tiny_m
         skip_tokenizer_init=True,
         max_worker_restarts=0,
     )
-    core = llm.engine.pid
-    ranks = workers_of(core)
+    core, launcher = llm.engine.pid, llm.engine.ready.launcher_pid
+    ranks = workers_of(core, launcher)
     assert len(ranks) == 2 and len(segments_of(core)) == 2
     killed = {}
 
@@ -163,7 +163,7 @@ def test_a_killed_rank_fails_every_request_within_10_s_and_leaves_nothing(tiny_m
         llm.generate([[5] * 40] * 32, SamplingParams(max_tokens=900, ignore_eos=True), use_tqdm=False)
     assert time.monotonic() - killed["at"] < 10
     llm.shutdown()
-    assert wait_until(lambda: not any(is_running(p) for p in [core, *ranks]), timeout_s=10)
+    assert wait_until(lambda: not any(is_running(p) for p in [core, launcher, *ranks]), timeout_s=10)
     assert not segments_of(core) and not os.path.exists(llm.engine.ipc_dir)
 
 

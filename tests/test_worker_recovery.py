@@ -19,21 +19,22 @@ from pagedllm import LLM, SamplingParams, StructuredOutputsParams
 from pagedllm.entrypoints.engine_client import EngineDeadError
 from pagedllm.entrypoints.zmq_client import AsyncZmqClient
 
-from proc_helpers import children_of, is_running, segments_of, wait_until, workers_of
+from proc_helpers import engine_processes, is_running, segments_of, wait_until, workers_of
 from serve_helpers import ServerProcess
-
-# these tests look at the engine's process tree: its launcher must be the core's child
-pytestmark = pytest.mark.usefixtures("own_launcher")
 
 
 class Killer(threading.Thread):
     """SIGKILLs the engine core's worker `times` times, each a random while after the current
     worker appeared (so some kills land mid-step, some while a replacement starts)."""
 
-    def __init__(self, core_pid: int, times: int, seed: int = 0, delay=(0.2, 0.7), youngest: bool = False):
-        """youngest: kill the worker started last (under tensor parallelism, the last rank)."""
+    def __init__(
+        self, core_pid: int, times: int, seed: int = 0, delay=(0.2, 0.7), youngest: bool = False, launcher_pid=None
+    ):
+        """youngest: kill the worker started last (under tensor parallelism, the last rank);
+        launcher_pid: EngineReady's (needed when a launcher server forked the launcher)."""
         super().__init__(daemon=True)
         self.core_pid, self.times, self.rng, self.delay = core_pid, times, random.Random(seed), delay
+        self.launcher_pid = launcher_pid
         self.youngest = youngest
         self.killed: list[tuple[int, float]] = []  # (pid, when)
         self.stop = threading.Event()
@@ -41,7 +42,7 @@ class Killer(threading.Thread):
     def run(self) -> None:
         last = None
         while len(self.killed) < self.times and not self.stop.is_set():
-            workers = sorted(p for p in workers_of(self.core_pid) if p != last)
+            workers = sorted(p for p in workers_of(self.core_pid, self.launcher_pid) if p != last)
             if not workers:
                 time.sleep(0.02)
                 continue
@@ -110,8 +111,8 @@ def test_five_worker_kills_change_no_token(tiny_model, mode, kv_cache_dtype):
         expected = tokens_of(llm.generate(prompts, params, use_tqdm=False))
         assert llm.last_stats.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
     with LLM(path, **engine, max_worker_restarts=5, speculative_config=speculative) as llm:
-        core = llm.engine.pid
-        killer = Killer(core, times=5)
+        engine = llm.engine
+        killer = Killer(engine.pid, times=5, launcher_pid=engine.ready.launcher_pid)
         runs, stats = run_through_kills(llm, killer, prompts, params)
     assert len(killer.killed) == 5, "a minute of runs ended before five kills"
     assert stats.worker_restarts == 5
@@ -119,7 +120,7 @@ def test_five_worker_kills_change_no_token(tiny_model, mode, kv_cache_dtype):
         assert stats.scheduler.spec_decode.num_accepted_tokens > 0
     assert all(got == expected for got in runs)
     assert stats.recovered_tokens > 0, "the shared pool should have spared some recomputation"
-    assert not children_of(core) and not segments_of(core)
+    assert not engine_processes(engine) and not segments_of(engine.pid)
 
 
 def test_tensor_parallel_ranks_are_replaced_and_change_no_token(tiny_model):
@@ -135,13 +136,13 @@ def test_tensor_parallel_ranks_are_replaced_and_change_no_token(tiny_model):
     )
     with LLM(path, **engine, max_worker_restarts=4) as llm:
         expected = tokens_of(llm.generate(prompts, params, use_tqdm=False))  # before any kill
-        core = llm.engine.pid
-        killer = Killer(core, times=2, youngest=True)
+        engine = llm.engine
+        killer = Killer(engine.pid, times=2, youngest=True, launcher_pid=engine.ready.launcher_pid)
         runs, stats = run_through_kills(llm, killer, prompts, params)
     assert len(killer.killed) == 2
     assert stats.worker_restarts == 2, "a stale message of a replaced group cost a restart"
     assert all(got == expected for got in runs)
-    assert not children_of(core) and not segments_of(core)
+    assert not engine_processes(engine) and not segments_of(engine.pid)
 
 
 def test_a_pool_in_device_memory_recovers_by_recompute(tiny_model, monkeypatch):
@@ -162,7 +163,7 @@ def test_a_pool_in_device_memory_recovers_by_recompute(tiny_model, monkeypatch):
         expected_constrained = tokens_of(llm.generate(short, constrained, use_tqdm=False))
     with LLM(path, backend="cuda-triton", **engine) as llm:
         assert llm.engine.ready.kv_segments == [None]
-        killer = Killer(llm.engine.pid, times=1, delay=(2.0, 2.5))
+        killer = Killer(llm.engine.pid, times=1, delay=(2.0, 2.5), launcher_pid=llm.engine.ready.launcher_pid)
         killer.start()
         got = tokens_of(llm.generate(prompts, params, use_tqdm=False))
         killer.join(timeout=30)
