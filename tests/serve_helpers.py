@@ -41,7 +41,7 @@ class ServerProcess:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            # its launcher its own child: stop() checks the whole process tree
+            # its engine starts its worker launcher itself: stop() checks its whole process tree
             env={k: v for k, v in (os.environ if env is None else env).items() if k != LAUNCHER_SERVER_ENV},
         )
         self.banner = self.proc.stdout.readline()
