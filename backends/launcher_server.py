@@ -31,6 +31,7 @@ from ..core.local_workers import VOLATILE_ENV, launched_line  # noqa: E402
 from . import launcher  # noqa: E402 - torch and the backends, imported once for every launcher forked here
 
 REQUEST_LIMIT = 1 << 20
+REQUEST_TIMEOUT_S = 2.0  # a core sends its request as soon as it connects
 
 
 def differences(request: dict) -> list[str]:
@@ -52,6 +53,7 @@ def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
 
 def _become_launcher(conn: socket.socket, stderr_fd: int | None, env: dict) -> None:
     """In the forked child: the connection as stdin and stdout, the core's stderr, then the launcher."""
+    conn.setblocking(True)  # the launcher's stdin and stdout block, as a pipe's would
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the launcher reaps its own workers
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.setsid()  # out of the server's process group: a signal to the server's group is not the core's
@@ -86,6 +88,7 @@ def serve(path: str) -> None:
     try:
         while True:
             conn, _ = listener.accept()
+            conn.settimeout(REQUEST_TIMEOUT_S)  # a client that connects and says nothing does not stall the others
             fds: list[int] = []
             try:
                 request, fds = _read_request(conn)

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import stat
+import time
 
 import pytest
 
@@ -76,3 +78,16 @@ def test_an_engine_in_another_environment_starts_its_own_launcher(tiny_model, la
 def test_the_server_socket_is_its_owners_alone():
     path = os.environ["PAGEDLLM_LAUNCHER_SERVER"]
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+
+
+def test_a_client_that_says_nothing_does_not_stall_the_server(tiny_model):
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    silent.connect(os.environ["PAGEDLLM_LAUNCHER_SERVER"])
+    try:
+        started = time.monotonic()
+        with LLM(tiny_model("llama"), **ENGINE) as llm:
+            assert parent_of(llm.engine.ready.launcher_pid) != llm.engine.pid, "the server forked its launcher"
+            tokens(llm)
+        assert time.monotonic() - started < 9  # the core's handshake gives up after 10 s
+    finally:
+        silent.close()
