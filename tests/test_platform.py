@@ -20,7 +20,7 @@ from pagedllm.backends.registry import BackendUnavailable, check_available, load
 
 from proc_helpers import children_of, segments_of, workers_of
 
-# the faults on the default path: a worker launcher that is the core's own child
+# the default path, its workers replaced and its processes counted: a launcher that is the core's own child
 pytestmark = pytest.mark.usefixtures("own_launcher")
 
 CHECKOUT = Path(__file__).resolve().parent.parent
