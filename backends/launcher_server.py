@@ -8,9 +8,8 @@ a test suite, a service with an engine per job.
 core uses it when $PAGEDLLM_LAUNCHER_SERVER names SOCKET, and starts a launcher of its own when
 it cannot connect or is refused. A request is refused unless the core's environment (less
 what shells and pytest set: VOLATILE_ENV), working directory, interpreter and CPU affinity are
-the server's: what was
-read at import time (OpenMP's spin count, Triton's interpreter switch, plugins on PYTHONPATH)
-must be what a launcher of the core's own would have read. The forked launcher takes the
+the server's: what was read at import time (OpenMP's spin count, Triton's interpreter switch,
+plugins on PYTHONPATH) must be what a launcher of the core's own would have read. The forked launcher takes the
 connection as its stdin and stdout and the core's stderr (sent with the request), and is the
 server's child, not the core's: it ends, with its workers, when the core closes the connection.
 The socket is its owner's alone (mode 0600): a launcher runs what its core sends it.
@@ -24,10 +23,10 @@ import signal
 import socket
 import sys
 
-START_ENV = dict(os.environ)  # before the launcher's import adds its own settings
-START = {"cwd": os.getcwd(), "executable": sys.executable, "cpus": sorted(os.sched_getaffinity(0))}
+from ..core.local_workers import VOLATILE_ENV, launched_line, process_context
 
-from ..core.local_workers import VOLATILE_ENV, launched_line  # noqa: E402
+START = process_context()  # before the launcher's import adds its own settings to the environment
+
 from . import launcher  # noqa: E402 - torch and the backends, imported once for every launcher forked here
 
 REQUEST_LIMIT = 1 << 20
@@ -36,9 +35,9 @@ REQUEST_TIMEOUT_S = 2.0  # a core sends its request as soon as it connects
 
 def differences(request: dict) -> list[str]:
     """What in a core's request would make a launcher forked here differ from its own."""
-    env = request.get("env", {})
-    names = {k for k in set(env) | set(START_ENV) if k not in VOLATILE_ENV and env.get(k) != START_ENV.get(k)}
-    return [f"${n}" for n in sorted(names)] + [k for k, v in START.items() if request.get(k) != v]
+    env, start_env = request.get("env", {}), START["env"]
+    names = {k for k in set(env) | set(start_env) if k not in VOLATILE_ENV and env.get(k) != start_env.get(k)}
+    return [f"${n}" for n in sorted(names)] + [k for k, v in START.items() if k != "env" and request.get(k) != v]
 
 
 def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:

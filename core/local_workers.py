@@ -30,6 +30,18 @@ class LauncherGone(EngineFailure):
     pass
 
 
+def process_context() -> dict:
+    """What a launcher's import and its workers depend on besides the code: this process's
+    environment, working directory, interpreter and CPU affinity (a launcher server serves a
+    core whose context is its own)."""
+    return {
+        "env": dict(os.environ),
+        "cwd": os.getcwd(),
+        "executable": sys.executable,
+        "cpus": sorted(os.sched_getaffinity(0)),
+    }
+
+
 def launched_line(pid: int) -> bytes:
     """A served launcher's first line to its core."""
     return f"launched {pid}\n".encode()
@@ -83,14 +95,7 @@ class ServedLauncher:
     @classmethod
     def connect(cls, path: str) -> ServedLauncher | None:
         """One forked for this core, or None (no server there, or it refused: the reason is logged)."""
-        request = json.dumps(
-            {
-                "env": dict(os.environ),
-                "cwd": os.getcwd(),
-                "executable": sys.executable,
-                "cpus": sorted(os.sched_getaffinity(0)),
-            }
-        ).encode()
+        request = json.dumps(process_context()).encode()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(HANDSHAKE_S)
         try:

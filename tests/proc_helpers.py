@@ -55,8 +55,11 @@ def workers_of(core_pid: int, launcher_pid: int | None = None) -> list[int]:
     child, or a launcher server's: EngineReady.launcher_pid)."""
     if launcher_pid is not None:
         return children_of(launcher_pid)
-    launchers = [p for p in children_of(core_pid) if parent_of(p) == core_pid]
-    return [p for launcher in launchers for p in children_of(launcher)]
+    return [p for launcher in direct_children(core_pid) for p in children_of(launcher)]
+
+
+def direct_children(pid: int) -> list[int]:
+    return [p for p in children_of(pid) if parent_of(p) == pid]
 
 
 def engine_processes(engine) -> list[int]:

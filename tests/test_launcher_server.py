@@ -13,8 +13,9 @@ import time
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.core.local_workers import LAUNCHER_SERVER_ENV
 
-from proc_helpers import children_of, parent_of, wait_until
+from proc_helpers import children_of, direct_children, parent_of, wait_until
 
 PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 ENGINE = dict(num_kv_blocks=64, max_model_len=256, skip_tokenizer_init=True)
@@ -24,12 +25,8 @@ ENGINE = dict(num_kv_blocks=64, max_model_len=256, skip_tokenizer_init=True)
 def listening(launcher_server):
     """The session's server binds its socket once it has imported torch: wait for it (an engine
     that starts before then gets a launcher of its own)."""
-    path = os.environ["PAGEDLLM_LAUNCHER_SERVER"]
+    path = os.environ[LAUNCHER_SERVER_ENV]
     assert wait_until(lambda: os.path.exists(path), timeout_s=60)
-
-
-def served_launchers(server: int) -> list[int]:
-    return [p for p in children_of(server) if parent_of(p) == server]
 
 
 def tokens(llm: LLM) -> list[int]:
@@ -41,7 +38,7 @@ def test_a_served_launcher_replaces_a_killed_worker_and_ends_with_its_engine(tin
     with LLM(tiny_model("llama"), max_worker_restarts=1, **ENGINE) as llm:
         core = llm.engine.pid
         assert not children_of(core), "the launcher is the server's child, not the core's"
-        (launcher,) = served_launchers(server)
+        (launcher,) = direct_children(server)
         assert llm.engine.ready.launcher_pid == launcher
         (worker,) = children_of(launcher)
         # the launcher and its workers log where the core does
@@ -76,13 +73,13 @@ def test_an_engine_in_another_environment_starts_its_own_launcher(tiny_model, la
 
 
 def test_the_server_socket_is_its_owners_alone():
-    path = os.environ["PAGEDLLM_LAUNCHER_SERVER"]
+    path = os.environ[LAUNCHER_SERVER_ENV]
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
 
 
 def test_a_client_that_says_nothing_does_not_stall_the_server(tiny_model):
     silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    silent.connect(os.environ["PAGEDLLM_LAUNCHER_SERVER"])
+    silent.connect(os.environ[LAUNCHER_SERVER_ENV])
     try:
         started = time.monotonic()
         with LLM(tiny_model("llama"), **ENGINE) as llm:
