@@ -80,7 +80,7 @@ def test_tokens_are_those_without_speculation_through_preemption_and_prefix_hits
     some draft-model proposals; the random windowed model rejects nearly all, and rolls them
     back in tables whose early blocks were released behind the window."""
     if model == "demo":
-        path, prompts, configs = None, quoting_prompts(6), (NGRAM, DEMO_DRAFT)
+        path, prompts, configs = None, quoting_prompts(6, chars=600), (NGRAM, DEMO_DRAFT)
         engine = dict(num_kv_blocks=48, max_model_len=512, max_num_batched_tokens=256)
     else:
         path, prompts, configs = tiny_model("mistral", sliding_window=24), looping_prompts(12), (NGRAM,)
