@@ -293,7 +293,14 @@ class EngineCore:
             self._step_mark = now
             self.forward_seconds += result.forward_seconds
             if not in_flight and sched.has_unfinished_requests() and not self.stopping:
-                self._send_step()
+                try:
+                    self._send_step()
+                except WorkerFailure:
+                    # the worker died after answering: its step stands, and a request it ended is
+                    # gone from the scheduler, so its last tokens go out now or never
+                    self._collect(outputs, result)
+                    self._flush_outputs()
+                    raise
             self._collect(outputs, result)  # after the next step is on its way
             if not in_flight:
                 self._flush_outputs()

@@ -240,3 +240,77 @@ def test_streaming_clients_of_the_server_see_no_error_across_a_worker_kill(tiny_
         assert srv.get("/health")[0] == 200
     finally:
         srv.stop()
+
+
+# Imported by the engine's processes in the test below. The first worker, once it has sent its
+# RESULTS-th step result, closes its socket (the result goes out first) and exits; the core's
+# next step waits until then, so that it reads the result of a step that ended a request and
+# then finds the worker gone. A marker file keeps the replacement from doing the same.
+DIE_AFTER_RESULT = """
+import os
+import time
+
+from pagedllm.backends import worker
+from pagedllm.core import worker_group
+from pagedllm.core.protocol import Step, StepResult
+
+_send, _sent = worker.CoreLink.send, [0]
+_broadcast, _steps = worker_group.WorkerGroup.broadcast, [0]
+
+
+def _send_then_die(self, message):
+    _send(self, message)
+    if isinstance(message, StepResult):
+        _sent[0] += 1
+        if _sent[0] == {results} and not os.path.exists({marker!r}):
+            self.sock.close(linger=5000)
+            self.sock.context.term()
+            open({marker!r}, "w").close()
+            os._exit(9)
+
+
+def _broadcast_once_the_worker_is_gone(self, message):
+    _steps[0] += isinstance(message, Step)
+    # one step at a time: the step after the RESULTS-th result
+    if isinstance(message, Step) and _steps[0] == {results} + 1:
+        while not os.path.exists({marker!r}):
+            time.sleep(0.01)
+        time.sleep(0.5)  # the socket hears of the closed connection
+    _broadcast(self, message)
+
+
+worker.CoreLink.send = _send_then_die
+worker_group.WorkerGroup.broadcast = _broadcast_once_the_worker_is_gone
+"""
+
+
+def test_a_worker_gone_after_the_step_that_ended_a_request_loses_none_of_its_tokens(tiny_model, tmp_path, monkeypatch):
+    """The worker dies right after answering the step in which one request reached its length:
+    the core, sending the next step for the other request, finds it gone. The ended request's
+    last token (sent with that step's outputs) must still reach the client, or it waits for ever.
+    Async scheduling is off: with it the next step has usually been sent before the result comes.
+    (The five-kill test above met this once in a CI run: a client left waiting.)"""
+    path = tiny_model("llama")
+    params = [
+        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+    ]
+    prompts = [[5, 6, 7], [8, 9, 10, 11]]
+    engine = dict(num_kv_blocks=16, max_model_len=64, skip_tokenizer_init=True, async_scheduling=False)
+    with LLM(path, **engine) as llm:
+        expected = tokens_of(llm.generate(prompts, params, use_tqdm=False))
+    marker = tmp_path / "died"
+    (tmp_path / "sitecustomize.py").write_text(DIE_AFTER_RESULT.format(results=3, marker=str(marker)))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    done: list = []
+    with LLM(path, **engine, max_worker_restarts=1) as llm:
+        thread = threading.Thread(target=lambda: done.append(tokens_of(llm.generate(prompts, params, use_tqdm=False))))
+        thread.start()
+        thread.join(timeout=20)
+        stats = llm.last_stats
+        if thread.is_alive():
+            llm.shutdown()  # ends the wait with an error in the thread
+            thread.join(timeout=10)
+    assert marker.exists(), "the worker was meant to die"
+    assert done == [expected], "a request's last tokens were lost with the worker"
+    assert stats.worker_restarts == 1
