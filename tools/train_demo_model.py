@@ -234,6 +234,14 @@ def copy_accuracy(model, vocab: int, copies: int = 16, span: int = 100) -> float
     return (guess == noise[:, 1:]).float().mean().item()
 
 
+def descend(model, opt, loss: torch.Tensor) -> None:
+    """One optimizer step on `loss`, its gradient clipped to norm 1."""
+    opt.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+
+
 def learn_to_copy(model, opt, args, vocab: int, gen: torch.Generator, seq: int = 128, target: float = 0.9) -> None:
     """Copy lessons alone, 32 short rows a step at `--copy-lr`, until the model copies spans of
     seq/4 random tokens (the `target` share of next tokens right). Short rows: the step where it
@@ -246,10 +254,7 @@ def learn_to_copy(model, opt, args, vocab: int, gen: torch.Generator, seq: int =
         copies, labels = copy_lessons(32, seq, vocab, gen)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16_autocast):
             loss = model(input_ids=copies, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        descend(model, opt, loss)
         step += 1
         if step % 50 == 0:
             model.eval()
@@ -348,12 +353,12 @@ def main(argv=None):
                 rms_norm_eps=1e-5,
             )
         )
-    held_out = [tokenizer.encode(t) for t in held_out_texts()]
+    held_out = [tokenizer.encode(t) for t in held_out_texts()] if args.eval_every else []
     params = sum(p.numel() for p in model.parameters())
     print(f"model: {params / 1e6:.1f}M parameters")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     batch, budget = args.batch, args.minutes * 60
-    start, step, losses = time.time(), 0, []
+    step, losses = 0, []
     gen = torch.Generator().manual_seed(args.seed)
     model.train()
     quotes = stdlib_source_ids(tokenizer) if args.quote_source else None
@@ -373,10 +378,7 @@ def main(argv=None):
             if args.copy_rows:
                 copies, labels = copy_lessons(args.copy_rows, args.copy_seq, len(tokenizer), gen, quotes)
                 loss = loss + model(input_ids=copies, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        descend(model, opt, loss)
         losses.append(loss.item())
         step += 1
         if step % 50 == 0:
