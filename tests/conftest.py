@@ -10,6 +10,8 @@ import pytest
 from pagedllm.core.local_workers import LAUNCHER_SERVER_ENV
 from pagedllm.fixtures.tiny_models import make_model_dir
 
+from proc_helpers import pythonpath_with
+
 CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -85,8 +87,7 @@ def launcher_server(tmp_path_factory):
 
 def plugin_environment(site) -> dict[str, str]:
     """The variables that put the plugin package on the path of the processes a test starts."""
-    old = os.environ.get("PYTHONPATH")
-    return {"PYTHONPATH": str(site) + (os.pathsep + old if old else "")}
+    return {"PYTHONPATH": pythonpath_with(site)}
 
 
 @pytest.fixture(scope="session")

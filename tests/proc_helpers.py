@@ -78,3 +78,8 @@ def parent_of(pid: int) -> int | None:
             return int(f.read().rsplit(")", 1)[1].split()[1])
     except OSError:
         return None
+
+
+def pythonpath_with(folder) -> str:
+    """$PYTHONPATH with `folder` first: what the processes a test starts import from."""
+    return os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))

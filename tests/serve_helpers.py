@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagedllm.core.ipc import free_tcp_port
 from pagedllm.core.local_workers import LAUNCHER_SERVER_ENV
 
-from proc_helpers import children_of, is_running, segments_of, wait_until
+from proc_helpers import children_of, is_running, pythonpath_with, segments_of, wait_until
 
 
 class ServerProcess:
@@ -149,4 +149,4 @@ def strict_template_model(base: str, path: str) -> str:
 def planted_bug_env(folder) -> dict:
     """The environment under which Python processes import the planted bug (from `folder`)."""
     (folder / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")])))
+    return dict(os.environ, PYTHONPATH=pythonpath_with(folder))

@@ -19,7 +19,7 @@ from pagedllm import LLM, SamplingParams, StructuredOutputsParams
 from pagedllm.entrypoints.engine_client import EngineDeadError
 from pagedllm.entrypoints.zmq_client import AsyncZmqClient
 
-from proc_helpers import engine_processes, is_running, segments_of, wait_until, workers_of
+from proc_helpers import engine_processes, is_running, pythonpath_with, segments_of, wait_until, workers_of
 from serve_helpers import ServerProcess
 
 
@@ -301,7 +301,7 @@ def test_a_worker_gone_after_the_step_that_ended_a_request_loses_none_of_its_tok
         expected = tokens_of(llm.generate(prompts, params, use_tqdm=False))
     marker = tmp_path / "died"
     (tmp_path / "sitecustomize.py").write_text(DIE_AFTER_RESULT.format(results=3, marker=str(marker)))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("PYTHONPATH", pythonpath_with(tmp_path))
     done: list = []
     with LLM(path, **engine, max_worker_restarts=1) as llm:
         thread = threading.Thread(target=lambda: done.append(tokens_of(llm.generate(prompts, params, use_tqdm=False))))
