@@ -11,11 +11,12 @@ Its draft model for speculative decoding (one layer, the demo model's tokenizer)
 
 Teaching it to quote a passage it was given (what n-gram speculation pays on) — an experiment,
 not what ships (docs/bench, 2026-12-06): copy lessons (random tokens, then the same again)
-first, until it copies, then beside the text, half of them quoting the standard library's source:
+first, until it copies, then text (three quarters of it docstrings of larger packages) beside
+quote lessons (prose never trained on as text, given again and again):
 
     python tools/train_demo_model.py --tokenizer assets/demo-model --out /tmp/demo-quoting \
-        --seq 512 --batch 8 --copy-first --copy-rows 16 --copy-seq 256 --quote-source \
-        --bf16-autocast --eval-every 100 --minutes 12 --lr 2e-3
+        --seq 512 --batch 8 --docstrings 0.75 --quote-rows 4 --copy-first \
+        --bf16-autocast --eval-every 250 --minutes 30 --lr 2e-3
 
 Held out from training (for the loss test): every 10th pydoc topic, in sorted order.
 """
@@ -140,6 +141,8 @@ STDLIB_MODULES = [
     "zipfile",
     "zlib",
 ]
+# prose beyond the standard library's (--docstrings): packages pagedllm's dependencies install
+DOCSTRING_PACKAGES = ["numpy", "sympy", "networkx", "torch", "transformers"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
@@ -176,15 +179,87 @@ def training_texts() -> list[str]:
     return texts
 
 
+def package_docstrings() -> tuple[list[str], list[str]]:
+    """The docstrings of over 200 characters in DOCSTRING_PACKAGES' source, read with ast (nothing
+    imported), in a fixed order: every 8th file's for quote lessons only, the rest as text."""
+    import ast
+    import glob
+    import importlib.util
+
+    text, quotes = [], []
+    for name in DOCSTRING_PACKAGES:
+        root = os.path.dirname(importlib.util.find_spec(name).origin)
+        for i, path in enumerate(sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True))):
+            try:
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    tree = ast.parse(f.read())
+            except (SyntaxError, ValueError):
+                continue
+            kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+            docs = [ast.get_docstring(n) for n in ast.walk(tree) if isinstance(n, kinds)]
+            (quotes if i % 8 == 0 else text).extend(d for d in docs if d and len(d) > 200)
+    return text, quotes
+
+
+def token_stream(tokenizer, texts: list[str]) -> torch.Tensor:
+    """The texts tokenized one after another, each ended by EOS."""
+    ids = []
+    for chunk in tokenizer(texts)["input_ids"]:
+        ids += chunk + [tokenizer.eos_token_id]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def windows(data: torch.Tensor, rows: int, seq: int, gen: torch.Generator) -> torch.Tensor:
+    starts = torch.randint(0, len(data) - seq - 1, (rows,), generator=gen)
+    return torch.stack([data[s : s + seq] for s in starts])
+
+
+def quote_rows(rows: int, seq: int, source: torch.Tensor, sep: list[int], gen: torch.Generator):
+    """Rows of a window of prose given again and again, a blank line between (as
+    bench_speculative's prompts quote a passage): labels from the third reading on, so that the
+    model learns to go on quoting a passage already quoted, not to repeat any paragraph it has
+    just written (a greedy demo model that does loops). `source` is prose the model never trains
+    on as text, so a repeat can only be copied, not recalled."""
+    x = torch.empty(rows, seq, dtype=torch.long)
+    labels = torch.full((rows, seq), -100)
+    for row in range(rows):
+        span = int(torch.randint(16, seq // 4, (1,), generator=gen))
+        at = int(torch.randint(0, len(source) - span, (1,), generator=gen))
+        passage = torch.cat([source[at : at + span], torch.tensor(sep)])
+        x[row] = passage.repeat(seq // len(passage) + 1)[:seq]
+        labels[row, 2 * len(passage) :] = x[row, 2 * len(passage) :]
+    return x, labels
+
+
+@torch.inference_mode()
+def quote_accuracy(model, tokenizer, texts: list[str], chars: int = 400) -> float:
+    """bench_speculative's prompt shape on held-out topics (a passage, the passage again, its
+    start): how often the greedy next token on the third reading, past its first quarter, is the
+    passage's — what n-gram proposals are kept on."""
+    right = total = 0
+    for text in [t for t in texts if len(t) >= 700][:12]:
+        p = text[:chars]
+        head = tokenizer.encode(f"{p}\n\n{p}\n\n{p[: chars // 4]}")
+        ids = torch.tensor([tokenizer.encode(f"{p}\n\n{p}\n\n{p}")])
+        guess = model(input_ids=ids).logits[0, len(head) - 1 : -1].argmax(-1)
+        right += (guess == ids[0, len(head) :]).sum().item()
+        total += ids.shape[1] - len(head)
+    return right / total
+
+
 @torch.inference_mode()
 def evaluate(model, tokenizer, held_out: list[list[int]]) -> str:
-    """Held-out loss (the first 16 topics' first 256 tokens) and random-copy accuracy."""
+    """Held-out loss (the first 16 topics' first 256 tokens), random-copy accuracy and quoting
+    accuracy on held-out topics."""
     total = count = 0
     for ids in held_out[:16]:
         chunk = torch.tensor([ids[:256]])
         total += model(input_ids=chunk, labels=chunk).loss.item() * (chunk.shape[1] - 1)
         count += chunk.shape[1] - 1
-    return f"held-out loss {total / count:.3f}, random copy {copy_accuracy(model, len(tokenizer)):.1%}"
+    return (
+        f"held-out loss {total / count:.3f}, random copy {copy_accuracy(model, len(tokenizer)):.1%}, "
+        f"quoting {quote_accuracy(model, tokenizer, held_out_texts()):.1%}"
+    )
 
 
 def stdlib_source_ids(tokenizer) -> torch.Tensor:
@@ -307,6 +382,22 @@ def main(argv=None):
     )
     ap.add_argument("--copy-lr", type=float, default=1e-3, help="learning rate of the copy-first lessons")
     ap.add_argument(
+        "--docstrings",
+        type=float,
+        default=0.0,
+        metavar="SHARE",
+        help="this share of the text rows from the docstrings of numpy, sympy, networkx, torch and transformers "
+        "(a corpus ~25x the standard library's, so that long training does not memorise it)",
+    )
+    ap.add_argument(
+        "--quote-rows",
+        type=int,
+        default=0,
+        help="rows a step of a window of prose given again and again (every 8th file of --docstrings' packages, "
+        "never trained on as text), the loss on the repeats",
+    )
+    ap.add_argument("--quote-weight", type=float, default=1.0, help="the quote rows' loss against the text's")
+    ap.add_argument(
         "--bf16-autocast",
         action="store_true",
         help="run the forward and backward passes under bfloat16 autocast (weights and optimizer stay float32); "
@@ -325,14 +416,15 @@ def main(argv=None):
     tokenizer_from = args.init or args.tokenizer
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_from) if tokenizer_from else train_tokenizer(texts)
     eos = tokenizer.eos_token_id
-    ids = []
-    for text in texts:
-        ids += tokenizer.encode(text) + [eos]
-    data = torch.tensor(ids, dtype=torch.long)
+    data = token_stream(tokenizer, texts)
     print(
-        f"corpus: {len(texts)} texts, {sum(map(len, texts))} characters, {len(ids)} tokens; "
+        f"corpus: {len(texts)} texts, {sum(map(len, texts))} characters, {len(data)} tokens; "
         f"tokenizer trained in {time.time() - t0:.0f} s"
     )
+    if args.docstrings or args.quote_rows:
+        doc_texts, quote_texts = package_docstrings()
+        docs, prose_quotes = token_stream(tokenizer, doc_texts), token_stream(tokenizer, quote_texts)
+        print(f"docstrings: {len(docs)} tokens of text, {len(prose_quotes)} for quotes, {time.time() - t0:.0f} s")
 
     if args.init:  # its shape is the saved one: --layers and --hidden do not apply
         model = LlamaForCausalLM.from_pretrained(args.init, dtype=torch.float32)
@@ -370,11 +462,15 @@ def main(argv=None):
         lr = args.lr * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         for group in opt.param_groups:
             group["lr"] = lr
-        seq = args.seq
-        starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=gen)
-        x = torch.stack([data[s : s + seq] for s in starts])
+        from_docs = round(batch * args.docstrings)
+        x = windows(data, batch - from_docs, args.seq, gen)
+        if from_docs:
+            x = torch.cat([x, windows(docs, from_docs, args.seq, gen)])
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16_autocast):
             loss = model(input_ids=x, labels=x).loss
+            if args.quote_rows:
+                quoted, labels = quote_rows(args.quote_rows, args.seq, prose_quotes, tokenizer.encode("\n") * 2, gen)
+                loss = loss + args.quote_weight * model(input_ids=quoted, labels=labels).loss
             if args.copy_rows:
                 copies, labels = copy_lessons(args.copy_rows, args.copy_seq, len(tokenizer), gen, quotes)
                 loss = loss + model(input_ids=copies, labels=labels).loss
