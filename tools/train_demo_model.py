@@ -276,7 +276,7 @@ def stdlib_source_ids(tokenizer) -> torch.Tensor:
 
 
 def copy_lessons(
-    rows: int, seq: int, vocab: int, gen: torch.Generator, quotes: torch.Tensor | None = None
+    rows: int, seq: int, vocab: int, gen: torch.Generator, quotes: torch.Tensor | None = None, alphabet: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of spans of random tokens (or, half of them, windows of `quotes`), each span followed
     by itself; labels only on the repeats. Not text from the corpus: the model would recall it
@@ -291,6 +291,9 @@ def copy_lessons(
             if quotes is not None and torch.rand((), generator=gen) < 0.5:
                 at_quote = int(torch.randint(0, len(quotes) - span, (1,), generator=gen))
                 noise = quotes[at_quote : at_quote + span]
+            elif alphabet:  # a token many times a span: only the tokens before it say where to go on
+                letters = torch.randperm(vocab - 3, generator=gen)[:alphabet] + 3
+                noise = letters[torch.randint(0, alphabet, (span,), generator=gen)]
             else:
                 noise = torch.randint(3, vocab, (span,), generator=gen)  # past pad, bos, eos (0-2)
             episode = torch.cat([noise, noise])[: seq - at]
@@ -366,6 +369,13 @@ def main(argv=None):
         default=0,
         help="rows of copy lessons added to each step: spans of random tokens, each followed by the same span "
         "again, the loss on the repeats (to teach quoting: what speculative decoding's n-gram proposals pay on)",
+    )
+    ap.add_argument(
+        "--copy-alphabet",
+        type=int,
+        default=0,
+        help="draw each copy span from this many tokens, so that a token recurs in it and copying must match "
+        "the several tokens before (0: the whole vocabulary)",
     )
     ap.add_argument("--copy-seq", type=int, default=256, help="length of a copy-lesson row")
     ap.add_argument(
@@ -472,7 +482,9 @@ def main(argv=None):
                 quoted, labels = quote_rows(args.quote_rows, args.seq, prose_quotes, tokenizer.encode("\n") * 2, gen)
                 loss = loss + args.quote_weight * model(input_ids=quoted, labels=labels).loss
             if args.copy_rows:
-                copies, labels = copy_lessons(args.copy_rows, args.copy_seq, len(tokenizer), gen, quotes)
+                copies, labels = copy_lessons(
+                    args.copy_rows, args.copy_seq, len(tokenizer), gen, quotes, args.copy_alphabet
+                )
                 loss = loss + model(input_ids=copies, labels=labels).loss
         descend(model, opt, loss)
         losses.append(loss.item())
