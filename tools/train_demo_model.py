@@ -396,7 +396,7 @@ def main(argv=None):
         type=float,
         default=0.0,
         metavar="SHARE",
-        help="this share of the text rows from the docstrings of numpy, sympy, networkx, torch and transformers "
+        help=f"this share of the text rows from the docstrings of {', '.join(DOCSTRING_PACKAGES)} "
         "(a corpus ~25x the standard library's, so that long training does not memorise it)",
     )
     ap.add_argument(
@@ -404,7 +404,7 @@ def main(argv=None):
         type=int,
         default=0,
         help="rows a step of a window of prose given again and again (every 8th file of --docstrings' packages, "
-        "never trained on as text), the loss on the repeats",
+        "never trained on as text), the loss from its third reading on",
     )
     ap.add_argument("--quote-weight", type=float, default=1.0, help="the quote rows' loss against the text's")
     ap.add_argument(
@@ -464,6 +464,7 @@ def main(argv=None):
     gen = torch.Generator().manual_seed(args.seed)
     model.train()
     quotes = stdlib_source_ids(tokenizer) if args.quote_source else None
+    blank_line = tokenizer.encode("\n") * 2
     if args.copy_first:
         learn_to_copy(model, opt, args, len(tokenizer), gen)
     start = time.time()
@@ -479,7 +480,7 @@ def main(argv=None):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16_autocast):
             loss = model(input_ids=x, labels=x).loss
             if args.quote_rows:
-                quoted, labels = quote_rows(args.quote_rows, args.seq, prose_quotes, tokenizer.encode("\n") * 2, gen)
+                quoted, labels = quote_rows(args.quote_rows, args.seq, prose_quotes, blank_line, gen)
                 loss = loss + args.quote_weight * model(input_ids=quoted, labels=labels).loss
             if args.copy_rows:
                 copies, labels = copy_lessons(
