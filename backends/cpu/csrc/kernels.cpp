@@ -193,13 +193,13 @@ inline __m256 fold_halves(__m512 v) {
 // their eight dot products summed across lanes together instead of one by one.
 template <int64_t HS, class T>
 void block_scores(const float* q, const T* k, int64_t n, int64_t num_heads, int64_t group,
-                  int64_t head_size, int64_t token_stride, int64_t block_size, float scale,
+                  int64_t head_size, int64_t token_stride, int64_t score_stride, float scale,
                   float* scores, Prefetcher& pf) {
   const int64_t hs = HS ? HS : head_size;
   for (int64_t h = 0; h < num_heads; ++h) {
     const float* qh = q + h * hs;
     const T* kh = k + (h / group) * hs;
-    float* sh = scores + h * block_size;
+    float* sh = scores + h * score_stride;
     int64_t t = 0;
 #ifdef PAGEDLLM_AVX512
     if (hs % 16 == 0) {
@@ -246,11 +246,11 @@ void block_scores(const float* q, const T* k, int64_t n, int64_t num_heads, int6
 // a local array (registers, when HS is known) instead of memory for every token.
 template <int64_t HS, class T>
 void block_values(const float* p, const T* v, int64_t n, int64_t num_heads, int64_t group,
-                  int64_t head_size, int64_t token_stride, int64_t block_size, float* acc, Prefetcher& pf) {
+                  int64_t head_size, int64_t token_stride, int64_t score_stride, float* acc, Prefetcher& pf) {
   const int64_t hs = HS ? HS : head_size;
   for (int64_t h = 0; h < num_heads; ++h) {
     const T* vh = v + (h / group) * hs;
-    const float* ph = p + h * block_size;
+    const float* ph = p + h * score_stride;
     float* a = acc + h * hs;
 #ifdef PAGEDLLM_AVX512
     if constexpr (HS > 0 && HS % 16 == 0) {
@@ -302,30 +302,30 @@ void block_values(const float* p, const T* v, int64_t n, int64_t num_heads, int6
 }
 
 // Gemma 2's soft-capping: scores[h][0:n] = cap * tanh(score / cap); cap <= 0: unchanged.
-inline void cap_scores(float* scores, int64_t n, int64_t num_heads, int64_t block_size, float cap) {
+inline void cap_scores(float* scores, int64_t n, int64_t num_heads, int64_t score_stride, float cap) {
   if (cap <= 0.f) return;
   const float inv = 1.f / cap;
   for (int64_t h = 0; h < num_heads; ++h)
-    for (float *s = scores + h * block_size, *e = s + n; s != e; ++s) *s = cap * std::tanh(*s * inv);
+    for (float *s = scores + h * score_stride, *e = s + n; s != e; ++s) *s = cap * std::tanh(*s * inv);
 }
 
 // scores[h][t] *= K's scale of token t for head h's KV head
 inline void scale_scores(float* scores, const BlockScales& bs, int64_t n, int64_t num_heads, int64_t group,
-                         int64_t block_size) {
+                         int64_t score_stride) {
   for (int64_t h = 0; h < num_heads; ++h) {
     const float* k = bs.k + h / group;
-    float* s = scores + h * block_size;
+    float* s = scores + h * score_stride;
     for (int64_t t = 0; t < n; ++t) s[t] *= k[t * bs.kv_heads];
   }
 }
 
 // weighted[h][t] = p[h][t] * V's scale of token t for head h's KV head
 inline const float* weigh_probabilities(const float* p, const BlockScales& bs, int64_t n, int64_t num_heads,
-                                        int64_t group, int64_t block_size) {
+                                        int64_t group, int64_t score_stride) {
   for (int64_t h = 0; h < num_heads; ++h) {
     const float* v = bs.v + h / group;
-    const float* ph = p + h * block_size;
-    float* w = bs.weighted + h * block_size;
+    const float* ph = p + h * score_stride;
+    float* w = bs.weighted + h * score_stride;
     for (int64_t t = 0; t < n; ++t) w[t] = ph[t] * v[t * bs.kv_heads];
   }
   return bs.weighted;
@@ -333,10 +333,10 @@ inline const float* weigh_probabilities(const float* p, const BlockScales& bs, i
 
 // The online softmax over one more block: scores[h][0:n] become exp(score - running max); the
 // running sums and the unnormalised outputs are rescaled to the new max.
-inline void softmax_update(float* scores, int64_t n, int64_t num_heads, int64_t head_size, int64_t block_size,
+inline void softmax_update(float* scores, int64_t n, int64_t num_heads, int64_t head_size, int64_t score_stride,
                            float* max, float* sum, float* acc) {
   for (int64_t h = 0; h < num_heads; ++h) {
-    float* s = scores + h * block_size;
+    float* s = scores + h * score_stride;
     const float m = max_of(s, n, max[h]);
     const float rescale = exp_clamped(max[h] - m);  // ~0 on the first block
     const float block_sum = exp_shifted(s, n, m);
@@ -369,7 +369,7 @@ inline void round_to_bf16(const float* x, int64_t n, bf16* out) {
 // order as alone, so a head's result does not depend on P.
 template <int64_t HS, int P>
 void block_scores_dot(const bf16* q, const bf16* k, int64_t n, int64_t num_heads, int64_t group,
-                      int64_t token_stride, int64_t block_size, float scale, float* scores, Prefetcher& pf) {
+                      int64_t token_stride, int64_t score_stride, float scale, float* scores, Prefetcher& pf) {
   constexpr int64_t C = HS / 32;
   const __m256 scale_v = _mm256_set1_ps(scale);
   for (int64_t h0 = 0; h0 < num_heads; h0 += P) {
@@ -390,7 +390,7 @@ void block_scores_dot(const bf16* q, const bf16* k, int64_t n, int64_t num_heads
       for (int i = 0; i < P; ++i) {
         __m256 halves[8];
         for (int j = 0; j < 8; ++j) halves[j] = fold_halves(acc[i][j]);
-        _mm256_storeu_ps(scores + (h0 + i) * block_size + t, _mm256_mul_ps(sums_of_eight(halves), scale_v));
+        _mm256_storeu_ps(scores + (h0 + i) * score_stride + t, _mm256_mul_ps(sums_of_eight(halves), scale_v));
       }
       pf.step();
     }
@@ -400,7 +400,7 @@ void block_scores_dot(const bf16* q, const bf16* k, int64_t n, int64_t num_heads
           __m512 acc = _mm512_setzero_ps();
           for (int64_t c = 0; c < C; ++c)
             acc = _mm512_dpbf16_ps(acc, qv[i][c], load_bf16x32(kh + t * token_stride + 32 * c));
-          scores[(h0 + i) * block_size + t] = _mm512_reduce_add_ps(acc) * scale;
+          scores[(h0 + i) * score_stride + t] = _mm512_reduce_add_ps(acc) * scale;
         }
       pf.step();
     }
@@ -413,7 +413,7 @@ void block_scores_dot(const bf16* q, const bf16* k, int64_t n, int64_t num_heads
 // p16: P rounded rows of probabilities, p16_stride apart.
 template <int64_t HS, int P>
 void block_values_dot(const float* p, const bf16* v, int64_t n, int64_t num_heads, int64_t group,
-                      int64_t token_stride, int64_t block_size, float* acc, bf16* p16, int64_t p16_stride,
+                      int64_t token_stride, int64_t score_stride, float* acc, bf16* p16, int64_t p16_stride,
                       Prefetcher& pf) {
   constexpr int64_t C = HS / 32;
   alignas(64) static const int32_t uninterleave[32] = {0,  1,  2,  3,  16, 17, 18, 19, 4,  5,  6,
@@ -423,7 +423,7 @@ void block_values_dot(const float* p, const bf16* v, int64_t n, int64_t num_head
   for (int64_t h0 = 0; h0 < num_heads; h0 += P) {
     const bf16* vh = v + (h0 / group) * HS;
     // an odd n is paired with a 0
-    for (int i = 0; i < P; ++i) round_to_bf16(p + (h0 + i) * block_size, n, p16 + i * p16_stride);
+    for (int i = 0; i < P; ++i) round_to_bf16(p + (h0 + i) * score_stride, n, p16 + i * p16_stride);
     __m512 lo[P][C], hi[P][C];
     for (int i = 0; i < P; ++i)
       for (int64_t c = 0; c < C; ++c) lo[i][c] = hi[i][c] = _mm512_setzero_ps();
@@ -460,40 +460,68 @@ void block_values_dot(const float* p, const bf16* v, int64_t n, int64_t num_head
   }
 }
 
-template <int64_t HS, int P>
-void attend_block_dot(const bf16* q16, const bf16* k_block, const bf16* v_block, int64_t n, int64_t num_heads,
-                      int64_t group, int64_t token_stride, int64_t block_size, float scale, float soft_cap,
-                      float* scores, float* max, float* sum, float* acc, bf16* p16, int64_t p16_stride,
-                      Prefetcher& pf) {
-  block_scores_dot<HS, P>(q16, k_block, n, num_heads, group, token_stride, block_size, scale, scores, pf);
-  cap_scores(scores, n, num_heads, block_size, soft_cap);
-  softmax_update(scores, n, num_heads, HS, block_size, max, sum, acc);
-  block_values_dot<HS, P>(scores, v_block, n, num_heads, group, token_stride, block_size, acc, p16, p16_stride, pf);
+#endif
+
+// f(std::integral_constant<int64_t, HS>()): the head sizes compiled for (32, 64, 128), else HS = 0
+template <class F>
+void with_head_size(int64_t head_size, F&& f) {
+  switch (head_size) {
+    case 32: f(std::integral_constant<int64_t, 32>()); break;
+    case 64: f(std::integral_constant<int64_t, 64>()); break;
+    case 128: f(std::integral_constant<int64_t, 128>()); break;
+    default: f(std::integral_constant<int64_t, 0>());
+  }
+}
+
+#ifdef PAGEDLLM_AVX512_BF16
+// f(head size, heads per pass) as compile-time constants, for the dot products' head sizes
+template <class F>
+void with_dot_shape(int64_t head_size, bool head_pairs, F&& f) {
+  const auto heads = [&](auto hs) {
+    if (head_pairs) f(hs, std::integral_constant<int, 2>());
+    else f(hs, std::integral_constant<int, 1>());
+  };
+  if (head_size == 32) heads(std::integral_constant<int64_t, 32>());
+  else if (head_size == 64) heads(std::integral_constant<int64_t, 64>());
+  else heads(std::integral_constant<int64_t, 128>());
 }
 #endif
 
-// One block of one row: scores, online-softmax update, values, on K/V of T read in place, or on
-// float32 copies widened into k_wide/v_wide when in_place<HS, T>() says so. 8-bit codes are
-// widened as they are; their scales apply to the scores and to the probabilities.
+// One block's scores for one row, into scores[h][0:n] (score_stride apart): K of T read in place,
+// or a float32 copy widened into k_wide when in_place<HS, T>() says so. 8-bit codes are widened
+// as they are and their scales applied to the scores.
 template <int64_t HS, class T>
-void attend_block(const float* qs, const T* k_block, const T* v_block, int64_t n, int64_t num_heads,
-                  int64_t group, int64_t head_size, int64_t token_stride, int64_t block_size, float scale,
-                  float soft_cap, float* scores, float* max, float* sum, float* acc, float* k_wide, float* v_wide,
-                  const BlockScales& row_scales, Prefetcher& pf) {
+void scores_of_block(const float* qs, const T* k_block, int64_t n, int64_t num_heads, int64_t group,
+                     int64_t head_size, int64_t token_stride, int64_t score_stride, float scale, float* scores,
+                     float* k_wide, const BlockScales& bs, Prefetcher& pf) {
   if constexpr (!in_place<HS, T>()) {
     pagedllm::widen(k_block, n * token_stride, k_wide);
-    pagedllm::widen(v_block, n * token_stride, v_wide);
-    attend_block<HS, float>(qs, k_wide, v_wide, n, num_heads, group, head_size, token_stride, block_size, scale,
-                            soft_cap, scores, max, sum, acc, nullptr, nullptr, row_scales, pf);
+    block_scores<HS, float>(qs, k_wide, n, num_heads, group, head_size, token_stride, score_stride, scale, scores, pf);
   } else {
-    block_scores<HS, T>(qs, k_block, n, num_heads, group, head_size, token_stride, block_size, scale, scores, pf);
-    if (row_scales.k) scale_scores(scores, row_scales, n, num_heads, group, block_size);
-    cap_scores(scores, n, num_heads, block_size, soft_cap);
-    softmax_update(scores, n, num_heads, head_size, block_size, max, sum, acc);
-    const float* p = row_scales.k ? weigh_probabilities(scores, row_scales, n, num_heads, group, block_size) : scores;
-    block_values<HS, T>(p, v_block, n, num_heads, group, head_size, token_stride, block_size, acc, pf);
+    block_scores<HS, T>(qs, k_block, n, num_heads, group, head_size, token_stride, score_stride, scale, scores, pf);
+  }
+  if (bs.k) scale_scores(scores, bs, n, num_heads, group, score_stride);
+}
+
+// acc[h] += the block's probabilities p[h][0:n] times its V rows (an 8-bit cache's V scales
+// folded into the probabilities first), V read in place or widened into v_wide as above.
+template <int64_t HS, class T>
+void values_of_block(const float* p, const T* v_block, int64_t n, int64_t num_heads, int64_t group,
+                     int64_t head_size, int64_t token_stride, int64_t score_stride, float* acc, float* v_wide,
+                     const BlockScales& bs, Prefetcher& pf) {
+  if (bs.k) p = weigh_probabilities(p, bs, n, num_heads, group, score_stride);
+  if constexpr (!in_place<HS, T>()) {
+    pagedllm::widen(v_block, n * token_stride, v_wide);
+    block_values<HS, float>(p, v_wide, n, num_heads, group, head_size, token_stride, score_stride, acc, pf);
+  } else {
+    block_values<HS, T>(p, v_block, n, num_heads, group, head_size, token_stride, score_stride, acc, pf);
   }
 }
+
+// The online softmax is updated once per chunk of up to this many tokens (whole blocks), not once
+// per block: its per-head bookkeeping (the running max, a rescale of the output) cost a quarter
+// of bfloat16 decode attention's time at 16-token blocks (perf, 300-token contexts).
+constexpr int64_t SOFTMAX_CHUNK_TOKENS = 128;
 
 // Attention of query rows over paged K/V. Row r belongs to the request whose block table is
 // block_tables[row_table[r]] and attends to its first row_context[r] tokens (window > 0: to the
@@ -501,10 +529,11 @@ void attend_block(const float* qs, const T* k_block, const T* v_block, int64_t n
 // per new token, each with its causal limit. soft_cap > 0: scores are soft-capped (Gemma 2).
 // q, out: [num_rows, num_heads, head_size] float32; k_cache, v_cache: [num_blocks, block_size,
 // num_kv_heads, head_size] of T; block_tables: [*, table_stride].
-// Rows go to threads a few at a time, each row in one pass with an online softmax: each block's
-// token rows (all KV heads, contiguous) are read once, front to back, for every query head.
-// Where a head size has no in-place path, 16-bit blocks are widened to float32 into a
-// per-thread buffer first (they stay in L1/L2 for the block's computation).
+// Rows go to threads a few at a time, each row in one pass with an online softmax over chunks of
+// whole blocks (SOFTMAX_CHUNK_TOKENS): the chunk's scores block by block (each block's token rows,
+// all KV heads, contiguous, read front to back for every query head), one softmax update, then
+// its values block by block. Where a head size has no in-place path, 16-bit blocks are widened
+// to float32 into a per-thread buffer first (they stay in L1/L2 for the block's computation).
 // An 8-bit cache (T int8_t, e4m3, e5m2) has block_stride elements from block to block (its
 // scales sit after each block's codes) and k_scales/v_scales: [num_blocks, scale_block_stride]
 // float32, token t of a block, KV head g at t * num_kv_heads + g.
@@ -520,21 +549,28 @@ void paged_attention(const float* q, const T* k_cache, const T* v_cache, const i
   const int64_t token_stride = num_kv_heads * head_size;
   if (block_stride == 0) block_stride = block_size * token_stride;
   const int64_t block_elements = block_size * token_stride;
+  const int64_t chunk_blocks = std::max<int64_t>(1, SOFTMAX_CHUNK_TOKENS / block_size);
+  const int64_t score_stride = chunk_blocks * block_size;  // a head's scores of one chunk
 #ifdef PAGEDLLM_AVX512_BF16
   const bool dot = std::is_same_v<T, bf16> && dot_products && (head_size == 32 || head_size == 64 || head_size == 128);
   const bool head_pairs = dot && group % 2 == 0;  // the dot products take a GQA group's heads two at a time
+  // passes over a block's tokens: one per query head, or per pair of heads on the dot products
+  const int64_t passes = head_pairs ? num_heads / 2 : num_heads;
 #else
   (void)dot_products;
+  const int64_t passes = num_heads;
 #endif
+  // prefetch steps in one pass over n tokens: one per 8 tokens. pf.step() is a call, and a call
+  // in a token loop spills the loop's vector registers around it: with a step per token in the
+  // values, bfloat16 decode attention (128 rows of 200 tokens, one layer of the demo model,
+  // in-process) took 0.35-0.44 ms where it takes 0.26-0.29 now.
+  const auto steps_for = [passes](int64_t n) { return passes * ((n + 7) / 8); };
 #pragma omp parallel num_threads(num_threads)
   {
-    // per query head: the block's scores, running max and sum, unnormalised output
-    std::vector<float> scores(num_heads * block_size), max(num_heads), sum(num_heads),
+    // per query head: a chunk's scores, running max and sum, unnormalised output
+    std::vector<float> scores(num_heads * score_stride), max(num_heads), sum(num_heads),
         acc(num_heads * head_size), k_wide(widened ? block_elements : 0), v_wide(widened ? block_elements : 0),
-        weighted(k_scales ? num_heads * block_size : 0);
-    BlockScales row_scales;
-    row_scales.weighted = weighted.data();
-    row_scales.kv_heads = num_kv_heads;
+        weighted(k_scales ? num_heads * score_stride : 0);
 #ifdef PAGEDLLM_AVX512_BF16
     // the row's query and a head's probabilities in bfloat16, for the dot products
     const int64_t p16_stride = (block_size + 15) / 16 * 16;
@@ -558,63 +594,95 @@ void paged_attention(const float* q, const T* k_cache, const T* v_cache, const i
 #ifdef PAGEDLLM_AVX512_BF16
       if (dot) round_to_bf16(qs, num_heads * head_size, q16.data());
 #endif
-      for (int64_t start = lo / block_size * block_size; start < ctx; start += block_size) {
-        const int64_t skip = std::max<int64_t>(0, lo - start);  // the window starts inside this block
-        const int64_t n = std::min(block_size, ctx - start) - skip;
-        const T* k_block = k_cache + table[start / block_size] * block_stride + skip * token_stride;
-        const T* v_block = v_cache + table[start / block_size] * block_stride + skip * token_stride;
+      // block b of the row: its first token seen (the window may start inside it), how many
+      // after it, where they lie, and an 8-bit cache's scales for them
+      const auto skip_of = [&](int64_t b) { return std::max<int64_t>(0, lo - b * block_size); };
+      const auto count_of = [&](int64_t b) { return std::min(block_size, ctx - b * block_size) - skip_of(b); };
+      const auto offset_of = [&](int64_t b) { return table[b] * block_stride + skip_of(b) * token_stride; };
+      const auto scales_of = [&](int64_t b) {
+        BlockScales bs;
         if (k_scales) {
-          const int64_t at = table[start / block_size] * scale_block_stride + skip * num_kv_heads;
-          row_scales.k = k_scales + at, row_scales.v = v_scales + at;
+          const int64_t at = table[b] * scale_block_stride + skip_of(b) * num_kv_heads;
+          bs.k = k_scales + at, bs.v = v_scales + at, bs.weighted = weighted.data(), bs.kv_heads = num_kv_heads;
         }
-        // prefetch steps: one per 8 tokens in the scores and one in the values, per pass of one head
-        // (two on the dot products where a group has an even number). pf.step() is a call, and a
-        // call in a token loop spills the loop's vector registers around it: with a step per
-        // token in the values, bfloat16 decode attention (128 rows of 200 tokens, one layer of
-        // the demo model, in-process) took 0.35-0.44 ms where it takes 0.26-0.29 now.
-#ifdef PAGEDLLM_AVX512_BF16
-        const int64_t passes = head_pairs ? num_heads / 2 : num_heads;
-#else
-        const int64_t passes = num_heads;
-#endif
-        const int64_t steps = 2 * passes * ((n + 7) / 8);
-        if (start + block_size < ctx) {
-          const int64_t next = table[start / block_size + 1] * block_stride;
-          const int64_t rows = std::min(block_size, ctx - start - block_size);
-          pf.start(k_cache + next, v_cache + next, rows * token_stride * sizeof(T), steps);
-        } else if (row + 1 < last && row_context[row + 1] > 0) {
+        return bs;
+      };
+      // the next row's first block, prefetched while this row's last chunk is computed
+      const auto prefetch_next_row = [&](int64_t steps) {
+        if (row + 1 < last && row_context[row + 1] > 0) {
           const int64_t next_ctx = row_context[row + 1];
           const int64_t next_block = window > 0 ? std::max<int64_t>(0, next_ctx - window) / block_size : 0;
-          const int64_t next = block_tables[row_table[row + 1] * table_stride + next_block] * block_stride;
+          const int64_t at = block_tables[row_table[row + 1] * table_stride + next_block] * block_stride;
           const int64_t rows = std::min<int64_t>(block_size, next_ctx - next_block * block_size);
-          pf.start(k_cache + next, v_cache + next, rows * token_stride * sizeof(T), steps);
+          pf.start(k_cache + at, v_cache + at, rows * token_stride * sizeof(T), steps);
         } else {
           pf.stop();
         }
+      };
+      const auto prefetch_block = [&](int64_t b, int64_t steps) {
+        const int64_t at = table[b] * block_stride;
+        const int64_t rows = std::min(block_size, ctx - b * block_size);
+        pf.start(k_cache + at, v_cache + at, rows * token_stride * sizeof(T), steps);
+      };
+      const auto block_scores_at = [&](int64_t b, float* s) {
+        const int64_t n = count_of(b);
+        const T* k_block = k_cache + offset_of(b);
 #ifdef PAGEDLLM_AVX512_BF16
         if constexpr (std::is_same_v<T, bf16>) {
           if (dot) {
-            const auto block = [&](auto hs, auto pairs) {
-              attend_block_dot<decltype(hs)::value, decltype(pairs)::value>(
-                  q16.data(), k_block, v_block, n, num_heads, group, token_stride, block_size, scale, soft_cap,
-                  scores.data(), max.data(), sum.data(), acc.data(), p16.data(), p16_stride, pf);
-            };
-            const auto heads = [&](auto hs) {
-              if (head_pairs) block(hs, std::integral_constant<int, 2>());
-              else block(hs, std::integral_constant<int, 1>());
-            };
-            if (head_size == 32) heads(std::integral_constant<int64_t, 32>());
-            else if (head_size == 64) heads(std::integral_constant<int64_t, 64>());
-            else heads(std::integral_constant<int64_t, 128>());
-            continue;
+            with_dot_shape(head_size, head_pairs, [&](auto hs, auto pairs) {
+              block_scores_dot<decltype(hs)::value, decltype(pairs)::value>(q16.data(), k_block, n, num_heads, group,
+                                                                             token_stride, score_stride, scale, s, pf);
+            });
+            return;
           }
         }
 #endif
-        switch (head_size) {
-          case 32: attend_block<32>(qs, k_block, v_block, n, num_heads, group, head_size, token_stride, block_size, scale, soft_cap, scores.data(), max.data(), sum.data(), acc.data(), k_wide.data(), v_wide.data(), row_scales, pf); break;
-          case 64: attend_block<64>(qs, k_block, v_block, n, num_heads, group, head_size, token_stride, block_size, scale, soft_cap, scores.data(), max.data(), sum.data(), acc.data(), k_wide.data(), v_wide.data(), row_scales, pf); break;
-          case 128: attend_block<128>(qs, k_block, v_block, n, num_heads, group, head_size, token_stride, block_size, scale, soft_cap, scores.data(), max.data(), sum.data(), acc.data(), k_wide.data(), v_wide.data(), row_scales, pf); break;
-          default: attend_block<0>(qs, k_block, v_block, n, num_heads, group, head_size, token_stride, block_size, scale, soft_cap, scores.data(), max.data(), sum.data(), acc.data(), k_wide.data(), v_wide.data(), row_scales, pf);
+        with_head_size(head_size, [&](auto hs) {
+          scores_of_block<decltype(hs)::value, T>(qs, k_block, n, num_heads, group, head_size, token_stride,
+                                                  score_stride, scale, s, k_wide.data(), scales_of(b), pf);
+        });
+      };
+      const auto block_values_at = [&](int64_t b, const float* p) {
+        const int64_t n = count_of(b);
+        const T* v_block = v_cache + offset_of(b);
+#ifdef PAGEDLLM_AVX512_BF16
+        if constexpr (std::is_same_v<T, bf16>) {
+          if (dot) {
+            with_dot_shape(head_size, head_pairs, [&](auto hs, auto pairs) {
+              block_values_dot<decltype(hs)::value, decltype(pairs)::value>(
+                  p, v_block, n, num_heads, group, token_stride, score_stride, acc.data(), p16.data(), p16_stride, pf);
+            });
+            return;
+          }
+        }
+#endif
+        with_head_size(head_size, [&](auto hs) {
+          values_of_block<decltype(hs)::value, T>(p, v_block, n, num_heads, group, head_size, token_stride,
+                                                  score_stride, acc.data(), v_wide.data(), scales_of(b), pf);
+        });
+      };
+      const int64_t end_block = (ctx + block_size - 1) / block_size;
+      for (int64_t c0 = lo / block_size; c0 < end_block; c0 += chunk_blocks) {
+        const int64_t c1 = std::min(end_block, c0 + chunk_blocks);
+        int64_t filled = 0, value_steps = 0;  // the chunk's tokens so far; its values' prefetch steps
+        for (int64_t b = c0; b < c1; ++b) {
+          // the next block of the chunk is fetched while this one's scores are computed; the
+          // chunk's first came in during the previous chunk's (or row's) values
+          if (b + 1 < c1) prefetch_block(b + 1, steps_for(count_of(b)));
+          else pf.stop();
+          block_scores_at(b, scores.data() + filled);
+          cap_scores(scores.data() + filled, count_of(b), num_heads, score_stride, soft_cap);
+          filled += count_of(b);
+          value_steps += steps_for(count_of(b));
+        }
+        softmax_update(scores.data(), filled, num_heads, head_size, score_stride, max.data(), sum.data(), acc.data());
+        if (c1 < end_block) prefetch_block(c1, value_steps);
+        else prefetch_next_row(value_steps);
+        filled = 0;
+        for (int64_t b = c0; b < c1; ++b) {
+          block_values_at(b, scores.data() + filled);
+          filled += count_of(b);
         }
       }
       float* os = out + row * num_heads * head_size;
