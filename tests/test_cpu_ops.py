@@ -295,6 +295,46 @@ def test_fused_residual_add_and_rms_norm_match_torch():
 
 
 @pytest.mark.skipif(native.unavailable_reason() is not None, reason="compiled kernels unavailable")
+def test_the_bfloat16_replays_kernels_are_the_float32_ones_with_torchs_roundings():
+    """A replayed bfloat16 step (decode_replay._bfloat16_calls) reads GEMM products in bfloat16
+    and writes the next GEMM's rows in bfloat16: each kernel must give exactly the float32
+    kernel's answer on the widened input, rounded as torch rounds it (to nearest, ties to
+    even) — on any CPU, whichever steps replay there."""
+    from pagedllm.backends.models.rope import RotaryEmbedding
+
+    lib, threads, bf16 = native._library(), torch.get_num_threads(), torch.bfloat16
+    x16, out16 = native.MIXED_X_BF16, native.MIXED_OUT_BF16
+    gen = torch.Generator().manual_seed(3)
+    for rows, size in ((1, 256), (33, 256), (70, 704), (3, 37)):  # rows of both sides of the threading threshold
+        weight, x = torch.randn(size, generator=gen), torch.randn(rows, size, generator=gen).to(bf16)
+        residual = torch.randn(rows, size, generator=gen) * 3
+        for formats in (x16, x16 | out16):
+            want_stream = residual.clone()
+            want = native.add_rms_norm(x.float(), want_stream, weight, 1e-5)
+            stream, out = residual.clone(), torch.empty(rows, size, dtype=bf16 if formats & out16 else torch.float32)
+            args = (x.data_ptr(), stream.data_ptr(), weight.data_ptr(), 1e-5, out.data_ptr(), rows, size, formats)
+            lib.pagedllm_add_rms_norm_mixed(*args, threads)
+            assert torch.equal(stream, want_stream) and torch.equal(out, want.to(out.dtype))
+        out = torch.empty(rows, size, dtype=bf16)
+        lib.pagedllm_rms_norm_mixed(
+            residual.data_ptr(), weight.data_ptr(), 1e-5, out.data_ptr(), rows, size, out16, threads
+        )
+        assert torch.equal(out, native.rms_norm(residual, weight, 1e-5).to(bf16))
+        gate_up, act = torch.randn(rows, 2 * size, generator=gen).mul(4).to(bf16), torch.empty(rows, size, dtype=bf16)
+        lib.pagedllm_silu_and_mul_mixed(gate_up.data_ptr(), act.data_ptr(), rows, size, x16 | out16, threads)
+        assert torch.equal(act, native.silu_and_mul(gate_up.float()).to(bf16))
+    rope = RotaryEmbedding(64, {"rope_type": "default", "rope_theta": 10000.0}, 512)
+    cos, sin = rope.cos_sin(torch.tensor([0, 5, 511, 17, 3]), torch.float32)
+    qkv = torch.randn(5, 8 * 64, generator=gen).to(bf16)  # 4 query heads, then 2 K and 2 V heads
+    want = native.rotate(qkv.float()[:, : 6 * 64].view(5, 6, 64), cos, sin)
+    q, k = torch.empty(5, 4, 64), torch.empty(5, 2, 64, dtype=bf16)
+    lib.pagedllm_rotary_mixed(qkv.data_ptr(), 8 * 64, cos.data_ptr(), sin.data_ptr(), q.data_ptr(), 5, 4, 64, x16, 1)
+    k_in = qkv.data_ptr() + 4 * 64 * 2
+    lib.pagedllm_rotary_mixed(k_in, 8 * 64, cos.data_ptr(), sin.data_ptr(), k.data_ptr(), 5, 2, 64, x16 | out16, 1)
+    assert torch.equal(q, want[:, :4]) and torch.equal(k, want[:, 4:].to(bf16))
+
+
+@pytest.mark.skipif(native.unavailable_reason() is not None, reason="compiled kernels unavailable")
 def test_fused_rotary_matches_torch():
     """On the strided q/k columns of a fused projection, as the decoder hands them over."""
     from pagedllm.backends.models.rope import RotaryEmbedding, rotate

@@ -45,6 +45,8 @@ def test_a_replayed_decode_step_equals_the_eager_one(dtype, window, float32_line
     kinds = {type(layer.qkv_proj).__name__ for layer in runner.model.layers}
     assert float32_linears is None or kinds == {"PanelLinear" if float32_linears == "panel" else "PackedLinear"}
     assert isinstance(replay, DecodeReplay)
+    # on oneDNN's bfloat16 GEMMs (CPUs that multiply bfloat16) the step stays in bfloat16 between them
+    assert replay.bfloat16_throughout == (kinds == {"Bfloat16Linear"})
     prompts = [list(range(10, 10 + n)) for n in (1, 15, 16, 130)]  # contexts across block edges
     tables = [list(range(1 + 10 * i, 11 + 10 * i)) for i in range(len(prompts))]
     runner.execute([SeqInput(p, 0, t) for p, t in zip(prompts, tables)])

@@ -131,6 +131,10 @@ class DecodeReplay:
         def activation(rows, threads):
             lib.pagedllm_silu_and_mul_f32(gp, ap, rows, inter, threads)
 
+        self.bfloat16_throughout = self._bfloat16_throughout(model, cache_dtype)
+        if self.bfloat16_throughout:
+            self.calls = self._bfloat16_calls(model, lib, attention, dot_products, row_bytes)
+            return
         calls = []
         first = model.layers[0].input_layernorm
         rp, wp, np_ = _ptr(self.residual), _ptr(first.weight), _ptr(self.normed)
@@ -152,6 +156,85 @@ class DecodeReplay:
             calls.append(linear(layer.down_proj, self.act, self.out))
         calls.append(add_norm(model.norm, self.out, self.hidden_out))
         self.calls = calls
+
+    @staticmethod
+    def _bfloat16_throughout(model: CausalLM, cache_dtype: torch.dtype) -> bool:
+        """Every linear layer on oneDNN's bfloat16 GEMM and a bfloat16 cache: the step keeps
+        bfloat16 where the GEMMs want and leave it (_bfloat16_calls)."""
+        layers = model.layers
+        linears = [m for layer in layers for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
+        return cache_dtype == torch.bfloat16 and all(isinstance(m, Bfloat16Linear) for m in linears)
+
+    def _bfloat16_calls(self, model: CausalLM, lib, attention, dot_products: int, row_bytes: int) -> list:
+        """The step's calls where every GEMM is oneDNN's bfloat16 one: the norms and the
+        activation write their rows rounded to bfloat16 for the next GEMM, and the kernels after
+        a GEMM read its bfloat16 product where it lies (rotations, K/V writes, norms, the
+        activation), where the float32 path copies each layer's input and output across the two
+        formats four times each (9% of a step, docs/bench). The same roundings at the same
+        places: the same bits as the eager step."""
+        cfg, layer0 = model.config, model.layers[0]
+        heads, kv_heads, d = layer0.num_heads, layer0.num_kv_heads, cfg.head_dim
+        q_size, hidden, inter = heads * d, cfg.hidden_size, layer0.down_proj.in_features
+        n, bf16 = self.ids.shape[0], torch.bfloat16
+        normed16, act16 = torch.zeros(n, hidden, dtype=bf16), torch.zeros(n, inter, dtype=bf16)
+        attn16 = torch.zeros(n, q_size, dtype=bf16)  # attention's float32 rows, rounded for o_proj
+        rp, np16, ap16 = _ptr(self.residual), _ptr(normed16), _ptr(act16)
+        x16, out16 = native.MIXED_X_BF16, native.MIXED_OUT_BF16
+
+        def add_norm(norm: FusedRMSNorm, product: OneDnnCall, out: int, formats: int):
+            wp, eps = _ptr(norm.weight), norm.eps
+            return lambda rows, threads: lib.pagedllm_add_rms_norm_mixed(
+                product.result.data_ptr(), rp, wp, eps, out, rows, hidden, formats, threads
+            )
+
+        first = layer0.input_layernorm
+        wp, eps = _ptr(first.weight), first.eps
+        calls = [lambda rows, threads: lib.pagedllm_rms_norm_mixed(rp, wp, eps, np16, rows, hidden, out16, threads)]
+        down = None
+        shape = (heads, kv_heads, d, self.block_size)
+        for i, layer in enumerate(model.layers):
+            if down is not None:
+                calls.append(add_norm(layer.input_layernorm, down, np16, x16 | out16))
+            qkv = OneDnnCall(layer.qkv_proj, normed16, None, None)
+            calls.append(qkv)
+            calls.append(self._rotate_and_write(lib, qkv, self.kv_caches[i], (heads, kv_heads, d), row_bytes))
+            calls.append(
+                self._attend(attention, self.kv_caches[i], (*shape, layer.scale, layer.window or 0, 0.0), dot_products)
+            )
+            o_proj = OneDnnCall(layer.o_proj, self.attn, attn16, None)
+            calls.append(o_proj)
+            calls.append(add_norm(layer.post_attention_layernorm, o_proj, np16, x16 | out16))
+            gate_up = OneDnnCall(layer.gate_up_proj, normed16, None, None)
+            calls.append(gate_up)
+            calls.append(
+                lambda rows, threads, gate_up=gate_up: lib.pagedllm_silu_and_mul_mixed(
+                    gate_up.result.data_ptr(), ap16, rows, inter, x16 | out16, threads
+                )
+            )
+            down = OneDnnCall(layer.down_proj, act16, None, None)
+            calls.append(down)
+        calls.append(add_norm(model.norm, down, _ptr(self.hidden_out), x16))
+        return calls
+
+    def _rotate_and_write(self, lib, qkv: OneDnnCall, cache: torch.Tensor, dims: tuple, row_bytes: int):
+        """The rotations read straight from the qkv GEMM's bfloat16 product, the keys rounded
+        to bfloat16 as they are written; the values go to the cache from the product as they are."""
+        heads, kv_heads, d = dims
+        q_size, kv_size, half = heads * d, kv_heads * d, 2  # bytes of a bfloat16
+        width = q_size + 2 * kv_size
+        cos, sin, q, kh = _ptr(self.cos), _ptr(self.sin), _ptr(self.q), _ptr(self.k_half)
+        kc, vc, slots, num_slots = _ptr(cache[0]), _ptr(cache[1]), _ptr(self.slots), self.num_slots
+        x16, both = native.MIXED_X_BF16, native.MIXED_X_BF16 | native.MIXED_OUT_BF16
+
+        def rotate_and_write(rows, threads):
+            x = qkv.result.data_ptr()
+            k, v, v_stride = x + q_size * half, x + (q_size + kv_size) * half, width * half
+            lib.pagedllm_rotary_mixed(x, width, cos, sin, q, rows, heads, d, x16, threads)
+            lib.pagedllm_rotary_mixed(k, width, cos, sin, kh, rows, kv_heads, d, both, threads)
+            if lib.pagedllm_write_kv(kh, row_bytes, v, v_stride, slots, rows, row_bytes, kc, vc, num_slots, threads):
+                raise IndexError(f"write_kv: a slot outside the cache's {num_slots} slots")
+
+        return rotate_and_write
 
     def _rotations(self, lib, width, heads, kv_heads, d, q_size):
         qkv, q, k = _ptr(self.qkv), _ptr(self.q), _ptr(self.k)
@@ -233,29 +316,36 @@ class DecodeReplay:
 
 
 class OneDnnCall:
-    """A PackedLinear (float32) or Bfloat16Linear in a replayed step: for bfloat16 the rows
-    rounded into a preallocated buffer (`rounded`) first; oneDNN's product copied into the
-    step's float32 buffer, at padded_rows' count as the eager layer runs them; the views of each
-    row count made once (a replayed step is ~17 such calls, where torch's per-op cost is what a
-    row costs)."""
+    """A PackedLinear (float32) or Bfloat16Linear in a replayed step: for bfloat16 float32 rows
+    are rounded into a preallocated buffer (`rounded`) first (bfloat16 rows go as they are);
+    oneDNN's product is copied into the step's float32 buffer `out`, or, with no `out`, kept
+    as `result` for the next kernel to read; at padded_rows' count as the eager layer runs
+    them; the views of each row count made once (a replayed step is ~17 such calls, where
+    torch's per-op cost is what a row costs)."""
 
-    def __init__(self, module: PackedLinear, x: torch.Tensor, rounded: torch.Tensor | None, out: torch.Tensor):
+    def __init__(self, module: PackedLinear, x: torch.Tensor, rounded: torch.Tensor | None, out: torch.Tensor | None):
         self.packed, self.bias = module.packed, module.bias
         self.x, self.rounded = x.view(x.shape[0], -1), rounded
-        self.out = out.view(out.shape[0], -1)
-        self.views: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = {}
+        self.out = None if out is None else out.view(out.shape[0], -1)
+        self.views: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = {}
+        self.result: torch.Tensor | None = None
 
     def __call__(self, rows: int, threads: int) -> None:
         views = self.views.get(rows)
         if views is None:
             padded = padded_rows(rows)
             rounded = None if self.rounded is None else self.rounded[:padded]
-            views = self.views[rows] = (self.x[:padded], rounded, self.out[:padded])
+            out = None if self.out is None else self.out[:padded]
+            views = self.views[rows] = (self.x[:padded], rounded, out)
         x, rounded, out = views
         if rounded is not None:
             rounded.copy_(x)
             x = rounded
-        out.copy_(packed_linear(x, self.packed, self.bias))
+        product = packed_linear(x, self.packed, self.bias)
+        if out is None:
+            self.result = product
+        else:
+            out.copy_(product)
 
 
 def _bfloat16_dot_products() -> bool:

@@ -35,6 +35,8 @@ ATTENTION_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16:
 QUANTIZED_SUFFIX = {torch.int8: "i8", torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 QUANTIZED_FORMAT = {torch.int8: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 PANEL_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+# pagedllm_*_mixed's `formats` (csrc/kernels.cpp): the input, the output in bfloat16
+MIXED_X_BF16, MIXED_OUT_BF16 = 1, 2
 
 _p = ctypes.c_void_p
 _i64 = ctypes.c_int64
@@ -135,6 +137,11 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         "pagedllm_argmax_rows_f32": [_p, _i64, _i64, _i64, _p, ctypes.c_int],
         "pagedllm_apply_token_bitmask_f32": [_p, _i64, _p, _i64, _i64, _i64, ctypes.c_int],
         "pagedllm_rotary_f32": [_p, _i64, _p, _p, _p, _i64, _i64, _i64, ctypes.c_int],
+        # the replayed bfloat16 step's: the f32 signatures with a MIXED_* `formats` before threads
+        "pagedllm_rms_norm_mixed": [_p, _p, ctypes.c_float, _p, _i64, _i64, ctypes.c_int, ctypes.c_int],
+        "pagedllm_add_rms_norm_mixed": [_p, _p, _p, ctypes.c_float, _p, _i64, _i64, ctypes.c_int, ctypes.c_int],
+        "pagedllm_silu_and_mul_mixed": [_p, _p, _i64, _i64, ctypes.c_int, ctypes.c_int],
+        "pagedllm_rotary_mixed": [_p, _i64, _p, _p, _p, _i64, _i64, _i64, ctypes.c_int, ctypes.c_int],
         "pagedllm_quantized_gemv_f32": [
             ctypes.c_int,
             _p,

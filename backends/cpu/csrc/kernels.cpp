@@ -694,6 +694,151 @@ void paged_attention(const float* q, const T* k_cache, const T* v_cache, const i
   }
 }
 
+// The replayed bfloat16 step's element formats (pagedllm_*_mixed's `formats`)
+constexpr int MIXED_X_BF16 = 1, MIXED_OUT_BF16 = 2;
+
+// float32 -> bfloat16, to nearest, ties to even, as torch's casts round (a NaN stays a NaN)
+inline bf16 to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return bf16{static_cast<uint16_t>((bits >> 16) | 0x40u)};
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return bf16{static_cast<uint16_t>(bits >> 16)};
+}
+inline void store(float* p, float v) { *p = v; }
+inline void store(bf16* p, float v) { *p = to_bf16(v); }
+
+// f(x, out) with x and out as the pointer types `formats` names
+template <class F>
+void with_formats(const void* x, void* out, int formats, F&& f) {
+  const bool x16 = formats & MIXED_X_BF16, out16 = formats & MIXED_OUT_BF16;
+  if (x16 && out16) f(static_cast<const bf16*>(x), static_cast<bf16*>(out));
+  else if (x16) f(static_cast<const bf16*>(x), static_cast<float*>(out));
+  else if (out16) f(static_cast<const float*>(x), static_cast<bf16*>(out));
+  else f(static_cast<const float*>(x), static_cast<float*>(out));
+}
+
+// x[0]^2 + ... + x[n-1]^2 in one fixed order whatever calls it: a reduction the compiler
+// vectorizes on its own sums in an order it picks per loop, and the float32 and the bfloat16
+// instantiations of a norm then differed in the last bit of a few rows (a replayed bfloat16 step
+// must equal the eager one bit for bit).
+inline float sum_of_squares(const float* x, int64_t n) {
+  int64_t i = 0;
+  float total = 0.f;
+#ifdef PAGEDLLM_AVX512
+  __m512 sums = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    sums = _mm512_fmadd_ps(v, v, sums);
+  }
+  total = _mm512_reduce_add_ps(sums);
+#elif defined(PAGEDLLM_AVX2)
+  __m256 sums = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    sums = _mm256_fmadd_ps(v, v, sums);
+  }
+  total = horizontal_sum(sums);
+#endif
+  for (; i < n; ++i) total += x[i] * x[i];
+  return total;
+}
+
+// out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight, for rows of `size` values; the order of
+// operations of transformers' LlamaRMSNorm in float32.
+template <class TO>
+void rms_norm(const float* x, const float* weight, float eps, TO* out, int64_t rows, int64_t size, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * size >= 16384)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * size;
+    TO* o = out + r * size;
+    const float inv = 1.f / std::sqrt(sum_of_squares(xr, size) / static_cast<float>(size) + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < size; ++i) store(o + i, weight[i] * (xr[i] * inv));
+  }
+}
+
+// residual[r] += x[r], then out[r] = RMSNorm(residual[r]) as above: the residual connection and
+// the next norm in one call (two torch ops and a temporary less per layer).
+template <class TX, class TO>
+void add_rms_norm(const TX* x, float* residual, const float* weight, float eps, TO* out, int64_t rows, int64_t size,
+                  int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * size >= 16384)
+  for (int64_t r = 0; r < rows; ++r) {
+    const TX* xr = x + r * size;
+    float* res = residual + r * size;
+    TO* o = out + r * size;
+#pragma omp simd
+    for (int64_t i = 0; i < size; ++i) res[i] += pagedllm::to_float(xr[i]);
+    const float inv = 1.f / std::sqrt(sum_of_squares(res, size) / static_cast<float>(size) + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < size; ++i) store(o + i, weight[i] * (res[i] * inv));
+  }
+}
+
+// Rotary embedding (transformers' rotate_half form) of rows of `heads` vectors of `size` values:
+// x row t at x + t * row_stride, its heads contiguous; cos/sin [rows, size]; out [rows, heads,
+// size] contiguous. out = x * cos + rotate_half(x) * sin, one pass instead of five torch ops.
+template <class TX, class TO>
+void rotary(const TX* x, int64_t row_stride, const float* cos, const float* sin, TO* out, int64_t rows,
+            int64_t heads, int64_t size, int num_threads) {
+  const int64_t half = size / 2;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * heads * size >= 16384)
+  for (int64_t t = 0; t < rows; ++t) {
+    const float* c = cos + t * size;
+    const float* s = sin + t * size;
+    for (int64_t h = 0; h < heads; ++h) {
+      const TX* xh = x + t * row_stride + h * size;
+      TO* o = out + (t * heads + h) * size;
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i)
+        store(o + i, pagedllm::to_float(xh[i]) * c[i] - pagedllm::to_float(xh[i + half]) * s[i]);
+#pragma omp simd
+      for (int64_t i = half; i < size; ++i)
+        store(o + i, pagedllm::to_float(xh[i]) * c[i] + pagedllm::to_float(xh[i - half]) * s[i]);
+    }
+  }
+}
+
+#ifdef PAGEDLLM_AVX2
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+// to_bf16 on eight lanes
+inline void store8(bf16* p, __m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  const __m256i halves = _mm256_blendv_epi8(rounded, quiet, nan);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(halves), _mm256_extracti128_si256(halves, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+#endif
+
+// The gated MLP's activation: x[r] = [gate | up], each `size` values; out[r] = silu(gate) * up.
+template <class TX, class TO>
+void silu_and_mul(const TX* x, TO* out, int64_t rows, int64_t size, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * size >= 16384)
+  for (int64_t r = 0; r < rows; ++r) {
+    const TX* gate = x + r * 2 * size;
+    const TX* up = gate + size;
+    TO* o = out + r * size;
+    int64_t i = 0;
+#ifdef PAGEDLLM_AVX2
+    const __m256 one = _mm256_set1_ps(1.f);
+    for (; i + 8 <= size; i += 8) {
+      const __m256 g = pagedllm::load8(gate + i);
+      const __m256 e = exp8_clamped(_mm256_sub_ps(_mm256_setzero_ps(), g));
+      store8(o + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), pagedllm::load8(up + i)));
+    }
+#endif
+    for (; i < size; ++i) {
+      const float g = pagedllm::to_float(gate[i]);
+      store(o + i, g / (1.f + exp_clamped(-g)) * pagedllm::to_float(up[i]));
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -744,42 +889,29 @@ PAGEDLLM_QUANTIZED_ATTENTION(e4m3, e4m3)
 PAGEDLLM_QUANTIZED_ATTENTION(e5m2, e5m2)
 #undef PAGEDLLM_ATTENTION
 
-// out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight, for rows of `size` floats; the order of
-// operations of transformers' LlamaRMSNorm in float32.
 void pagedllm_rms_norm_f32(const float* x, const float* weight, float eps, float* out, int64_t rows,
                            int64_t size, int num_threads) {
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * size >= 16384)
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * size;
-    float* o = out + r * size;
-    float squares = 0.f;
-#pragma omp simd reduction(+ : squares)
-    for (int64_t i = 0; i < size; ++i) squares += xr[i] * xr[i];
-    const float inv = 1.f / std::sqrt(squares / static_cast<float>(size) + eps);
-#pragma omp simd
-    for (int64_t i = 0; i < size; ++i) o[i] = weight[i] * (xr[i] * inv);
-  }
+  rms_norm(x, weight, eps, out, rows, size, num_threads);
 }
 
-// residual[r] += x[r], then out[r] = RMSNorm(residual[r]) as above: the residual connection and
-// the next norm in one pass (two torch ops and a temporary less per layer).
 void pagedllm_add_rms_norm_f32(const float* x, float* residual, const float* weight, float eps, float* out,
                                int64_t rows, int64_t size, int num_threads) {
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * size >= 16384)
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * size;
-    float* res = residual + r * size;
-    float* o = out + r * size;
-    float squares = 0.f;
-#pragma omp simd reduction(+ : squares)
-    for (int64_t i = 0; i < size; ++i) {
-      res[i] += xr[i];
-      squares += res[i] * res[i];
-    }
-    const float inv = 1.f / std::sqrt(squares / static_cast<float>(size) + eps);
-#pragma omp simd
-    for (int64_t i = 0; i < size; ++i) o[i] = weight[i] * (res[i] * inv);
-  }
+  add_rms_norm(x, residual, weight, eps, out, rows, size, num_threads);
+}
+
+// The same with bfloat16 where a replayed bfloat16 step has it (decode_replay.py): x as oneDNN's
+// bfloat16 GEMMs leave it, out rounded for the next GEMM (formats: MIXED_X_BF16 | MIXED_OUT_BF16).
+void pagedllm_rms_norm_mixed(const float* x, const float* weight, float eps, void* out, int64_t rows, int64_t size,
+                             int formats, int num_threads) {
+  if (formats & MIXED_OUT_BF16) rms_norm(x, weight, eps, static_cast<bf16*>(out), rows, size, num_threads);
+  else rms_norm(x, weight, eps, static_cast<float*>(out), rows, size, num_threads);
+}
+
+void pagedllm_add_rms_norm_mixed(const void* x, float* residual, const float* weight, float eps, void* out,
+                                 int64_t rows, int64_t size, int formats, int num_threads) {
+  with_formats(x, out, formats, [&](const auto* xt, auto* ot) {
+    add_rms_norm(xt, residual, weight, eps, ot, rows, size, num_threads);
+  });
 }
 
 // A row into the cache, with non-temporal stores where it is made of aligned 32-byte pieces: a
@@ -883,25 +1015,16 @@ int64_t pagedllm_write_kv_quantized(const float* key, int64_t key_stride, const 
   return 0;
 }
 
-// Rotary embedding (transformers' rotate_half form) of rows of `heads` vectors of `size` floats:
-// x row t at x + t * row_stride, its heads contiguous; cos/sin [rows, size]; out [rows, heads,
-// size] contiguous. out = x * cos + rotate_half(x) * sin, one pass instead of five torch ops.
 void pagedllm_rotary_f32(const float* x, int64_t row_stride, const float* cos, const float* sin, float* out,
                          int64_t rows, int64_t heads, int64_t size, int num_threads) {
-  const int64_t half = size / 2;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * heads * size >= 16384)
-  for (int64_t t = 0; t < rows; ++t) {
-    const float* c = cos + t * size;
-    const float* s = sin + t * size;
-    for (int64_t h = 0; h < heads; ++h) {
-      const float* xh = x + t * row_stride + h * size;
-      float* o = out + (t * heads + h) * size;
-#pragma omp simd
-      for (int64_t i = 0; i < half; ++i) o[i] = xh[i] * c[i] - xh[i + half] * s[i];
-#pragma omp simd
-      for (int64_t i = half; i < size; ++i) o[i] = xh[i] * c[i] + xh[i - half] * s[i];
-    }
-  }
+  rotary(x, row_stride, cos, sin, out, rows, heads, size, num_threads);
+}
+
+void pagedllm_rotary_mixed(const void* x, int64_t row_stride, const float* cos, const float* sin, void* out,
+                           int64_t rows, int64_t heads, int64_t size, int formats, int num_threads) {
+  with_formats(x, out, formats, [&](const auto* xt, auto* ot) {
+    rotary(xt, row_stride, cos, sin, ot, rows, heads, size, num_threads);
+  });
 }
 
 // The index of x[0:n]'s largest value, the first of equal ones; the first NaN's where there is
@@ -971,24 +1094,12 @@ void pagedllm_apply_token_bitmask_f32(float* logits, int64_t row_stride, const i
   }
 }
 
-// The gated MLP's activation: x[r] = [gate | up], each `size` floats; out[r] = silu(gate) * up.
 void pagedllm_silu_and_mul_f32(const float* x, float* out, int64_t rows, int64_t size, int num_threads) {
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * size >= 16384)
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* gate = x + r * 2 * size;
-    const float* up = gate + size;
-    float* o = out + r * size;
-    int64_t i = 0;
-#ifdef PAGEDLLM_AVX2
-    const __m256 one = _mm256_set1_ps(1.f);
-    for (; i + 8 <= size; i += 8) {
-      const __m256 g = _mm256_loadu_ps(gate + i);
-      const __m256 e = exp8_clamped(_mm256_sub_ps(_mm256_setzero_ps(), g));
-      _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + i)));
-    }
-#endif
-    for (; i < size; ++i) o[i] = gate[i] / (1.f + exp_clamped(-gate[i])) * up[i];
-  }
+  silu_and_mul(x, out, rows, size, num_threads);
+}
+
+void pagedllm_silu_and_mul_mixed(const void* x, void* out, int64_t rows, int64_t size, int formats, int num_threads) {
+  with_formats(x, out, formats, [&](const auto* xt, auto* ot) { silu_and_mul(xt, ot, rows, size, num_threads); });
 }
 
 }  // extern "C"
