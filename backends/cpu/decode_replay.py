@@ -131,9 +131,9 @@ class DecodeReplay:
         def activation(rows, threads):
             lib.pagedllm_silu_and_mul_f32(gp, ap, rows, inter, threads)
 
-        self.bfloat16_throughout = self._bfloat16_throughout(model, cache_dtype)
-        if self.bfloat16_throughout:
-            self.calls = self._bfloat16_calls(model, lib, attention, dot_products, row_bytes)
+        self.products_in_place = self._onednn_throughout(model, cache_dtype)
+        if self.products_in_place is not None:
+            self.calls = self._onednn_calls(model, lib, attention, dot_products, row_bytes, self.products_in_place)
             return
         calls = []
         first = model.layers[0].input_layernorm
@@ -158,28 +158,37 @@ class DecodeReplay:
         self.calls = calls
 
     @staticmethod
-    def _bfloat16_throughout(model: CausalLM, cache_dtype: torch.dtype) -> bool:
-        """Every linear layer on oneDNN's bfloat16 GEMM and a bfloat16 cache: the step keeps
-        bfloat16 where the GEMMs want and leave it (_bfloat16_calls)."""
-        layers = model.layers
-        linears = [m for layer in layers for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
-        return cache_dtype == torch.bfloat16 and all(isinstance(m, Bfloat16Linear) for m in linears)
+    def _onednn_throughout(model: CausalLM, cache_dtype: torch.dtype) -> torch.dtype | None:
+        """bfloat16 where every linear layer is on oneDNN's bfloat16 GEMM over a bfloat16 cache,
+        float32 where every one is on its float32 GEMM over a float32 cache: the steps that read
+        each GEMM's product where it lies (_onednn_calls); else None."""
+        linears = [
+            m for layer in model.layers for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+        ]
+        if cache_dtype == torch.bfloat16 and all(isinstance(m, Bfloat16Linear) for m in linears):
+            return torch.bfloat16
+        if cache_dtype == torch.float32 and all(type(m) is PackedLinear for m in linears):
+            return torch.float32
+        return None
 
-    def _bfloat16_calls(self, model: CausalLM, lib, attention, dot_products: int, row_bytes: int) -> list:
-        """The step's calls where every GEMM is oneDNN's bfloat16 one: the norms and the
-        activation write their rows rounded to bfloat16 for the next GEMM, and the kernels after
-        a GEMM read its bfloat16 product where it lies (rotations, K/V writes, norms, the
-        activation), where the float32 path copies each layer's input and output across the two
-        formats four times each (9% of a step, docs/bench). The same roundings at the same
-        places: the same bits as the eager step."""
+    def _onednn_calls(self, model: CausalLM, lib, attention, dot_products: int, row_bytes: int, dtype) -> list:
+        """The step's calls where every GEMM is oneDNN's, of `dtype`: the kernels after a GEMM
+        read its product where oneDNN left it (rotations, K/V writes, norms, the activation)
+        instead of a copy in the step's float32 buffers; in bfloat16 the norms and the
+        activation also write their rows rounded for the next GEMM, where the float32 buffers'
+        path rounds and widens each layer's inputs and outputs in eight copies (9% of a step,
+        docs/bench). The same roundings at the same places: the same bits as the eager step."""
         cfg, layer0 = model.config, model.layers[0]
         heads, kv_heads, d = layer0.num_heads, layer0.num_kv_heads, cfg.head_dim
         q_size, hidden, inter = heads * d, cfg.hidden_size, layer0.down_proj.in_features
-        n, bf16 = self.ids.shape[0], torch.bfloat16
-        normed16, act16 = torch.zeros(n, hidden, dtype=bf16), torch.zeros(n, inter, dtype=bf16)
-        attn16 = torch.zeros(n, q_size, dtype=bf16)  # attention's float32 rows, rounded for o_proj
-        rp, np16, ap16 = _ptr(self.residual), _ptr(normed16), _ptr(act16)
-        x16, out16 = native.MIXED_X_BF16, native.MIXED_OUT_BF16
+        n = self.ids.shape[0]
+        if dtype == torch.bfloat16:
+            normed, act = torch.zeros(n, hidden, dtype=dtype), torch.zeros(n, inter, dtype=dtype)
+            attn_rounded = torch.zeros(n, q_size, dtype=dtype)  # attention's float32 rows, rounded for o_proj
+            x16, out16 = native.MIXED_X_BF16, native.MIXED_OUT_BF16
+        else:
+            normed, act, attn_rounded, x16, out16 = self.normed, self.act, None, 0, 0
+        rp, np_, ap = _ptr(self.residual), _ptr(normed), _ptr(act)
 
         def add_norm(norm: FusedRMSNorm, product: OneDnnCall, out: int, formats: int):
             wp, eps = _ptr(norm.weight), norm.eps
@@ -189,49 +198,52 @@ class DecodeReplay:
 
         first = layer0.input_layernorm
         wp, eps = _ptr(first.weight), first.eps
-        calls = [lambda rows, threads: lib.pagedllm_rms_norm_mixed(rp, wp, eps, np16, rows, hidden, out16, threads)]
+        calls = [lambda rows, threads: lib.pagedllm_rms_norm_mixed(rp, wp, eps, np_, rows, hidden, out16, threads)]
         down = None
         shape = (heads, kv_heads, d, self.block_size)
         for i, layer in enumerate(model.layers):
             if down is not None:
-                calls.append(add_norm(layer.input_layernorm, down, np16, x16 | out16))
-            qkv = OneDnnCall(layer.qkv_proj, normed16, None, None)
+                calls.append(add_norm(layer.input_layernorm, down, np_, x16 | out16))
+            qkv = OneDnnCall(layer.qkv_proj, normed, None, None)
             calls.append(qkv)
-            calls.append(self._rotate_and_write(lib, qkv, self.kv_caches[i], (heads, kv_heads, d), row_bytes))
+            calls.append(self._rotate_and_write(lib, qkv, self.kv_caches[i], (heads, kv_heads, d), row_bytes, dtype))
             calls.append(
                 self._attend(attention, self.kv_caches[i], (*shape, layer.scale, layer.window or 0, 0.0), dot_products)
             )
-            o_proj = OneDnnCall(layer.o_proj, self.attn, attn16, None)
+            o_proj = OneDnnCall(layer.o_proj, self.attn, attn_rounded, None)
             calls.append(o_proj)
-            calls.append(add_norm(layer.post_attention_layernorm, o_proj, np16, x16 | out16))
-            gate_up = OneDnnCall(layer.gate_up_proj, normed16, None, None)
+            calls.append(add_norm(layer.post_attention_layernorm, o_proj, np_, x16 | out16))
+            gate_up = OneDnnCall(layer.gate_up_proj, normed, None, None)
             calls.append(gate_up)
             calls.append(
                 lambda rows, threads, gate_up=gate_up: lib.pagedllm_silu_and_mul_mixed(
-                    gate_up.result.data_ptr(), ap16, rows, inter, x16 | out16, threads
+                    gate_up.result.data_ptr(), ap, rows, inter, x16 | out16, threads
                 )
             )
-            down = OneDnnCall(layer.down_proj, act16, None, None)
+            down = OneDnnCall(layer.down_proj, act, None, None)
             calls.append(down)
         calls.append(add_norm(model.norm, down, _ptr(self.hidden_out), x16))
         return calls
 
-    def _rotate_and_write(self, lib, qkv: OneDnnCall, cache: torch.Tensor, dims: tuple, row_bytes: int):
-        """The rotations read straight from the qkv GEMM's bfloat16 product, the keys rounded
-        to bfloat16 as they are written; the values go to the cache from the product as they are."""
+    def _rotate_and_write(self, lib, qkv: OneDnnCall, cache: torch.Tensor, dims: tuple, row_bytes: int, dtype):
+        """The rotations read straight from the qkv GEMM's product (of `dtype`), the keys
+        rounded to the cache's dtype as they are written; the values go to the cache from the
+        product as they are."""
         heads, kv_heads, d = dims
-        q_size, kv_size, half = heads * d, kv_heads * d, 2  # bytes of a bfloat16
+        q_size, kv_size, size = heads * d, kv_heads * d, dtype.itemsize
         width = q_size + 2 * kv_size
-        cos, sin, q, kh = _ptr(self.cos), _ptr(self.sin), _ptr(self.q), _ptr(self.k_half)
+        keys = self.k_half if dtype == torch.bfloat16 else self.k
+        cos, sin, q, kp = _ptr(self.cos), _ptr(self.sin), _ptr(self.q), _ptr(keys)
         kc, vc, slots, num_slots = _ptr(cache[0]), _ptr(cache[1]), _ptr(self.slots), self.num_slots
-        x16, both = native.MIXED_X_BF16, native.MIXED_X_BF16 | native.MIXED_OUT_BF16
+        x16 = native.MIXED_X_BF16 if dtype == torch.bfloat16 else 0
+        both = x16 | (native.MIXED_OUT_BF16 if dtype == torch.bfloat16 else 0)
 
         def rotate_and_write(rows, threads):
             x = qkv.result.data_ptr()
-            k, v, v_stride = x + q_size * half, x + (q_size + kv_size) * half, width * half
+            k, v, v_stride = x + q_size * size, x + (q_size + kv_size) * size, width * size
             lib.pagedllm_rotary_mixed(x, width, cos, sin, q, rows, heads, d, x16, threads)
-            lib.pagedllm_rotary_mixed(k, width, cos, sin, kh, rows, kv_heads, d, both, threads)
-            if lib.pagedllm_write_kv(kh, row_bytes, v, v_stride, slots, rows, row_bytes, kc, vc, num_slots, threads):
+            lib.pagedllm_rotary_mixed(k, width, cos, sin, kp, rows, kv_heads, d, both, threads)
+            if lib.pagedllm_write_kv(kp, row_bytes, v, v_stride, slots, rows, row_bytes, kc, vc, num_slots, threads):
                 raise IndexError(f"write_kv: a slot outside the cache's {num_slots} slots")
 
         return rotate_and_write
