@@ -117,12 +117,6 @@ class ModelRunner:
         """Float32 logits [len(seqs), vocab], row i for seqs[i]'s last token."""
         return self.execute_with_hidden(seqs)[0]
 
-    @staticmethod
-    def _whole_chunks(seqs: list[SeqInput], wanted: dict[int, int] | None) -> bool:
-        """Whether each wanted count is its whole chunk (speculative decoding's verification),
-        as a decode replay answers; prompt logprobs over part of a prefill are not."""
-        return not wanted or all(n == len(seqs[i].token_ids) for i, n in wanted.items())
-
     @torch.inference_mode()
     def execute_with_hidden(
         self, seqs: list[SeqInput], wanted: dict[int, int] | None = None
@@ -131,13 +125,16 @@ class ModelRunner:
         that sequence's first `count` tokens of this step ([count, hidden]; see
         CausalLM.compute_logits), for prompt logprobs."""
         graphs = self.decode_graphs
-        if graphs is not None and self._whole_chunks(seqs, wanted) and graphs.fits(seqs):
-            hidden = graphs.run(seqs)
-            if len(hidden) == len(seqs):  # one token each
+        if graphs is not None and graphs.fits(seqs):
+            if all(len(s.token_ids) == 1 for s in seqs):  # a decode step: what every replay takes
+                hidden = graphs.run(seqs)
                 return self.model.compute_logits(hidden), ({i: hidden[i : i + 1] for i in wanted} if wanted else {})
-            ends = np.cumsum([len(s.token_ids) for s in seqs])
-            rest = {i: hidden[ends[i] - n : ends[i]] for i, n in (wanted or {}).items()}
-            return self.model.compute_logits(hidden[torch.from_numpy(ends - 1)]), rest
+            # several tokens a request (the cpu backend's replay): the rows the eager step keeps
+            lengths = np.array([len(s.token_ids) for s in seqs])
+            starts = np.cumsum(lengths) - lengths
+            keep = [starts + lengths - 1, *(np.arange(starts[i], starts[i] + n) for i, n in (wanted or {}).items())]
+            hidden = graphs.run(seqs, np.concatenate(keep))
+            return self.model.compute_logits(hidden[: len(seqs)]), self._wanted_rows(hidden, len(seqs), wanted)
         batch = prepare_batch(seqs, self.block_size, self.device)
         keep = batch.logits_indices
         if wanted:
@@ -147,12 +144,16 @@ class ModelRunner:
             hidden = self.model(batch.input_ids, batch.positions, self.layer_caches, batch.meta, self.ops)
             return self.model.compute_logits(hidden[keep]), {}
         hidden = self.model(batch.input_ids, batch.positions, self.layer_caches, batch.meta, self.ops, keep)
-        logits = self.model.compute_logits(hidden[: len(seqs)])
-        rest, at = {}, len(seqs)
+        return self.model.compute_logits(hidden[: len(seqs)]), self._wanted_rows(hidden, len(seqs), wanted)
+
+    @staticmethod
+    def _wanted_rows(hidden: torch.Tensor, at: int, wanted: dict[int, int] | None) -> dict[int, torch.Tensor]:
+        """Each wanted sequence's rows of `hidden`, which hold them after the `at` last-token rows."""
+        rest = {}
         for i, n in (wanted or {}).items():
             rest[i] = hidden[at : at + n]
             at += n
-        return logits, rest
+        return rest
 
 
 def allocate_kv_caches(

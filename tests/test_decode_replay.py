@@ -68,14 +68,16 @@ def test_a_replayed_decode_step_equals_the_eager_one(dtype, window, float32_line
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_replayed_chunks_equal_eager_ones_and_give_every_rows_hidden_state(dtype):
-    """Several tokens a request (a short prefill, a chunk after a cached prefix, speculative
-    decoding's verification): a row a token, each at its own position; the same logits, K/V
-    and, where every row's hidden state is asked for, the same hidden states."""
-    runner, replay = runner_and_replay(dtype, max_batch=48)
-    tables = [list(range(1, 11)), list(range(11, 21))]
+    """Several tokens a request (prefills, a chunk after a cached prefix, speculative
+    decoding's verification): a row a token, each at its own position, the buffers grown past
+    max_batch on first need; the same logits, K/V and, where rows' hidden states are asked for
+    (all of a chunk's, or the first few of a prefill's), the same hidden states."""
+    runner, replay = runner_and_replay(dtype, max_batch=8)
+    tables = [list(range(1, 11)), list(range(11, 21)), list(range(21, 31))]
     steps = [
         [SeqInput(list(range(5, 38)), 0, tables[0]), SeqInput(list(range(7, 12)), 0, tables[1])],
         [SeqInput(list(range(40, 47)), 33, tables[0]), SeqInput([9], 5, tables[1])],
+        [SeqInput([3] * 150, 0, tables[2]), SeqInput([8, 9], 6, tables[1])],
     ]
     before = runner.kv_caches.clone()
     results = {}
@@ -83,19 +85,22 @@ def test_replayed_chunks_equal_eager_ones_and_give_every_rows_hidden_state(dtype
         runner.kv_caches.copy_(before)
         runner.decode_graphs = graphs
         outs = [runner.execute(steps[0]), runner.execute_with_hidden(steps[1], {0: 7, 1: 1})]
+        outs.append(runner.execute_with_hidden(steps[2], {0: 20}))
         results[graphs is None] = (outs, runner.kv_caches.clone())
     (eager, eager_kv), (replayed, replayed_kv) = results[True], results[False]
+    assert replay.capacity >= 152 > replay.max_batch
     assert torch.equal(eager[0], replayed[0]) and torch.equal(eager[1][0], replayed[1][0])
     assert all(torch.equal(eager[1][1][i], replayed[1][1][i]) for i in (0, 1))
+    assert torch.equal(eager[2][0], replayed[2][0]) and torch.equal(eager[2][1][0], replayed[2][1][0])
     assert torch.equal(eager_kv, replayed_kv)
 
 
 def test_what_a_replay_does_not_take():
     replay = runner_and_replay("float32", max_batch=2)[1]
     table = list(range(1, 11))
-    assert replay.fits([SeqInput([1, 2], 0, table)])  # a short chunk: a row a token
-    assert not replay.fits([SeqInput([1, 2, 3], 0, table)])  # more rows than captured
-    assert not replay.fits([SeqInput([1], 3, table)] * 3)
+    assert replay.fits([SeqInput([1, 2, 3], 0, table)])  # a prefill: a row a token, more than max_batch
+    assert replay.fits([SeqInput([1], 3, table)] * replay.row_cap)
+    assert not replay.fits([SeqInput([1], 3, table)] * (replay.row_cap + 1))  # more rows than it grows to
     assert not replay.fits([SeqInput([1], 512, table)])  # past the captured context
     _, quantized = runner_and_replay("float32", quantization="int8")
     assert quantized is None  # its linear layers are not on the panel kernel: eager steps

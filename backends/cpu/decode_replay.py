@@ -22,6 +22,7 @@ and activation, one rank, no q/k norms; else None (eager steps).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from pagedllm.core.utils import cdiv
@@ -40,6 +41,10 @@ def _ptr(t: torch.Tensor, offset_elements: int = 0) -> int:
 # bfloat16, float32 where the panel kernel is not used), called through torch on views of the
 # step's buffers (OneDnnCall)
 REPLAYED_LINEARS = (PanelLinear, PackedLinear)
+
+# A prefill step replays as a row per token: buffers for up to MAX_REPLAY_ROWS rows (the default
+# token budget is 2,048) where they take at most REPLAY_BUFFER_BYTES, else max_batch rows.
+MAX_REPLAY_ROWS, REPLAY_BUFFER_BYTES = 4096, 64 << 20
 
 
 def replayable(model: CausalLM, kv_caches: torch.Tensor) -> bool:
@@ -69,9 +74,25 @@ class DecodeReplay:
     """`fits(seqs)` / `run(seqs)` as the runner asks of decode graphs (backends/runner.py)."""
 
     def __init__(self, model: CausalLM, kv_caches: torch.Tensor, block_size: int, max_batch: int, max_model_len: int):
-        cfg = model.config
-        self.model, self.block_size, self.max_batch = model, block_size, max_batch
+        self.model, self.kv_caches, self.block_size, self.max_batch = model, kv_caches, block_size, max_batch
         self.max_blocks = cdiv(max_model_len, block_size)
+        # prefill steps replay too, their buffers grown on first need up to REPLAY_BUFFER_BYTES
+        self.row_cap = max(max_batch, min(MAX_REPLAY_ROWS, REPLAY_BUFFER_BYTES // self._bytes_per_row()))
+        self._build(max_batch)
+
+    def _bytes_per_row(self) -> int:
+        cfg, layer = self.model.config, self.model.layers[0]
+        heads, kv_heads, d = layer.num_heads, layer.num_kv_heads, cfg.head_dim
+        width, inter = (heads + 2 * kv_heads) * d, layer.down_proj.in_features
+        floats = 2 * d + 4 * cfg.hidden_size + width + 2 * heads * d + kv_heads * d + 3 * inter
+        halves = 2 * kv_heads * d + cfg.hidden_size + inter + heads * d
+        return 4 * floats + 2 * halves + 4 * self.max_blocks + 32
+
+    def _build(self, capacity: int) -> None:
+        """Buffers for steps of up to `capacity` tokens, and the calls bound to them."""
+        model, kv_caches, block_size = self.model, self.kv_caches, self.block_size
+        cfg = model.config
+        self.capacity = capacity
         layer = model.layers[0]
         heads, kv_heads, d = layer.num_heads, layer.num_kv_heads, cfg.head_dim
         q_size, kv_size = heads * d, kv_heads * d
@@ -79,7 +100,7 @@ class DecodeReplay:
         hidden, inter = cfg.hidden_size, layer.down_proj.in_features
         # rows for the largest step, and the padding oneDNN's GEMMs run with (packed_linear.py);
         # zeros, so padding rows never hold what is not a number
-        n, f32 = padded_rows(max_batch), torch.float32
+        n, f32 = padded_rows(capacity), torch.float32
         self.ids = torch.zeros(n, dtype=torch.int64)
         self.positions = torch.zeros(n, dtype=torch.int64)
         self.slots = torch.zeros(n, dtype=torch.int64)
@@ -100,7 +121,6 @@ class DecodeReplay:
         self.v_half = torch.empty(n, kv_heads, d, dtype=cache_dtype) if cache_dtype != f32 else None
         self.v_view = self.qkv[:, q_size + kv_size :].view(n, kv_heads, d)
         self.num_slots = kv_caches.shape[2] * block_size
-        self.kv_caches = kv_caches
         lib = native._library()
         attention = getattr(lib, f"pagedllm_paged_attention_{native.ATTENTION_SUFFIX[cache_dtype]}")
         dot_products = int(_bfloat16_dot_products())  # as the eager decode passes it
@@ -149,6 +169,7 @@ class DecodeReplay:
             calls.append(
                 self._attend(attention, kv_caches[i], (*shape, layer.scale, layer.window or 0, 0.0), dot_products)
             )
+            self.prune_at = len(calls)  # after the last layer's attention: see run()
             calls.append(linear(layer.o_proj, self.attn, self.out))
             calls.append(add_norm(layer.post_attention_layernorm, self.out, self.normed))
             calls.append(linear(layer.gate_up_proj, self.normed, self.gate_up))
@@ -192,9 +213,19 @@ class DecodeReplay:
 
         def add_norm(norm: FusedRMSNorm, product: OneDnnCall, out: int, formats: int):
             wp, eps = _ptr(norm.weight), norm.eps
-            return lambda rows, threads: lib.pagedllm_add_rms_norm_mixed(
-                product.result.data_ptr(), rp, wp, eps, out, rows, hidden, formats, threads
-            )
+
+            def call(rows, threads):
+                x = product.take()
+                lib.pagedllm_add_rms_norm_mixed(x.data_ptr(), rp, wp, eps, out, rows, hidden, formats, threads)
+
+            return call
+
+        def activation(gate_up: OneDnnCall):
+            def call(rows, threads):
+                x = gate_up.take()
+                lib.pagedllm_silu_and_mul_mixed(x.data_ptr(), ap, rows, inter, x16 | out16, threads)
+
+            return call
 
         first = layer0.input_layernorm
         wp, eps = _ptr(first.weight), first.eps
@@ -210,16 +241,13 @@ class DecodeReplay:
             calls.append(
                 self._attend(attention, self.kv_caches[i], (*shape, layer.scale, layer.window or 0, 0.0), dot_products)
             )
+            self.prune_at = len(calls)  # after the last layer's attention: see run()
             o_proj = OneDnnCall(layer.o_proj, self.attn, attn_rounded, None)
             calls.append(o_proj)
             calls.append(add_norm(layer.post_attention_layernorm, o_proj, np_, x16 | out16))
             gate_up = OneDnnCall(layer.gate_up_proj, normed, None, None)
             calls.append(gate_up)
-            calls.append(
-                lambda rows, threads, gate_up=gate_up: lib.pagedllm_silu_and_mul_mixed(
-                    gate_up.result.data_ptr(), ap, rows, inter, x16 | out16, threads
-                )
-            )
+            calls.append(activation(gate_up))
             down = OneDnnCall(layer.down_proj, act, None, None)
             calls.append(down)
         calls.append(add_norm(model.norm, down, _ptr(self.hidden_out), x16))
@@ -239,7 +267,8 @@ class DecodeReplay:
         both = x16 | (native.MIXED_OUT_BF16 if dtype == torch.bfloat16 else 0)
 
         def rotate_and_write(rows, threads):
-            x = qkv.result.data_ptr()
+            product = qkv.take()  # alive until the K/V are written
+            x = product.data_ptr()
             k, v, v_stride = x + q_size * size, x + (q_size + kv_size) * size, width * size
             lib.pagedllm_rotary_mixed(x, width, cos, sin, q, rows, heads, d, x16, threads)
             lib.pagedllm_rotary_mixed(k, width, cos, sin, kp, rows, kv_heads, d, both, threads)
@@ -291,16 +320,41 @@ class DecodeReplay:
         return attend
 
     def fits(self, seqs) -> bool:
-        """Decode steps, and steps of short chunks after a cached context (speculative
-        decoding's verification): a row per token, at most max_batch of them."""
-        if not seqs or sum(len(s.token_ids) for s in seqs) > self.max_batch:
+        """Decode steps, chunks after a cached context (speculative decoding's verification) and
+        prefill steps: a row per token, up to row_cap of them."""
+        if not seqs or sum(len(s.token_ids) for s in seqs) > self.row_cap:
             return False
         limit = self.max_blocks * self.block_size
         return all(s.start_pos + len(s.token_ids) <= limit for s in seqs)
 
-    def run(self, seqs) -> torch.Tensor:
-        """The final hidden states of every token of the step, [tokens, hidden] float32, in the
-        order of `seqs`: row r attends with its request's table up to its own position."""
+    def run(self, seqs, keep: np.ndarray | None = None) -> torch.Tensor:
+        """The final hidden states of the step's tokens, [rows, hidden] float32: of every token in
+        the order of `seqs`, or of the rows `keep` indexes, in that order (the eager step's
+        keep_rows: the last layer computes past its attention for those rows only). Row r
+        attends with its request's table up to its own position."""
+        rows = sum(len(s.token_ids) for s in seqs)
+        if rows > self.capacity:
+            self._build(min(self.row_cap, max(rows, 2 * self.capacity)))
+        self._fill_inputs(seqs)
+        model = self.model
+        self.residual[:rows].copy_(model.embed_tokens(self.ids[:rows]))
+        torch.index_select(model.rope.cos, 0, self.positions[:rows], out=self.cos[:rows])
+        torch.index_select(model.rope.sin, 0, self.positions[:rows], out=self.sin[:rows])
+        threads = torch.get_num_threads()
+        calls = self.calls
+        for call in calls[: self.prune_at]:
+            call(rows, threads)
+        if keep is not None and not (len(keep) == rows and np.array_equal(keep, np.arange(rows))):
+            index = torch.from_numpy(np.asarray(keep, dtype=np.int64))
+            self.attn[: len(keep)] = self.attn[index]
+            self.residual[: len(keep)] = self.residual[index]
+            rows = len(keep)
+        for call in calls[self.prune_at :]:
+            call(rows, threads)
+        return self.hidden_out[:rows]
+
+    def _fill_inputs(self, seqs) -> None:
+        """Token ids, positions, slots, block tables and context lengths of the step's rows."""
         bs = self.block_size
         ids, positions, slots = self.ids.numpy(), self.positions.numpy(), self.slots.numpy()
         tables, context, table_of = self.tables.numpy(), self.context.numpy(), self.rows.numpy()
@@ -308,23 +362,17 @@ class DecodeReplay:
         for j, s in enumerate(seqs):
             blocks = s.block_ids[: self.max_blocks]
             tables[j, : len(blocks)] = blocks
-            for t, token in enumerate(s.token_ids):
-                pos = s.start_pos + t
-                ids[r] = token
-                positions[r] = pos
-                context[r] = pos + 1
-                table_of[r] = j
+            n = len(s.token_ids)
+            if n == 1:  # a decode row: numpy's per-call cost is more than the row's
+                pos = s.start_pos
+                ids[r], positions[r], context[r], table_of[r] = s.token_ids[0], pos, pos + 1, j
                 slots[r] = blocks[pos // bs] * bs + pos % bs
-                r += 1
-        rows = r
-        model = self.model
-        self.residual[:rows].copy_(model.embed_tokens(self.ids[:rows]))
-        torch.index_select(model.rope.cos, 0, self.positions[:rows], out=self.cos[:rows])
-        torch.index_select(model.rope.sin, 0, self.positions[:rows], out=self.sin[:rows])
-        threads = torch.get_num_threads()
-        for call in self.calls:
-            call(rows, threads)
-        return self.hidden_out[:rows]
+            else:
+                pos = np.arange(s.start_pos, s.start_pos + n)
+                ids[r : r + n], positions[r : r + n], context[r : r + n] = s.token_ids, pos, pos + 1
+                table_of[r : r + n] = j
+                slots[r : r + n] = tables[j, pos // bs] * bs + pos % bs
+            r += n
 
 
 class OneDnnCall:
@@ -358,6 +406,12 @@ class OneDnnCall:
             self.result = product
         else:
             out.copy_(product)
+
+    def take(self) -> torch.Tensor:
+        """The product, for its one reader, which holds it while it reads: a step then keeps one
+        or two products alive, not every layer's (an engine's steps come one at a time)."""
+        product, self.result = self.result, None
+        return product
 
 
 def _bfloat16_dot_products() -> bool:
