@@ -87,15 +87,19 @@ def compare(
     quantization=None,
     kv_cache_dtypes=("auto",),
     rounds=1,
+    busy=0,
 ) -> dict:
     """The workload through pagedllm (once per KV cache dtype, one after the other), then each
     peer, `rounds` times over, taking turns: round r runs every system before round r + 1
     starts, so a change in the machine's speed meets all of them. Every system that keeps a
     process (pagedllm, vLLM, llama.cpp) is started, timed on its own, and warmed up before the
-    first round and stays up between rounds. Each system's median round counts. Prints the
+    first round and stays up between rounds; each round starts when the CPUs are quiet (as
+    quiet as `busy` busy processes leave them; machine.wait_for_quiet), so that no system runs
+    beside the previous one's tail. Each system's median round counts. Prints the
     table and returns the results (report.SystemResult, pagedllm first, each with its greedy
     agreement with pagedllm on the first round and its rounds' seconds)."""
     from . import report
+    from .machine import wait_for_quiet
     from .peers import hf_continuous, hf_static, llama_cpp_process, vllm_process
 
     workloads = round_prompts(prompts, rounds, hf.config.vocab_size)
@@ -121,10 +125,12 @@ def compare(
         outputs: dict[str, list[list[int]]] = {}
         for r, work in enumerate(workloads):
             for kv, engine in engines.items():
+                wait_for_quiet(busy)
                 secs, toks = engine.run_round(work, max_tokens)
                 seconds.setdefault(f"pagedllm {kv}", []).append(secs)
                 outputs.setdefault(f"pagedllm {kv}", toks)
             for peer in peers:
+                wait_for_quiet(busy)
                 if peer == "hf-static":
                     secs, toks = hf_static(hf, work, max_tokens, batch_size)
                 elif peer == "hf-cb":

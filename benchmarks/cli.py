@@ -232,6 +232,7 @@ def _throughput(args, out_dir: str, peers: list[str]) -> int:
         quantization=args.quantization,
         kv_cache_dtypes=args.kv_cache_dtype.split(","),
         rounds=args.rounds or 1,
+        busy=args.busy,
     )
     results = run["results"]
     _write_json(

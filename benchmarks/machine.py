@@ -88,6 +88,37 @@ def describe(record: dict) -> str:
     )
 
 
+def _cpu_times() -> tuple[int, int]:
+    """(busy, total) jiffies of all CPUs since boot, from /proc/stat."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def wait_for_quiet(busy: int = 0, timeout: float = 3.0, window: float = 0.1, cpu_times=_cpu_times) -> float:
+    """Wait until the CPUs are about as idle as `busy` busy processes leave them (one `window`
+    with less than busy + 0.25 cores' worth of work), at most `timeout` seconds; returns the
+    seconds waited. A system's round must not meet the previous system's tail: vLLM's worker
+    threads kept ~0.1-0.7 of a core busy for a second or so after its rounds, and pagedllm's
+    next round, started at once, ran 26% slower beside it than alone (docs/bench). Where
+    /proc/stat is missing (not Linux) it waits one window."""
+    start = time.monotonic()
+    try:
+        cores = os.cpu_count() or 1
+        before = cpu_times()
+        while time.monotonic() - start < timeout:
+            time.sleep(window)
+            after = cpu_times()
+            total = after[1] - before[1]
+            if total > 0 and (after[0] - before[0]) / total * cores < busy + 0.25:
+                break
+            before = after
+    except OSError:
+        time.sleep(window)
+    return time.monotonic() - start
+
+
 @contextlib.contextmanager
 def busy_processes(count: int):
     """`count` processes that keep a core busy each, as other work on a shared machine does."""

@@ -192,3 +192,20 @@ def test_the_19m_models_word_tokenizer_covers_its_vocabulary(tmp_path):
     assert len(tok) == 500 and tok.eos_token_id == 2
     assert tok("w3 w499 w77").input_ids == [3, 499, 77]
     assert tok.decode([3, 499, 77]) == "w3 w499 w77"
+
+
+def test_rounds_wait_for_the_cpus_to_be_as_quiet_as_the_busy_processes_leave_them():
+    """A round must not start beside the previous system's tail (a peer's spinning threads):
+    wait_for_quiet waits out work beyond the expected busy processes, up to its timeout, and
+    returns at once when only those run."""
+    import os
+
+    from pagedllm.benchmarks.machine import busy_processes, wait_for_quiet
+
+    with busy_processes(1):
+        assert wait_for_quiet(busy=0, timeout=0.6) >= 0.55  # a busy core is more than a quiet machine's
+    # /proc/stat as a machine with one busy process and a tail that stops after two windows shows it
+    cores, busy_share = os.cpu_count(), [1.9, 1.6, 1.0, 1.0]
+    readings = iter([(0, 0)] + [(int(sum(busy_share[: i + 1]) * 100), 100 * cores * (i + 1)) for i in range(4)])
+    waited = wait_for_quiet(busy=1, timeout=10.0, window=0.05, cpu_times=lambda: next(readings))
+    assert 0.1 <= waited < 1.0  # three windows: two of the tail, then a quiet one
