@@ -331,14 +331,14 @@ inline const float* weigh_probabilities(const float* p, const BlockScales& bs, i
   return bs.weighted;
 }
 
-// The online softmax over one more block: scores[h][0:n] become exp(score - running max); the
-// running sums and the unnormalised outputs are rescaled to the new max.
+// The online softmax over one more chunk of blocks: scores[h][0:n] become exp(score - running
+// max); the running sums and the unnormalised outputs are rescaled to the new max.
 inline void softmax_update(float* scores, int64_t n, int64_t num_heads, int64_t head_size, int64_t score_stride,
                            float* max, float* sum, float* acc) {
   for (int64_t h = 0; h < num_heads; ++h) {
     float* s = scores + h * score_stride;
     const float m = max_of(s, n, max[h]);
-    const float rescale = exp_clamped(max[h] - m);  // ~0 on the first block
+    const float rescale = exp_clamped(max[h] - m);  // ~0 on the first chunk
     const float block_sum = exp_shifted(s, n, m);
     sum[h] = sum[h] * rescale + block_sum;
     max[h] = m;
