@@ -31,17 +31,16 @@ CONFIGS = {
 
 
 def quoting_prompts(count: int, chars: int = 400) -> list[str]:
-    """Passages of `chars` characters, each given twice and then its first quarter once more, cut
-    before a space: a cut inside a word would tokenize differently from the passage (" diff" where
-    it read " different"), and no model could quote on from there. At 400, ~230 prompt tokens:
-    with 256 to generate, within the demo model's 512 positions."""
+    """Passages of `chars` characters from the held-out topics, each as the training tool's
+    quoting_prompt (twice, then its first quarter, cut before a space). At 400, ~230 prompt
+    tokens: with 256 to generate, within the demo model's 512 positions."""
     path = os.path.join(os.path.dirname(__file__), "..", "tools", "train_demo_model.py")
     spec = importlib.util.spec_from_file_location("train_demo_model", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     texts = [t for t in script.held_out_texts() if len(t) >= 700]
     passages = [texts[i % len(texts)][:chars] for i in range(count)]
-    return [f"{p}\n\n{p}\n\n{p[: p.rfind(' ', 0, chars // 4)]}" for p in passages]
+    return [script.quoting_prompt(p) for p in passages]
 
 
 def run(engines: dict, prompts: list[str], params: SamplingParams, rounds: int) -> dict:
