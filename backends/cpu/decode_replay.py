@@ -81,6 +81,7 @@ class DecodeReplay:
         self.max_blocks = cdiv(max_model_len, block_size)
         # prefill steps replay too, their buffers grown on first need up to REPLAY_BUFFER_BYTES
         self.row_cap = max(max_batch, min(MAX_REPLAY_ROWS, REPLAY_BUFFER_BYTES // self._bytes_per_row()))
+        self.products_in_place = self._onednn_throughout(model, kv_caches.dtype)
         self._build(max_batch)
 
     def _bytes_per_row(self) -> int:
@@ -94,13 +95,10 @@ class DecodeReplay:
 
     def _build(self, capacity: int) -> None:
         """Buffers for steps of up to `capacity` tokens, and the calls bound to them."""
-        model, kv_caches, block_size = self.model, self.kv_caches, self.block_size
-        cfg = model.config
+        model, kv_caches = self.model, self.kv_caches
+        cfg, layer = model.config, model.layers[0]
         self.capacity = capacity
-        layer = model.layers[0]
         heads, kv_heads, d = layer.num_heads, layer.num_kv_heads, cfg.head_dim
-        q_size, kv_size = heads * d, kv_heads * d
-        width = q_size + 2 * kv_size
         hidden, inter = cfg.hidden_size, layer.down_proj.in_features
         # rows for the largest step, and the padding oneDNN's GEMMs run with (packed_linear.py);
         # zeros, so padding rows never hold what is not a number
@@ -112,24 +110,37 @@ class DecodeReplay:
         self.context = torch.ones(n, dtype=torch.int32)
         self.rows = torch.arange(n, dtype=torch.int32)  # row r attends with table row rows[r]
         self.cos, self.sin = torch.zeros(n, d, dtype=f32), torch.zeros(n, d, dtype=f32)
-        self.residual = torch.zeros(n, hidden, dtype=f32)
-        self.normed, self.out = torch.zeros(n, hidden, dtype=f32), torch.zeros(n, hidden, dtype=f32)
-        self.qkv, self.q = torch.zeros(n, width, dtype=f32), torch.zeros(n, heads, d, dtype=f32)
-        self.k, self.attn = torch.zeros(n, kv_heads, d, dtype=f32), torch.zeros(n, heads, d, dtype=f32)
-        self.gate_up, self.act = torch.zeros(n, 2 * inter, dtype=f32), torch.zeros(n, inter, dtype=f32)
+        self.residual, self.normed = torch.zeros(n, hidden, dtype=f32), torch.zeros(n, hidden, dtype=f32)
+        self.q, self.attn = torch.zeros(n, heads, d, dtype=f32), torch.zeros(n, heads, d, dtype=f32)
+        self.k, self.act = torch.zeros(n, kv_heads, d, dtype=f32), torch.zeros(n, inter, dtype=f32)
         self.hidden_out = torch.zeros(n, hidden, dtype=f32)
         cache_dtype = kv_caches.dtype
-        # 16-bit blocks: the rotated keys and the values rounded to the cache's dtype first, as
-        # the eager write_kv rounds them
+        # 16-bit blocks: the rotated keys rounded to the cache's dtype first, as the eager write_kv rounds them
         self.k_half = torch.empty(n, kv_heads, d, dtype=cache_dtype) if cache_dtype != f32 else None
-        self.v_half = torch.empty(n, kv_heads, d, dtype=cache_dtype) if cache_dtype != f32 else None
-        self.v_view = self.qkv[:, q_size + kv_size :].view(n, kv_heads, d)
-        self.num_slots = kv_caches.shape[2] * block_size
+        self.num_slots = kv_caches.shape[2] * self.block_size
         lib = native._library()
         attention = getattr(lib, f"pagedllm_paged_attention_{native.ATTENTION_SUFFIX[cache_dtype]}")
         dot_products = int(_bfloat16_dot_products())  # as the eager decode passes it
+        row_bytes = kv_heads * d * kv_caches.element_size()
+        if self.products_in_place is not None:
+            self.calls = self._onednn_calls(model, lib, attention, dot_products, row_bytes, self.products_in_place)
+        else:
+            self.calls = self._float32_buffer_calls(model, lib, attention, dot_products, row_bytes)
+
+    def _float32_buffer_calls(self, model: CausalLM, lib, attention, dot_products: int, row_bytes: int) -> list:
+        """The step's calls where some GEMM is the panel kernel's: every layer's input and output
+        in the step's float32 buffers (oneDNN's bfloat16 layers round into and widen out of them)."""
+        cfg, layer0, kv_caches = model.config, model.layers[0], self.kv_caches
+        heads, kv_heads, d = layer0.num_heads, layer0.num_kv_heads, cfg.head_dim
+        q_size, kv_size = heads * d, kv_heads * d
+        width, hidden, inter = q_size + 2 * kv_size, cfg.hidden_size, layer0.down_proj.in_features
+        n, f32 = self.ids.shape[0], torch.float32
+        self.out, self.qkv = torch.zeros(n, hidden, dtype=f32), torch.zeros(n, width, dtype=f32)
+        self.gate_up = torch.zeros(n, 2 * inter, dtype=f32)
+        # 16-bit blocks: the values rounded to the cache's dtype first, as the eager write_kv rounds them
+        self.v_half = torch.empty(n, kv_heads, d, dtype=kv_caches.dtype) if kv_caches.dtype != f32 else None
+        self.v_view = self.qkv[:, q_size + kv_size :].view(n, kv_heads, d)
         panel = lib.pagedllm_panel_linear
-        row_bytes = kv_size * kv_caches.element_size()
 
         bfloat16_inputs: dict[int, torch.Tensor] = {}  # in_features -> the rounded rows, shared by the layers
 
@@ -155,15 +166,11 @@ class DecodeReplay:
         def activation(rows, threads):
             lib.pagedllm_silu_and_mul_f32(gp, ap, rows, inter, threads)
 
-        self.products_in_place = self._onednn_throughout(model, cache_dtype)
-        if self.products_in_place is not None:
-            self.calls = self._onednn_calls(model, lib, attention, dot_products, row_bytes, self.products_in_place)
-            return
         calls = []
-        first = model.layers[0].input_layernorm
+        first = layer0.input_layernorm
         rp, wp, np_ = _ptr(self.residual), _ptr(first.weight), _ptr(self.normed)
         calls.append(lambda rows, threads: lib.pagedllm_rms_norm_f32(rp, wp, first.eps, np_, rows, hidden, threads))
-        shape = (heads, kv_heads, d, block_size)
+        shape = (heads, kv_heads, d, self.block_size)
         for i, layer in enumerate(model.layers):
             if i:  # the previous layer's output joins the residual stream in this layer's norm
                 calls.append(add_norm(layer.input_layernorm, self.out, self.normed))
@@ -180,7 +187,7 @@ class DecodeReplay:
             calls.append(activation)
             calls.append(linear(layer.down_proj, self.act, self.out))
         calls.append(add_norm(model.norm, self.out, self.hidden_out))
-        self.calls = calls
+        return calls
 
     @staticmethod
     def _onednn_throughout(model: CausalLM, cache_dtype: torch.dtype) -> torch.dtype | None:
@@ -348,7 +355,7 @@ class DecodeReplay:
         calls = self.calls
         for call in calls[: self.prune_at]:
             call(rows, threads)
-        if keep is not None and not (len(keep) == rows and np.array_equal(keep, np.arange(rows))):
+        if keep is not None:
             index = torch.from_numpy(np.asarray(keep, dtype=np.int64))
             self.attn[: len(keep)] = self.attn[index]
             self.residual[: len(keep)] = self.residual[index]
