@@ -124,17 +124,27 @@ class ModelRunner:
         """As `execute`, and for each `wanted` {seq index: count}, the final hidden states of
         that sequence's first `count` tokens of this step ([count, hidden]; see
         CausalLM.compute_logits), for prompt logprobs."""
+        last, rest = self.hidden_states(seqs, wanted)
+        return self.model.compute_logits(last), rest
+
+    @torch.inference_mode()
+    def hidden_states(
+        self, seqs: list[SeqInput], wanted: dict[int, int] | None = None
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The final hidden states of each sequence's last token ([len(seqs), hidden]) and of each
+        `wanted` sequence's first rows, as execute_with_hidden's: for a caller that computes the
+        logits of both in one pass over the LM head (speculative decoding's verification)."""
         graphs = self.decode_graphs
         if graphs is not None and graphs.fits(seqs):
             if all(len(s.token_ids) == 1 for s in seqs):  # a decode step: what every replay takes
                 hidden = graphs.run(seqs)
-                return self.model.compute_logits(hidden), ({i: hidden[i : i + 1] for i in wanted} if wanted else {})
+                return hidden, ({i: hidden[i : i + 1] for i in wanted} if wanted else {})
             # several tokens a request (the cpu backend's replay): the rows the eager step keeps
             lengths = np.array([len(s.token_ids) for s in seqs])
             starts = np.cumsum(lengths) - lengths
             keep = [starts + lengths - 1, *(np.arange(starts[i], starts[i] + n) for i, n in (wanted or {}).items())]
             hidden = graphs.run(seqs, np.concatenate(keep))
-            return self.model.compute_logits(hidden[: len(seqs)]), self._wanted_rows(hidden, len(seqs), wanted)
+            return hidden[: len(seqs)], self._wanted_rows(hidden, len(seqs), wanted)
         batch = prepare_batch(seqs, self.block_size, self.device)
         keep = batch.logits_indices
         if wanted:
@@ -142,9 +152,9 @@ class ModelRunner:
             keep = torch.cat([keep, torch.from_numpy(np.concatenate(extra)).to(self.device)])
         if batch.meta.prefill is None and not wanted:  # every row is some request's last token
             hidden = self.model(batch.input_ids, batch.positions, self.layer_caches, batch.meta, self.ops)
-            return self.model.compute_logits(hidden[keep]), {}
+            return hidden[keep], {}
         hidden = self.model(batch.input_ids, batch.positions, self.layer_caches, batch.meta, self.ops, keep)
-        return self.model.compute_logits(hidden[: len(seqs)]), self._wanted_rows(hidden, len(seqs), wanted)
+        return hidden[: len(seqs)], self._wanted_rows(hidden, len(seqs), wanted)
 
     @staticmethod
     def _wanted_rows(hidden: torch.Tensor, at: int, wanted: dict[int, int] | None) -> dict[int, torch.Tensor]:

@@ -244,11 +244,14 @@ class Worker:
         if self.threads:
             self.threads.begin(sum(len(s.token_ids) for s in seqs))
         spec_tokens = spec_logprobs = None
-        if wanted or verify:
-            logits, hidden = self.runner.execute_with_hidden(seqs, {**wanted, **verify})
+        if verify:
+            last, hidden = self.runner.hidden_states(seqs, {**wanted, **verify})
             prompt_lps = self._prompt_logprobs(chunks, {i: hidden[i] for i in wanted}) if wanted else None
-            if verify:
-                spec_tokens, spec_logprobs = self._verify(chunks, hidden, verify, drafts)
+            logits, verify_logits = self._logits_with_every_row(last, [hidden[i] for i in verify])
+            spec_tokens, spec_logprobs = self._verify(chunks, verify_logits, verify, drafts)
+        elif wanted:
+            logits, hidden = self.runner.execute_with_hidden(seqs, wanted)
+            prompt_lps = self._prompt_logprobs(chunks, {i: hidden[i] for i in wanted})
         else:
             logits, prompt_lps = self.runner.execute(seqs), None
         if self.threads:
@@ -300,14 +303,24 @@ class Worker:
         table = self.tp.broadcast_from_first(table.to(self.device)).cpu()
         return [[t for t in row if t >= 0] for row in table.tolist()]
 
-    def _verify(self, chunks, hidden: dict, verify: dict[int, int], drafts: dict[str, list[int]]):
+    def _logits_with_every_row(self, last: torch.Tensor, chunks_rows: list[torch.Tensor]):
+        """The logits of each chunk's last token, and of every token of the speculating chunks
+        (their hidden states `chunks_rows`), in one pass over the LM head: a pass reads all of
+        its weights, and a small model's decode step is mostly such reading. (None, None) on
+        the ranks other than the first."""
+        logits = self.model.compute_logits(torch.cat([last, *chunks_rows]))
+        if logits is None:
+            return None, None
+        n = len(last)
+        return logits[:n], list(torch.split(logits[n:], [len(rows) for rows in chunks_rows]))
+
+    def _verify(self, chunks, logits: list, verify: dict[int, int], drafts: dict[str, list[int]]):
         """Speculative decoding: rank 0 samples every position of each speculating chunk (its
         last token, then the proposal) and keeps the proposal up to the first token its draws
         disagree with, then its own draw there (backends/spec_verify.py); the other ranks
         compute the logits with it and learn the kept tokens. Returns the tokens and, where
         asked, their logprobs, by request id."""
         speculating = [chunks[i] for i in verify]
-        logits = [self.model.compute_logits(hidden[i]) for i in verify]
         kept = logprobs = None
         if self.tp.is_first:
             rows = [
