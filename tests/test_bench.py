@@ -209,3 +209,14 @@ def test_rounds_wait_for_the_cpus_to_be_as_quiet_as_the_busy_processes_leave_the
     readings = iter([(0, 0)] + [(int(sum(busy_share[: i + 1]) * 100), 100 * cores * (i + 1)) for i in range(4)])
     waited = wait_for_quiet(busy=1, timeout=10.0, window=0.05, cpu_times=lambda: next(readings))
     assert 0.1 <= waited < 1.0  # three windows: two of the tail, then a quiet one
+
+
+def test_the_speculative_bench_tells_quoting_from_looping():
+    """bench_speculative's gain on its quoting workload is read beside what the outputs did: a
+    5-gram of the prompt continued is a quote, one the output already wrote is a loop."""
+    from pagedllm.benchmarks.bench_speculative import quoted_share
+
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    assert quoted_share(prompt, [1, 2, 3, 4, 5, 6, 7]) == (3, 0)  # from its fifth token on
+    assert quoted_share(prompt, [8, 9, 10, 11, 12, 8, 9, 10, 11, 12, 8]) == (0, 2)
+    assert quoted_share(prompt, [7, 1, 2]) == (0, 0)
