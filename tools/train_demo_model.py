@@ -1,22 +1,28 @@
 """Train the demo model that ships with pagedllm: a small Llama with a byte-level BPE tokenizer,
-on English text that ships with Python itself (the pydoc topics and standard-library
-docstrings). Plain torch training loop, seeded; writes a standard Hugging Face folder.
+on English that ships with Python itself (the pydoc topics and standard-library docstrings) and
+the docstrings of larger packages. Plain torch training loop, seeded; writes a standard Hugging
+Face folder.
 
-    python tools/train_demo_model.py --out assets/demo-model --minutes 20
+The shipped model (docs/bench, 2026-12-06, night) was made in two runs, with the tokenizer of
+the first demo model (which `--out DIR --minutes 12` alone trains, with a plain text model):
+copy lessons (random tokens, then the same again) until it copies; then text beside quote
+lessons (a passage of prose never trained on as text, given again and again, some of the
+repeats' tokens slipped) and copy lessons over small alphabets (multi-token matching); then
+text and quote lessons only, at a lower learning rate. It quotes a passage it was given twice
+(what n-gram speculation pays on):
+
+    python tools/train_demo_model.py --tokenizer assets/demo-model --out /tmp/demo-quoting \
+        --seq 512 --batch 8 --docstrings 0.75 --quote-rows 4 --quote-weight 2 --quote-noise 0.05 \
+        --copy-rows 12 --copy-alphabet 24 --copy-first --bf16-autocast --eval-every 500 \
+        --minutes 70 --lr 2e-3
+    python tools/train_demo_model.py --init /tmp/demo-quoting --out assets/demo-model \
+        --seq 512 --batch 12 --docstrings 0.75 --quote-rows 4 --quote-noise 0.05 \
+        --bf16-autocast --eval-every 250 --minutes 14 --lr 5e-4 --seed 1
 
 Its draft model for speculative decoding (one layer, the demo model's tokenizer):
 
     python tools/train_demo_model.py --out assets/demo-draft --tokenizer assets/demo-model \
         --layers 1 --hidden 128 --minutes 12
-
-Teaching it to quote a passage it was given (what n-gram speculation pays on) — an experiment,
-not what ships (docs/bench, 2026-12-06): copy lessons (random tokens, then the same again)
-first, until it copies, then text (three quarters of it docstrings of larger packages) beside
-quote lessons (prose never trained on as text, given again and again):
-
-    python tools/train_demo_model.py --tokenizer assets/demo-model --out /tmp/demo-quoting \
-        --seq 512 --batch 8 --docstrings 0.75 --quote-rows 4 --copy-first \
-        --bf16-autocast --eval-every 250 --minutes 30 --lr 2e-3
 
 Held out from training (for the loss test): every 10th pydoc topic, in sorted order.
 """
@@ -214,12 +220,14 @@ def windows(data: torch.Tensor, rows: int, seq: int, gen: torch.Generator) -> to
     return torch.stack([data[s : s + seq] for s in starts])
 
 
-def quote_rows(rows: int, seq: int, source: torch.Tensor, sep: list[int], gen: torch.Generator):
+def quote_rows(rows: int, seq: int, source: torch.Tensor, sep: list[int], gen: torch.Generator, noise: float = 0.0):
     """Rows of a window of prose given again and again, a blank line between (as
     bench_speculative's prompts quote a passage): labels from the third reading on, so that the
     model learns to go on quoting a passage already quoted, not to repeat any paragraph it has
     just written (a greedy demo model that does loops). `source` is prose the model never trains
-    on as text, so a repeat can only be copied, not recalled."""
+    on as text, so a repeat can only be copied, not recalled. With `noise`, that share of the
+    third reading's tokens on is replaced by random ones in the input (not in the labels): a
+    model that quotes on its own slips, and should go on quoting after a slip, not loop."""
     x = torch.empty(rows, seq, dtype=torch.long)
     labels = torch.full((rows, seq), -100)
     for row in range(rows):
@@ -228,6 +236,9 @@ def quote_rows(rows: int, seq: int, source: torch.Tensor, sep: list[int], gen: t
         passage = torch.cat([source[at : at + span], torch.tensor(sep)])
         x[row] = passage.repeat(seq // len(passage) + 1)[:seq]
         labels[row, 2 * len(passage) :] = x[row, 2 * len(passage) :]
+    if noise:  # the labels stay the passage's (the model's loss shifts them by one)
+        slipped = (torch.rand(rows, seq, generator=gen) < noise) & (labels != -100)
+        x = torch.where(slipped, torch.randint(3, int(source.max()) + 1, (rows, seq), generator=gen), x)
     return x, labels
 
 
@@ -415,6 +426,13 @@ def main(argv=None):
     )
     ap.add_argument("--quote-weight", type=float, default=1.0, help="the quote rows' loss against the text's")
     ap.add_argument(
+        "--quote-noise",
+        type=float,
+        default=0.0,
+        help="this share of the quoted tokens replaced by random ones in the input (not the labels): "
+        "slips to go on quoting after",
+    )
+    ap.add_argument(
         "--bf16-autocast",
         action="store_true",
         help="run the forward and backward passes under bfloat16 autocast (weights and optimizer stay float32); "
@@ -487,7 +505,7 @@ def main(argv=None):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16_autocast):
             loss = model(input_ids=x, labels=x).loss
             if args.quote_rows:
-                quoted, labels = quote_rows(args.quote_rows, args.seq, prose_quotes, blank_line, gen)
+                quoted, labels = quote_rows(args.quote_rows, args.seq, prose_quotes, blank_line, gen, args.quote_noise)
                 loss = loss + args.quote_weight * model(input_ids=quoted, labels=labels).loss
             if args.copy_rows:
                 copies, labels = copy_lessons(
