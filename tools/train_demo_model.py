@@ -3,8 +3,8 @@ on English that ships with Python itself (the pydoc topics and standard-library 
 the docstrings of larger packages. Plain torch training loop, seeded; writes a standard Hugging
 Face folder.
 
-The shipped model (docs/bench, 2026-12-06, night) was made in two runs, with the tokenizer of
-the first demo model (which `--out DIR --minutes 12` alone trains, with a plain text model):
+The shipped model (docs/bench, 2026-12-06, night) was made in two runs with the first demo
+model's tokenizer (a run with only `--out DIR --minutes 12` trains one, and a plain text model):
 copy lessons (random tokens, then the same again) until it copies; then text beside quote
 lessons (a passage of prose never trained on as text, given again and again, some of the
 repeats' tokens slipped) and copy lessons over small alphabets (multi-token matching); then
