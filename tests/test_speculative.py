@@ -246,3 +246,26 @@ def test_draft_models_the_engine_cannot_run_are_refused_naming_why(tiny_model):
     other_vocab = tiny_model("llama", num_hidden_layers=1, vocab_size=500)
     with pytest.raises(Exception, match="share the target's tokenizer"):
         LLM(target, skip_tokenizer_init=True, speculative_config={"model": other_vocab})
+
+
+def test_a_prefill_asking_prompt_logprobs_beside_a_verification():
+    """Chunked prefills small enough that a second request's prompt (with prompt logprobs) is
+    computed in the steps where the first verifies its proposals: the worker takes both from
+    one pass over the LM head, and each is what it is without speculation."""
+    first, second = quoting_prompts(2)
+    params = [
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2, ignore_eos=True),
+    ]
+    results = {}
+    for config in (None, NGRAM):
+        with LLM(None, max_num_batched_tokens=48, num_kv_blocks=64, speculative_config=config) as llm:
+            outs = llm.generate([first, second], params, use_tqdm=False)
+            results[config is None] = outs, llm.last_stats.scheduler.spec_decode
+    (plain, _), (spec, counts) = results[True], results[False]
+    assert counts.num_drafts > 0
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    a, b = spec[1].prompt_logprobs, plain[1].prompt_logprobs
+    assert len(a) == len(b) and a[0] is None
+    for x, y in zip(a[1:], b[1:]):
+        assert x.keys() == y.keys() and all(x[t].logprob == pytest.approx(y[t].logprob, abs=1e-4) for t in x)
