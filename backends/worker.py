@@ -244,14 +244,12 @@ class Worker:
         if self.threads:
             self.threads.begin(sum(len(s.token_ids) for s in seqs))
         spec_tokens = spec_logprobs = None
-        if verify:
+        if wanted or verify:
             last, hidden = self.runner.hidden_states(seqs, {**wanted, **verify})
             prompt_lps = self._prompt_logprobs(chunks, {i: hidden[i] for i in wanted}) if wanted else None
             logits, verify_logits = self._logits_with_every_row(last, [hidden[i] for i in verify])
-            spec_tokens, spec_logprobs = self._verify(chunks, verify_logits, verify, drafts)
-        elif wanted:
-            logits, hidden = self.runner.execute_with_hidden(seqs, wanted)
-            prompt_lps = self._prompt_logprobs(chunks, {i: hidden[i] for i in wanted})
+            if verify:
+                spec_tokens, spec_logprobs = self._verify(chunks, verify_logits, verify, drafts)
         else:
             logits, prompt_lps = self.runner.execute(seqs), None
         if self.threads:
