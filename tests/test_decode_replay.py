@@ -101,6 +101,8 @@ def test_what_a_replay_does_not_take():
     assert replay.fits([SeqInput([1, 2, 3], 0, table)])  # a prefill: a row a token, more than max_batch
     assert replay.fits([SeqInput([1], 3, table)] * replay.row_cap)
     assert not replay.fits([SeqInput([1], 3, table)] * (replay.row_cap + 1))  # more rows than it grows to
+    rows = [SeqInput([1], 3, table)] * replay.row_cap
+    assert replay.fits(rows, replay.row_cap) and not replay.fits(rows, replay.row_cap + 1)  # nor keeps
     assert not replay.fits([SeqInput([1], 512, table)])  # past the captured context
     _, quantized = runner_and_replay("float32", quantization="int8")
     assert quantized is None  # its linear layers are not on the panel kernel: eager steps
@@ -185,3 +187,53 @@ def test_onednn_sees_row_counts_padded_to_a_multiple_of_8_and_the_padding_is_cut
     seen.clear()
     replay.run([SeqInput([6], 3, [1]), SeqInput([7], 2, [2])])
     assert len(seen) == 4 * len(runner.model.layers) and set(seen) == {8}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_replay_keeps_rows_for_any_mix_of_decodes_verifications_chunks_and_prompt_logprob_rows(dtype):
+    """Random steps mixing decodes, verifications (every row kept), prefill chunks and prompt
+    logprobs over part or all of a chunk: a step may keep more rows than it computes (a
+    verification's or a whole chunk's last row is kept twice, as its sequence's last and as a
+    wanted row), and its buffers may start smaller than either count. Logits, wanted hidden
+    states and K/V equal the eager step's, bit for bit."""
+    import random
+
+    rng = random.Random(7)
+    # first the mixes that once overran the buffers (a step's rows exactly fill them): one full
+    # verification (k=7 at max_num_seqs=8); three decodes beside a k=4 verification; prompt
+    # logprobs over a whole 64-token chunk; then random mixes
+    fixed = [(8, [("verify", 8)]), (8, [("decode", 1)] * 3 + [("verify", 5)]), (64, [("logprob chunk", 64)])]
+    kinds = ["decode", "verify", "chunk", "logprob chunk"]
+    for trial in range(16):
+        if trial < len(fixed):
+            max_batch, mix = fixed[trial]
+        else:
+            max_batch = rng.choice([1, 2, 4, 8])
+            mix = [(kind, None) for kind in rng.choices(kinds, k=rng.randrange(1, 7))]
+        runner, replay = runner_and_replay(dtype, max_batch=max_batch)
+        seqs, wanted = [], {}
+        for i, (kind, n) in enumerate(mix):
+            start = rng.randrange(0 if "chunk" in kind else 1, 40)
+            n = n or {"decode": 1, "verify": rng.randrange(2, 9)}.get(kind) or rng.randrange(2, 30)
+            table = list(range(1 + 7 * i, 8 + 7 * i))
+            seqs.append(SeqInput([rng.randrange(5, 390) for _ in range(n)], start, table))
+            if kind == "verify":
+                wanted[i] = n
+            elif kind == "logprob chunk":
+                wanted[i] = rng.choice([n, rng.randrange(1, n + 1)])
+        runner.kv_caches.normal_(generator=torch.Generator().manual_seed(trial))
+        before = runner.kv_caches.clone()
+        results = []
+        for graphs in (None, replay):
+            runner.kv_caches.copy_(before)
+            runner.decode_graphs = graphs
+            assert graphs is None or graphs.fits(seqs, len(seqs) + sum(wanted.values()))
+            logits, rows = runner.execute_with_hidden(seqs, wanted)
+            results.append((logits, rows, runner.kv_caches.clone()))
+        (eager, eager_rows, eager_kv), (replayed, replayed_rows, replayed_kv) = results
+        case = f"trial {trial}: {[(len(s.token_ids), s.start_pos) for s in seqs]}, wanted {wanted}"
+        assert torch.equal(eager, replayed), case
+        assert eager_rows.keys() == replayed_rows.keys() and all(
+            torch.equal(eager_rows[i], replayed_rows[i]) for i in wanted
+        ), case
+        assert torch.equal(eager_kv, replayed_kv), case

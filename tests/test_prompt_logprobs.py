@@ -20,9 +20,11 @@ def hf_prompt_logprobs(path: str, prompt: list[int]) -> torch.Tensor:
 
 
 def test_prompt_logprobs_equal_transformers_across_chunks_with_a_warm_prefix_cache(model):
+    """Each 64-token chunk keeps 65 rows (its last as the sequence's last and as a prompt row)."""
     prompt = [(7 * i) % 390 + 3 for i in range(300)]  # more positions than one slice of the worker's (256)
     expected = hf_prompt_logprobs(model, prompt)
-    with LLM(model, max_num_batched_tokens=64, num_kv_blocks=96, max_model_len=512) as llm:
+    # max_num_seqs=8: the cpu replay's buffers start at 8 rows, fewer than a chunk keeps (64 + 1)
+    with LLM(model, max_num_batched_tokens=64, num_kv_blocks=96, max_model_len=512, max_num_seqs=8) as llm:
         llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)  # the prompt is now cached
         params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=3, prompt_logprobs=2, ignore_eos=True)
         out = llm.generate([prompt], params, use_tqdm=False)[0]
