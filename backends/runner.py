@@ -135,8 +135,7 @@ class ModelRunner:
         `wanted` sequence's first rows, as execute_with_hidden's: for a caller that computes the
         logits of both in one pass over the LM head (speculative decoding's verification)."""
         graphs = self.decode_graphs
-        kept_rows = len(seqs) + sum(wanted.values()) if wanted else len(seqs)
-        if graphs is not None and graphs.fits(seqs, kept_rows):
+        if graphs is not None and graphs.fits(seqs):
             if all(len(s.token_ids) == 1 for s in seqs):  # a decode step: what every replay takes
                 hidden = graphs.run(seqs)
                 return hidden, ({i: hidden[i : i + 1] for i in wanted} if wanted else {})

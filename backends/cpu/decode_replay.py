@@ -330,12 +330,10 @@ class DecodeReplay:
 
         return attend
 
-    def fits(self, seqs, kept_rows: int = 0) -> bool:
+    def fits(self, seqs) -> bool:
         """Decode steps, chunks after a cached context (speculative decoding's verification) and
-        prefill steps: a row per token, up to row_cap of them, and up to row_cap rows kept past
-        the last layer's attention (`kept_rows`: a verification or a prompt-logprobs chunk keeps
-        its last row twice, so a step may keep more rows than it computes)."""
-        if not seqs or max(sum(len(s.token_ids) for s in seqs), kept_rows) > self.row_cap:
+        prefill steps: a row per token, up to row_cap of them."""
+        if not seqs or sum(len(s.token_ids) for s in seqs) > self.row_cap:
             return False
         limit = self.max_blocks * self.block_size
         return all(s.start_pos + len(s.token_ids) <= limit for s in seqs)
@@ -346,9 +344,12 @@ class DecodeReplay:
         keep_rows: the last layer computes past its attention for those rows only). Row r
         attends with its request's table up to its own position."""
         rows = sum(len(s.token_ids) for s in seqs)
+        # a step may keep more rows than it computes (a verification's or a prompt-logprobs
+        # chunk's last row is kept twice: as its sequence's last and as a wanted row), at most
+        # twice as many: those buffers grow past row_cap if need be
         need = rows if keep is None else max(rows, len(keep))
         if need > self.capacity:
-            self._build(min(self.row_cap, max(need, 2 * self.capacity)))
+            self._build(max(need, min(self.row_cap, 2 * self.capacity)))
         self._fill_inputs(seqs)
         model = self.model
         self.residual[:rows].copy_(model.embed_tokens(self.ids[:rows]))

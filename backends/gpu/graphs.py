@@ -69,8 +69,7 @@ class DecodeGraphs:
             self.graphs[n] = graph
         torch.cuda.synchronize()
 
-    def fits(self, seqs: list[SeqInput], kept_rows: int = 0) -> bool:
-        """Decode steps only (`kept_rows`, the rows a step keeps, is then at most len(seqs))."""
+    def fits(self, seqs: list[SeqInput]) -> bool:
         return (
             len(seqs) <= self.sizes[-1]
             and all(len(s.token_ids) == 1 for s in seqs)
