@@ -86,7 +86,7 @@ class KVCacheManager:
         (cached, referenced by nobody, or only by requests whose blocks are `released`) and
         would be revived."""
         fresh = max(0, self.num_blocks_for(num_tokens) - len(computed_blocks))
-        return fresh + sum(1 for b in computed_blocks if b.ref_cnt == 0 or b.block_id in released)
+        return fresh + sum(1 for b in self._held(computed_blocks) if b.ref_cnt == 0 or b.block_id in released)
 
     @property
     def num_free_swap_blocks(self) -> int:
@@ -100,7 +100,12 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """Longest run of cached full blocks that prefixes the request's tokens. The last
         token is never taken from the cache: its logits have to be computed. The caller records
-        the lookup in the pool's stats once the request is admitted."""
+        the lookup in the pool's stats once the request is admitted.
+
+        With a sliding window, the hits wholly behind the first query's window are the null
+        block: no query reads them, so they are neither revived nor counted as needed (a long
+        history would otherwise need more blocks than a windowed pool has, and never start).
+        The last hit stays: the next block's prefix-cache key chains from it."""
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0  # prompt logprobs come from computing the prompt: no prefix hits, as in vLLM
         bs = self.block_size
@@ -113,7 +118,11 @@ class KVCacheManager:
             if parent is None:
                 break
             hits.append(parent)
-        return hits, len(hits) * bs
+        num_hit = len(hits) * bs
+        if self.sliding_window and hits:
+            behind = min(max(0, num_hit - self.sliding_window + 1) // bs, len(hits) - 1)
+            hits[:behind] = [self.null] * behind
+        return hits, num_hit
 
     def _block_hashes(self, request: Request, num_full: int) -> list[int]:
         hashes = request.block_hashes
@@ -196,15 +205,18 @@ class KVCacheManager:
             table = []
         num_new_blocks = max(0, cdiv(end, bs) - len(table) - len(computed_blocks))
         shared = self._shared_partial_block(table, start)
-        revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        hits = self._held(computed_blocks)  # without those behind the window
+        revived = sum(1 for b in hits if b.ref_cnt == 0)
         if num_new_blocks + (shared is not None) > self.pool.num_free - revived:
             return None
         if rid not in self.tables:
             self._register(rid, table)
         first_changed = len(table)
-        if computed_blocks:
-            self.pool.touch(computed_blocks)
+        if computed_blocks:  # a request's first allocation: its table starts with them
+            self.pool.touch(hits)
             table.extend(computed_blocks)
+            self._num_hashed[rid] = len(computed_blocks)
+            self._num_released[rid] = len(computed_blocks) - len(hits)
         if shared is not None:
             first_changed = start // self.block_size
             (copy,) = self.pool.allocate(1)
@@ -308,6 +320,15 @@ class KVCacheManager:
         self.pool.free(reversed(self._held(table[keep:])))
         del table[keep:]
         self._num_released[rid] = min(self._num_released[rid], keep)
+
+    def window_released(self, request: Request) -> bool:
+        """Whether the request released a block that its next query (at num_computed_tokens)
+        reads: a step undone after a later one released the blocks behind its own window."""
+        released = self._num_released.get(request.request_id)
+        if not released:
+            return False
+        first_seen = max(0, request.num_computed_tokens - self.sliding_window + 1)
+        return released > first_seen // self.block_size
 
     # --- swap -----------------------------------------------------------------------------
     def swap_out(self, request: Request) -> list[tuple[int, int]] | None:

@@ -678,6 +678,9 @@ class Scheduler:
             for r in self.swapped:
                 if set(self.kv.swapped[r.request_id]) & swapped_out:
                     recompute[r.request_id] = r
+        # a sliding window: the undone steps released the blocks behind their own windows, which
+        # the step planned again (starting earlier) reads; released blocks do not come back
+        recompute.update((r.request_id, r) for r in self.running if self.kv.window_released(r))
         if kv_lost:
             recompute.update((r.request_id, r) for r in self.running)
         for request in recompute.values():

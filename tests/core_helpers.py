@@ -25,6 +25,7 @@ def make_scheduler(
     enable_prefix_caching=True,
     block_placement="lru",
     priority_preemption=True,
+    sliding_window=None,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -41,6 +42,7 @@ def make_scheduler(
             num_swap_blocks=num_swap_blocks,
             enable_prefix_caching=enable_prefix_caching,
             block_placement=block_placement,
+            sliding_window=sliding_window,
         ),
     )
 
@@ -76,10 +78,13 @@ class FakeWorker:
     (core.worker_state.WorkerState), writes each token id into the KV slot the plan chose,
     performs swaps and copies, and before 'sampling' checks that every position a request
     attends to holds that request's token. A wrong block table, a missed copy-on-write or a
-    bad prefix hit shows up here."""
+    bad prefix hit shows up here. With a sliding window a query reads only the last `window`
+    positions, and only there may a table not name the null block 0 (the core releases the
+    blocks behind the window)."""
 
-    def __init__(self, block_size: int, num_blocks: int, num_swap_blocks: int = 0, vocab: int = 50):
+    def __init__(self, block_size: int, num_blocks: int, num_swap_blocks: int = 0, vocab: int = 50, window=None):
         self.bs = block_size
+        self.window = window
         self.kv = [None] * (num_blocks * block_size)
         self.swap = [None] * (num_swap_blocks * block_size)
         self.state = WorkerState()
@@ -91,6 +96,10 @@ class FakeWorker:
         self.state = WorkerState()
         if kv_lost:
             self.kv = [None] * len(self.kv)
+
+    def _first_read(self, start: int) -> int:
+        """The first position that the queries of a chunk starting at `start` attend to."""
+        return 0 if self.window is None else max(0, start - self.window + 1)
 
     def _copy_block(self, src_mem, src, dst_mem, dst):
         bs = self.bs
@@ -111,7 +120,8 @@ class FakeWorker:
             self._copy_block(self.kv, src, self.kv, dst)
         for chunk in chunks:
             blocks = chunk.state.block_ids
-            assert 0 not in blocks, "null block 0 in a block table"
+            first_read = self._first_read(chunk.start)
+            assert 0 not in blocks[first_read // self.bs :], f"{chunk.request_id}: the null block 0 in its window"
             for pos, slot in zip(
                 range(chunk.start, chunk.start + chunk.num_tokens),
                 self._slots(blocks, chunk.start, chunk.start + chunk.num_tokens),
@@ -121,7 +131,8 @@ class FakeWorker:
         self.logprobs = {}
         for chunk in chunks:
             st = chunk.state
-            for pos, slot in enumerate(self._slots(st.block_ids, 0, st.num_computed)):  # what attention reads
+            first_read = self._first_read(chunk.start)  # what attention reads
+            for pos, slot in enumerate(self._slots(st.block_ids, first_read, st.num_computed), start=first_read):
                 assert self.kv[slot] == (st.token_ids[pos], pos), (
                     f"{chunk.request_id} pos {pos}: KV holds {self.kv[slot]}"
                 )

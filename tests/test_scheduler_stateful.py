@@ -1,5 +1,7 @@
 """Random workloads against the scheduler; DESIGN.md's block invariants after every step, and
-a fake worker that checks every request reads exactly its own tokens from the KV slots."""
+a fake worker that checks every request reads exactly its own tokens from the KV slots — with
+and without a sliding window, prefix caching, async scheduling, worker restarts, forks, beams and
+preemption of both kinds."""
 
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
@@ -29,6 +31,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         placement=st.sampled_from(["lru", "first-fit", "best-fit"]),
         priority_preemption=st.booleans(),
         async_scheduling=st.booleans(),
+        window=st.sampled_from([None, None, 1, 3, 6, 13]),
     )
     def setup(
         self,
@@ -43,9 +46,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         placement,
         priority_preemption,
         async_scheduling,
+        window,
     ):
-        # tight: the smallest pool that still fits one max_model_len request, plus a little
-        num_blocks = 1 + cdiv(MAX_MODEL_LEN, block_size) + extra_blocks
+        # tight: the smallest pool the engine accepts (one max_model_len request fits, or with a
+        # sliding window its window and one step), plus a little
+        needed = cdiv(MAX_MODEL_LEN, block_size)
+        if window:
+            needed = min(needed, cdiv(window + budget, block_size) + 1)
+        num_blocks = 1 + needed + extra_blocks
         self.sched = make_scheduler(
             block_size=block_size,
             num_blocks=num_blocks,
@@ -58,12 +66,15 @@ class SchedulerMachine(RuleBasedStateMachine):
             enable_prefix_caching=caching,
             block_placement=placement,
             priority_preemption=priority_preemption,
+            sliding_window=window,
         )
-        self.worker = FakeWorker(block_size, num_blocks, num_swap_blocks, vocab=12)
+        self.worker = FakeWorker(block_size, num_blocks, num_swap_blocks, vocab=12, window=window)
         self.next_id = 0
         self.expected_len: dict[str, int] = {}
         self.async_scheduling = async_scheduling
         self.in_flight = []  # under async scheduling, the step planned ahead between rules
+        self.texts: dict[str, list[int]] = {}  # each plain request's prompt and output so far
+        self.histories: list[list[int]] = []  # those of requests that ended: a chat's turns so far
 
     @rule(
         prefix=st.sampled_from(range(len(PREFIXES))),
@@ -75,7 +86,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         n=st.sampled_from([1, 1, 2, 3]),
     )
     def add_request(self, prefix, shared, tail, max_tokens, priority, ignore_eos, n):
-        prompt = (PREFIXES[prefix][:shared] + tail)[: MAX_MODEL_LEN - 1] or [2]
+        self._add((PREFIXES[prefix][:shared] + tail)[: MAX_MODEL_LEN - 1] or [2], max_tokens, priority, ignore_eos, n)
+
+    @precondition(lambda self: self.histories)
+    @rule(data=st.data(), tail=st.lists(st.integers(2, 60), min_size=1, max_size=12), max_tokens=st.integers(1, 12))
+    def add_follow_up(self, data, tail, max_tokens):
+        """The next turn of a conversation: an ended request's prompt and output, and more (its
+        blocks, freed into the prefix cache, are hits)."""
+        history = data.draw(st.sampled_from(self.histories))
+        self._add((history + tail)[: MAX_MODEL_LEN - 1], max_tokens, priority=0, ignore_eos=True, n=1)
+
+    def _add(self, prompt, max_tokens, priority, ignore_eos, n):
         rid = f"r{self.next_id}"
         self.next_id += 1
         self.sched.add_request(
@@ -91,6 +112,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                 ),
             )
         )
+        if n == 1:
+            self.texts[rid] = list(prompt)
 
     @rule(
         prompt_len=st.integers(1, 20), width=st.integers(1, 3), max_tokens=st.integers(1, 8), ignore_eos=st.booleans()
@@ -176,6 +199,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         for out in outputs:
             if out.finish_reason == "length":
                 assert out.request_id not in sched.requests
+            text = self.texts.get(out.request_id)
+            if text is not None:
+                text += out.new_token_ids
+                if out.finish_reason is not None and out.finish_reason != "abort":
+                    self.histories.append(self.texts.pop(out.request_id))
 
     @invariant()
     def invariants_hold(self):

@@ -87,3 +87,25 @@ def test_mistral_window_generates_2048_tokens_like_transformers_holding_the_wind
     want = teacher_forced_argmax(hf, forked + list(samples[0].token_ids)[:-1])[len(forked) - 1 :]
     assert [list(c.token_ids) for c in samples] == [want] * 3
     assert after_forks.kv_cache_usage == 0.0 and after_forks.num_running == 0
+
+
+def test_a_follow_up_turn_longer_than_the_pool_hits_the_prefix_cache_and_matches_transformers(tiny_model):
+    """Prefix caching on, a pool of 9 blocks (144 tokens) under a 32-token window: turn two is
+    turn one's whole history (its blocks all cached) and 60 tokens more, 190 tokens in all. Its
+    hits behind the window are not revived: it starts (it used to wait for ever, and every
+    request behind it), and its tokens are transformers' under the window's mask."""
+    window = 32
+    path = tiny_model("mistral", sliding_window=window, max_position_embeddings=1024)
+    prompt = random_prompt(100, seed=11)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    engine = dict(block_size=16, num_kv_blocks=10, max_num_batched_tokens=64, max_model_len=512)
+    with LLM(path, **engine) as llm:
+        first = llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].token_ids
+        follow_up = prompt + list(first) + random_prompt(70, seed=12)
+        second, behind = llm.generate([{"prompt_token_ids": follow_up}, {"prompt_token_ids": prompt[:5]}], params)
+    assert len(follow_up) > 9 * 16
+    assert second.num_cached_tokens >= 112, second.num_cached_tokens
+    hf = load_hf(path)
+    out = list(second.outputs[0].token_ids)
+    assert teacher_forced_argmax(hf, follow_up + out[:-1])[len(follow_up) - 1 :] == out
+    assert len(behind.outputs[0].token_ids) == 20
