@@ -558,32 +558,20 @@ class Scheduler:
         return out
 
     def _append_token(self, request: Request, token: int) -> RequestOutputDelta:
-        """The sampled token joins the request; it may end it (stop token, EOS, length)."""
+        """The sampled token joins the request, and after it (jump-forward) the tokens its
+        grammar then forces; each is checked in turn as if sampled alone — the grammar's end,
+        a stop token or EOS past min_tokens, the length — so the output is the same with
+        jump-forward as without, ending at the first token that ends it."""
         tokens = request.all_token_ids
         tokens.append(token)
         if request.num_computed_tokens == len(tokens):  # its slot was planned ahead
             self.kv.cache_planned_blocks(request)
-        num_output = len(tokens) - request.num_prompt_tokens
-        status = None
         new_tokens = [token]
-        matcher = request.matcher
-        if matcher is not None:
-            if not matcher.consume_token(token):  # the mask allowed it: the grammar and the mask disagree
-                raise RuntimeError(f"the grammar refused token {token}: {matcher.get_error()}")
-            if matcher.is_stopped():  # the output is complete: nothing may follow
-                status = RequestStatus.FINISHED_STOPPED
-            elif self.config.jump_forward and request.sampling_params.logprobs is None:
-                new_tokens += self._jump_forward(request, num_output)
-                num_output = len(tokens) - request.num_prompt_tokens
-                if matcher.is_stopped():
-                    status = RequestStatus.FINISHED_STOPPED
-        if status is None:
-            if num_output >= request.min_tokens and (token in request.eos_token_ids or token in request.stop_ids):
-                status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = token if token in request.stop_ids else None
-            elif num_output >= request.max_tokens or len(tokens) >= self.config.max_model_len:
-                status = RequestStatus.FINISHED_LENGTH
-        queued = request.queued_seconds if num_output == len(new_tokens) else None
+        status = self._ended_by(request, token)
+        jump = request.matcher is not None and self.config.jump_forward and request.sampling_params.logprobs is None
+        if status is None and jump:  # (forced tokens have no logprobs: not where they are asked for)
+            status = self._jump_forward(request, new_tokens)
+        queued = request.queued_seconds if len(tokens) - request.num_prompt_tokens == len(new_tokens) else None
         if status is None:
             return RequestOutputDelta(request.request_id, new_tokens, queued_seconds=queued)
         self._finish(request, status)
@@ -591,18 +579,38 @@ class Scheduler:
             request.request_id, new_tokens, status.finish_reason, request.stop_reason, queued_seconds=queued
         )
 
-    def _jump_forward(self, request: Request, num_output: int) -> list[int]:
+    def _ended_by(self, request: Request, token: int) -> RequestStatus | None:
+        """How the token just appended ends the request, if it does."""
+        matcher = request.matcher
+        if matcher is not None:
+            if not matcher.consume_token(token):  # the mask allowed it: the grammar and the mask disagree
+                raise RuntimeError(f"the grammar refused token {token}: {matcher.get_error()}")
+            if matcher.is_stopped():  # the output is complete: nothing may follow
+                return RequestStatus.FINISHED_STOPPED
+        num_tokens = len(request.all_token_ids)
+        num_output = num_tokens - request.num_prompt_tokens
+        if num_output >= request.min_tokens and (token in request.eos_token_ids or token in request.stop_ids):
+            request.stop_reason = token if token in request.stop_ids else None
+            return RequestStatus.FINISHED_STOPPED
+        if num_output >= request.max_tokens or num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _jump_forward(self, request: Request, new_tokens: list[int]) -> RequestStatus | None:
         """Jump-forward decoding: the tokens the grammar now admits as the only continuation
-        (a schema's keys and punctuation) join the request at once, unsampled, within its
-        length; the next step computes them in one chunk and samples after them."""
-        room = min(request.max_tokens - num_output, self.config.max_model_len - request.num_tokens)
-        forced = request.matcher.compute_ff_tokens()[: max(room, 0)]
-        if not forced or not request.matcher.consume_tokens(forced):
-            return []
-        request.all_token_ids.extend(forced)
-        if request.request_id in self.worker.known:
-            self._forced.setdefault(request.request_id, []).extend(forced)
-        return forced
+        (a schema's keys and punctuation) join the request at once, unsampled, up to the first
+        that ends it; the next step computes them in one chunk and samples after them. Returns
+        how the request ended, if it did."""
+        status = None
+        for token in request.matcher.compute_ff_tokens():
+            request.all_token_ids.append(token)
+            new_tokens.append(token)
+            status = self._ended_by(request, token)
+            if status is not None:
+                break
+        if status is None and len(new_tokens) > 1 and request.request_id in self.worker.known:
+            self._forced.setdefault(request.request_id, []).extend(new_tokens[1:])
+        return status
 
     def _take_forced(self) -> dict[str, list[int]]:
         """Jump-forward tokens for the worker to append, of the requests it holds."""

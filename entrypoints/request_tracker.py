@@ -105,26 +105,16 @@ class RequestTracker:
             return i, "", False, False  # prompt logprobs of a prefill chunk
         if delta.num_cached_tokens > self.output.num_cached_tokens:
             self.output.num_cached_tokens = delta.num_cached_tokens
-        comp.token_ids.extend(delta.new_token_ids)
-        if delta.logprobs and comp.logprobs is not None:
-            for token, lp in zip(delta.new_token_ids, delta.logprobs):
-                comp.logprobs.append(self._entry(token, lp))
-                comp.cumulative_logprob += lp.token_logprob
         detok = self._detok[i]
         if detok is None:  # no tokenizer: token ids only
+            self._extend(comp, delta, 0, len(delta.new_token_ids))
             if delta.finish_reason is None:
                 return i, "", False, False
             comp.finish_reason, comp.stop_reason = delta.finish_reason, delta.stop_reason
             self.output.finished = all(c.finish_reason is not None for c in self.output.outputs)
             return i, "", True, False
-        new_text = detok.add(delta.new_token_ids)
-        if delta.finish_reason is not None:
-            new_text += detok.flush()
+        hit = self._add_text(comp, detok, delta)
         abort = False
-        # no stop string may end the text before min_tokens (vLLM's rule, as for stop tokens)
-        hit = None
-        if len(comp.token_ids) >= self.params.min_tokens:
-            hit = find_stop(detok.text, len(new_text), self._stops)
         if hit is not None:
             comp.text = detok.text[: hit[0]]
             comp.finish_reason, comp.stop_reason = "stop", hit[1]
@@ -140,6 +130,36 @@ class RequestTracker:
         if all(c.finish_reason is not None for c in self.output.outputs):
             self.output.finished = True
         return i, chunk, done, abort
+
+    def _add_text(self, comp: CompletionOutput, detok: IncrementalDetokenizer, delta: RequestOutputDelta):
+        """The delta's tokens join the completion and its text, and the first stop string they
+        complete (past min_tokens), if any, is returned as find_stop gives it. Where stop strings
+        are asked for, a delta of several tokens (a verified speculative run, jump-forward's
+        forced tokens) goes token by token, as single tokens would come without them: min_tokens
+        counts to the token, and the tokens after the one that completes a stop string are
+        dropped, with their logprobs."""
+        tokens = delta.new_token_ids
+        pieces = [(j, j + 1) for j in range(len(tokens))] if self._stops and len(tokens) > 1 else [(0, len(tokens))]
+        for start, end in pieces:
+            self._extend(comp, delta, start, end)
+            new_text = detok.add(tokens[start:end])
+            if end == len(tokens) and delta.finish_reason is not None:
+                new_text += detok.flush()
+            # no stop string may end the text before min_tokens (vLLM's rule, as for stop tokens)
+            if len(comp.token_ids) >= self.params.min_tokens:
+                hit = find_stop(detok.text, len(new_text), self._stops)
+                if hit is not None:
+                    return hit
+        return None
+
+    def _extend(self, comp: CompletionOutput, delta: RequestOutputDelta, start: int, end: int) -> None:
+        """Tokens start:end of the delta, and their logprobs, join the completion."""
+        tokens = delta.new_token_ids[start:end]
+        comp.token_ids.extend(tokens)
+        if delta.logprobs and comp.logprobs is not None:
+            for token, lp in zip(tokens, delta.logprobs[start:end]):
+                comp.logprobs.append(self._entry(token, lp))
+                comp.cumulative_logprob += lp.token_logprob
 
     def _apply_beams(self, delta: RequestOutputDelta) -> None:
         """A beam search ended: its n best beams are the completions (fewer if it kept fewer)."""
