@@ -246,6 +246,16 @@ def add_commands(sub) -> None:
         default=30.0,
         help="on SIGTERM or Ctrl-C: seconds running requests may take to finish before they are aborted",
     )
+    srv.add_argument(
+        "--enable-server-load-tracking",
+        action="store_true",
+        help="GET /load answers how many completions and chat requests are being answered",
+    )
+    srv.add_argument(
+        "--enable-force-include-usage",
+        action="store_true",
+        help="usage on every streamed chunk, whether the client asks for it or not",
+    )
     add_zmq_security_flags(srv)
     add_limit_flags(srv)
     add_engine_flags(srv)
@@ -294,6 +304,8 @@ def cmd_serve(args) -> int:
         zmq_curve=curve,
         zmq_allow_insecure=args.zmq_allow_insecure,
         limits=limits,
+        enable_server_load_tracking=args.enable_server_load_tracking,
+        enable_force_include_usage=args.enable_force_include_usage,
     )
     run_server(engine_kwargs(args), options)
     return 0

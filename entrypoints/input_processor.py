@@ -72,8 +72,17 @@ class InputProcessor:
                 f"which leaves room for at most {self.max_model_len - 1}",
             )
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:  # (vLLM's words: clients match on "out of vocabulary")
+            raise InvalidParameter(
+                "prompt_token_ids",
+                f"token id {bad[0]} is out of vocabulary (ids are in [0, {self.vocab_size})); "
+                f"{len(bad)} such id{'s' if len(bad) > 1 else ''}",
+            )
+        bad = [t for t in params.stop_token_ids or () if not 0 <= t < self.vocab_size]
         if bad:
-            raise InvalidParameter("prompt_token_ids", f"token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+            raise InvalidParameter(
+                "stop_token_ids", f"token id {bad[0]} is out of vocabulary (ids are in [0, {self.vocab_size}))"
+            )
         if self.tokenizer is None and params.stop:
             raise InvalidParameter("stop", "stop strings need a tokenizer (skip_tokenizer_init is set)")
         if params.structured_outputs is not None:

@@ -24,6 +24,19 @@ from .openai_structured import ResponseFormat, Tool, constraint, forced_tools
 MAX_JSON_DEPTH_SHOWN = 32  # where a too-deep body is reported: the first value this deep
 
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _check_seed(seed) -> None:
+    """A 64-bit signed seed, as vLLM's server takes it; the error names the bound as pydantic
+    does (`greater_than_equal`, `less_than_equal`), which clients of vLLM match on."""
+    if isinstance(seed, int) and not isinstance(seed, bool):
+        if seed < INT64_MIN:
+            raise InvalidParameter("seed", f"Input should be greater than or equal to {INT64_MIN} [greater_than_equal]")
+        if seed > INT64_MAX:
+            raise InvalidParameter("seed", f"Input should be less than or equal to {INT64_MAX} [less_than_equal]")
+
+
 class StreamOptions(msgspec.Struct):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: usage on every chunk
@@ -90,6 +103,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
         """Refusals that need no engine."""
         if self.stream_options is not None and not self.stream:
             raise InvalidParameter("stream_options", "is only allowed when stream is true")
+        _check_seed(self.seed)
         t = self.truncate_prompt_tokens
         if t is not None and (isinstance(t, bool) or not (t == -1 or t >= 1)):
             raise InvalidParameter("truncate_prompt_tokens", f"must be -1 (max_model_len) or >= 1, got {t}")
@@ -159,8 +173,12 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
         return self.truncate_prompt_tokens, self.truncation_side
 
 
+NO_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty."  # vLLM's words
+
+
 class CompletionRequest(_SamplingFields, kw_only=True):
-    prompt: str | list[Any]  # a string, token ids, or a list of either (checked in prompts())
+    prompt: str | list[Any] | None = None  # a string, token ids, or a list of either (checked in prompts())
+    prompt_embeds: Any = None  # vLLM's; not supported here
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -169,10 +187,12 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     def prompts(self) -> list:
         """The prompts as strings or token-id lists (a completion request may carry several)."""
         p = self.prompt
-        if isinstance(p, str):
+        if self.prompt_embeds:
+            raise InvalidParameter("prompt_embeds", "is not supported: send prompt (text or token ids)")
+        if isinstance(p, str) and p:
             return [p]
         if not p:
-            raise InvalidParameter("prompt", "must not be empty")
+            raise InvalidParameter("prompt", NO_PROMPT)
         if all(_is_token_id(x) for x in p):
             return [list(p)]
         for i, x in enumerate(p):

@@ -21,9 +21,19 @@ def usage_of(outputs, echo_only: bool = False) -> dict:
     return usage(sum(len(o.prompt_token_ids) for o in outputs), completion, sum(o.num_cached_tokens for o in outputs))
 
 
-class CompletionResponses:
-    def __init__(self, req: CompletionRequest, params, meta: dict, tokenizer):
+class _Usage:
+    """Which usage a stream carries: the final chunk's (include_usage) and every chunk's
+    (continuous_usage_stats); the server's --enable-force-include-usage turns both on."""
+
+    def _usage_options(self, req, force: bool) -> None:
+        self.include_usage = req.include_usage or force
+        self.continuous_usage = (req.continuous_usage and self.include_usage) or force
+
+
+class CompletionResponses(_Usage):
+    def __init__(self, req: CompletionRequest, params, meta: dict, tokenizer, force_usage: bool = False):
         self.req, self.params, self.meta, self.tokenizer = req, params, meta, tokenizer
+        self._usage_options(req, force_usage)
 
     def _decode(self, token: int) -> str:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else ""
@@ -86,42 +96,46 @@ class CompletionResponses:
 
     async def chunks(self, updates, num_prompts: int):
         """Chunks from (prompt index, StreamOutput) updates. An echoed prompt comes first, once
-        the prompt is computed (its logprobs complete)."""
+        the prompt is computed (its logprobs complete). Each chunk carries the token ids and
+        logprobs of its own updates (those that brought no text wait for the next chunk) and,
+        with continuous usage, its choice's token count as of those updates."""
         req = self.req
-        sent_lp, offsets, started = {}, {}, set()
-        sent_ids: dict[int, int] = {}  # choice index -> token ids already sent
+        offsets, started = {}, set()
+        pending: dict[int, tuple[list, list]] = {}  # choice index -> ids, logprob entries not yet sent
         last = [None] * num_prompts
         async for p, out in updates:
             last[p] = out.output
             index = p * self.params.n + out.index
-            comp = out.output.outputs[out.index]
-            first = []
+            ids, entries = pending.setdefault(index, ([], []))
+            ids += out.delta_token_ids
+            entries += out.delta_logprobs or ()
             if index not in started and _prompt_done(out.output):
                 started.add(index)
-                first.append(self._first_chunk(out.output, index))
-                offsets[index] = len(first[0]["choices"][0]["text"])
-            for chunk in first:
-                yield self._with_usage(chunk, last)
+                first = self._first_chunk(out.output, index)
+                offsets[index] = len(first["choices"][0]["text"])
+                if self._carries_something(first):
+                    yield self._with_usage(first, out, out.num_tokens - len(ids))
             if req.echo_only:
                 if out.finish_reason is not None:
-                    yield self._with_usage(self._chunk(index, "", None, "length", []), last)
+                    yield self._with_usage(self._chunk(index, "", None, "length", []), out, 0)
                 continue
             if not out.delta_text and out.finish_reason is None:
                 continue
             logprobs = None
-            if comp.logprobs is not None:
-                start = sent_lp.get(index, 0)
-                logprobs = completion_logprobs(
-                    comp.logprobs[start:], comp.token_ids[start:], offsets.get(index, 0), req.logprobs
-                )
-                sent_lp[index] = len(comp.logprobs)
+            if out.output.outputs[out.index].logprobs is not None:
+                logprobs = completion_logprobs(entries, ids, offsets.get(index, 0), req.logprobs)
                 offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
-            ids = comp.token_ids[sent_ids.get(index, 0) :]  # also those of updates that brought no text
-            sent_ids[index] = len(comp.token_ids)
             chunk = self._chunk(index, out.delta_text, logprobs, out.finish_reason, ids)
-            yield self._with_usage(chunk, last)
-        if req.include_usage:
+            del pending[index]
+            yield self._with_usage(chunk, out, out.num_tokens)
+        if self.include_usage:
             yield {**self.meta, "object": "text_completion", "choices": [], "usage": usage_of(last, req.echo_only)}
+
+    def _carries_something(self, first: dict) -> bool:
+        """Whether a choice's first chunk has anything of its own (an echoed prompt, prompt
+        logprobs or token ids); an empty one is not sent (its first text comes next)."""
+        choice = first["choices"][0]
+        return bool(choice["text"] or choice["logprobs"] or "prompt_logprobs" in choice or "prompt_token_ids" in choice)
 
     def _first_chunk(self, out, index: int) -> dict:
         """Before a choice's first text: the echoed prompt, its prompt logprobs and token ids."""
@@ -146,9 +160,10 @@ class CompletionResponses:
             choice["token_ids"] = list(token_ids)
         return {**self.meta, "object": "text_completion", "choices": [choice]}
 
-    def _with_usage(self, chunk: dict, last: list) -> dict:
-        if self.req.continuous_usage:
-            chunk["usage"] = usage_of(last, self.req.echo_only)
+    def _with_usage(self, chunk: dict, out, num_tokens: int) -> dict:
+        """With continuous usage: the chunk's prompt and its choice's `num_tokens` (vLLM's)."""
+        if self.continuous_usage:
+            chunk["usage"] = usage(len(out.output.prompt_token_ids), num_tokens, out.output.num_cached_tokens)
         return chunk
 
 
@@ -160,9 +175,10 @@ def _prompt_done(output) -> bool:
     return any(c.token_ids or c.finish_reason for c in output.outputs)
 
 
-class ChatResponses:
-    def __init__(self, req: ChatCompletionRequest, params, meta: dict):
+class ChatResponses(_Usage):
+    def __init__(self, req: ChatCompletionRequest, params, meta: dict, force_usage: bool = False):
         self.req, self.params, self.meta = req, params, meta
+        self._usage_options(req, force_usage)
         self.functions = req.forced_functions  # tool_choice required or named: the output is calls
 
     def _message(self, comp) -> tuple[dict, str | None]:
@@ -203,13 +219,14 @@ class ChatResponses:
             body["prompt_token_ids"] = list(out.prompt_token_ids)
         return body
 
-    def _chunk(self, index, delta, finish_reason=None, logprobs=None, token_ids=None, output=None) -> dict:
+    def _chunk(self, index, delta, finish_reason=None, logprobs=None, token_ids=None, out=None) -> dict:
+        """`out`: the StreamOutput the chunk ends with, for continuous usage (its choice's count)."""
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         if token_ids is not None:
             choice["token_ids"] = list(token_ids)
         chunk = {**self.meta, "object": "chat.completion.chunk", "choices": [choice]}
-        if self.req.continuous_usage:
-            chunk["usage"] = usage_of([output])
+        if self.continuous_usage and out is not None:
+            chunk["usage"] = usage(len(out.output.prompt_token_ids), out.num_tokens, out.output.num_cached_tokens)
         return chunk
 
     async def chunks(self, updates, prompt_token_ids: list[int]):
@@ -219,33 +236,34 @@ class ChatResponses:
             chunk = self._chunk(i, {"role": "assistant", "content": ""}, token_ids=[] if ids else None)
             if ids and i == 0:
                 chunk["prompt_token_ids"] = list(prompt_token_ids)
-            if req.continuous_usage:
+            if self.continuous_usage:
                 chunk["usage"] = usage(len(prompt_token_ids), 0)
             yield chunk
-        sent_lp, sent_ids = {}, {}
+        pending: dict[int, tuple[list, list]] = {}  # choice -> ids, logprob entries not yet sent
+        started: set[int] = set()  # choices whose first content chunk went out
         last, prompt_lps_sent = None, False
         async for _, out in updates:
             last = out.output
+            new_ids, entries = pending.setdefault(out.index, ([], []))
+            new_ids += out.delta_token_ids  # also those of updates without text, with the next chunk
+            entries += out.delta_logprobs or ()
             if not out.delta_text and out.finish_reason is None:
                 continue
-            comp = out.output.outputs[out.index]
+            del pending[out.index]
             logprobs = None
-            if comp.logprobs is not None:
-                start = sent_lp.get(out.index, 0)
-                logprobs = chat_logprobs(comp.logprobs[start:], comp.token_ids[start:], req.top_logprobs or 0)
-                sent_lp[out.index] = len(comp.logprobs)
+            if out.output.outputs[out.index].logprobs is not None:
+                logprobs = chat_logprobs(entries, new_ids, req.top_logprobs or 0)
             delta = {"content": out.delta_text} if out.delta_text else {}
             finish_reason = out.finish_reason
             if self.functions is not None:  # a named function: its arguments, as they come
-                delta, finish_reason = self._tool_delta(out, sent_ids.get(out.index) is None)
-            new_ids = comp.token_ids[sent_ids.get(out.index, 0) :]  # also those of updates without text
-            sent_ids[out.index] = len(comp.token_ids)
-            chunk = self._chunk(out.index, delta, finish_reason, logprobs, new_ids if ids else None, out.output)
+                delta, finish_reason = self._tool_delta(out, out.index not in started)
+            started.add(out.index)
+            chunk = self._chunk(out.index, delta, finish_reason, logprobs, new_ids if ids else None, out)
             if req.prompt_logprobs is not None and not prompt_lps_sent:
                 chunk["prompt_logprobs"] = prompt_logprobs_body(out.output.prompt_logprobs)
                 prompt_lps_sent = True
             yield chunk
-        if req.include_usage:
+        if self.include_usage:
             yield {**self.meta, "object": "chat.completion.chunk", "choices": [], "usage": usage_of([last])}
 
     def _tool_delta(self, out, first: bool) -> tuple[dict, str | None]:

@@ -54,9 +54,10 @@ class EventStream(Response):
     """Server-sent events from an async iterator of JSON-able chunks, ending with [DONE]. Watches
     for the client's disconnect and then stops the iterator (which aborts the requests)."""
 
-    def __init__(self, chunks):
+    def __init__(self, chunks, on_close=None):
         self.status_code = 200
         self.background = None
+        self.on_close = on_close  # called once the stream ended, however it ended
         self.raw_headers = [
             (b"content-type", b"text/event-stream; charset=utf-8"),
             (b"cache-control", b"no-cache"),
@@ -97,6 +98,8 @@ class EventStream(Response):
         finally:
             watcher.cancel()
             await self.chunks.aclose()
+            if self.on_close is not None:
+                self.on_close()
 
 
 def _json(obj) -> bytes:
@@ -172,15 +175,21 @@ class OpenAIServer:
         metrics: EngineMetrics | None = None,
         limits: ServerLimits | None = None,
         health_checks=(),
+        track_load: bool = False,
+        force_usage: bool = False,
     ):
         """health_checks: callables that return why the server is unhealthy, or None (e.g. a
-        ZMQ entrypoint beside it that stopped)."""
+        ZMQ entrypoint beside it that stopped). track_load: count the completions and chat
+        requests being answered, for GET /load (vLLM's --enable-server-load-tracking).
+        force_usage: usage on every streamed chunk, asked for or not (--enable-force-include-usage)."""
         self.engine = engine
         self.model_name = model_name
         self.api_key = api_key
         self.metrics = metrics
         self.limits = limits or ServerLimits()
         self.health_checks = list(health_checks)
+        self.track_load, self.server_load = track_load, 0
+        self.force_usage = force_usage
         self.app = Starlette(
             routes=[
                 Route("/health", self.health, methods=["GET"]),
@@ -189,6 +198,8 @@ class OpenAIServer:
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/load", self.load, methods=["GET"]),
+                Route("/invocations", self.invocations, methods=["POST"]),
             ]
         )
         self.app.add_exception_handler(404, self._not_found)
@@ -212,6 +223,10 @@ class OpenAIServer:
         if self.metrics is None:
             return Response("metrics are off", status_code=404)
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def load(self, request: Request) -> Response:
+        """Requests being answered (0 unless --enable-server-load-tracking), as vLLM's /load."""
+        return JSONResponse({"server_load": self.server_load})
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": __version__})
@@ -264,12 +279,54 @@ class OpenAIServer:
 
     # --- generation -------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
-        return await self._generate(request, CompletionRequest)
+        return await self._counted(request, CompletionRequest)
 
     async def chat_completions(self, request: Request) -> Response:
-        return await self._generate(request, ChatCompletionRequest)
+        return await self._counted(request, ChatCompletionRequest)
 
-    async def _generate(self, request: Request, kind) -> Response:
+    async def invocations(self, request: Request) -> Response:
+        """SageMaker's entry (as vLLM's): a body with `messages` is a chat completion, one with
+        `prompt` a completion."""
+        if (denied := self._check_key(request)) is not None:
+            return denied
+        try:
+            body = await read_body(request, self.limits)
+            fields = json.loads(body)
+        except RequestTooLarge as e:
+            return error_response(413, str(e), "invalid_request_error", code="request_too_large")
+        except ClientDisconnect:
+            return Response(status_code=CLIENT_CLOSED)
+        except ValueError:
+            return error_response(400, "body: is not valid JSON", "invalid_request_error", "body")
+        kind = None
+        if isinstance(fields, dict):
+            kind = ChatCompletionRequest if "messages" in fields else CompletionRequest if "prompt" in fields else None
+        if kind is None:
+            message = "body: needs 'messages' (a chat completion) or 'prompt' (a completion)"
+            return error_response(400, message, "invalid_request_error", "body")
+        return await self._counted(request, kind, body)
+
+    async def _counted(self, request: Request, kind, body: bytes | None = None) -> Response:
+        """_generate, counted in server_load (with load tracking) until its answer has gone."""
+        if not self.track_load:
+            return await self._generate(request, kind, body)
+        self.server_load += 1
+        try:
+            response = await self._generate(request, kind, body)
+        except BaseException:
+            self.server_load -= 1
+            raise
+        if isinstance(response, EventStream):
+            response.on_close = self._unload
+        else:
+            self._unload()
+        return response
+
+    def _unload(self) -> None:
+        self.server_load -= 1
+
+    async def _generate(self, request: Request, kind, body: bytes | None = None) -> Response:
+        """body: already read (/invocations), or None to read it here."""
         if (denied := self._check_key(request)) is not None:
             return denied
         media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
@@ -284,7 +341,7 @@ class OpenAIServer:
         streams: list[RequestStream] = []
         req = None
         try:
-            req = decode_body(await read_body(request, self.limits), kind)
+            req = decode_body(body if body is not None else await read_body(request, self.limits), kind)
             if req.model is not None and req.model != self.model_name:
                 return error_response(
                     404,
@@ -321,9 +378,9 @@ class OpenAIServer:
             return error_response(500, str(e), "server_error", code="engine_dead")
         meta = {"id": new_id("chatcmpl" if is_chat else "cmpl"), "created": now(), "model": self.model_name}
         if is_chat:
-            responses = ChatResponses(req, params, meta)
+            responses = ChatResponses(req, params, meta, self.force_usage)
         else:
-            responses = CompletionResponses(req, params, meta, self.engine.tokenizer)
+            responses = CompletionResponses(req, params, meta, self.engine.tokenizer, self.force_usage)
         if req.stream:
             updates = merged(streams)
             first = streams[0].tracker.output.prompt_token_ids

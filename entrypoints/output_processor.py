@@ -19,12 +19,13 @@ class StreamOutput:
     output: RequestOutput  # everything so far
     index: int  # the completion this update is about
     delta_text: str  # text that completion gained (held back near possible stop strings)
-    delta_token_ids: list[int]
+    delta_token_ids: list[int]  # the tokens the completion gained (none past a stop string)
     finished: bool  # the whole request (all n completions) is done
     finish_reason: str | None = None  # set when completion `index` ended with this update
     first_token: bool = False  # this update brought the request's first token
     # the logprob entries of delta_token_ids (a copy: `output` goes on growing while this waits)
     delta_logprobs: list[dict] | None = None
+    num_tokens: int = 0  # the completion's tokens with this update (`output` may be further on)
 
 
 class OutputProcessor:
@@ -58,11 +59,11 @@ class OutputProcessor:
                 continue
             had_token = tracker.timing.first_token is not None
             tracker.timing.record(delta, now)
-            index, chunk, done, abort = tracker.apply(delta)
+            index, chunk, done, abort, gained = tracker.apply(delta)
             if abort:
                 aborts.append(delta.request_id)
             comp = tracker.output.outputs[index]
-            new = list(delta.new_token_ids)
+            new = list(delta.new_token_ids[:gained])
             update = StreamOutput(
                 tracker.output,
                 index,
@@ -72,6 +73,7 @@ class OutputProcessor:
                 comp.finish_reason if done else None,
                 first_token=not had_token and tracker.timing.first_token is not None,
                 delta_logprobs=comp.logprobs[-len(new) :] if comp.logprobs is not None and new else None,
+                num_tokens=len(comp.token_ids),
             )
             updates.append((tracker, update))
         return updates, aborts

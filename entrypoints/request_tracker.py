@@ -88,31 +88,33 @@ class RequestTracker:
     def unfinished_engine_ids(self) -> list[str]:
         return [rid for rid, c in zip(self.engine_ids, self.output.outputs) if c.finish_reason is None]
 
-    def apply(self, delta: RequestOutputDelta) -> tuple[int, str, bool, bool]:
+    def apply(self, delta: RequestOutputDelta) -> tuple[int, str, bool, bool, int]:
         """Fold one engine delta in. Returns (completion index, text safe to stream now,
         whether this completion just finished, whether the engine must abort it: a stop
-        string ended it before the engine knew)."""
+        string ended it before the engine knew, how many of the delta's tokens the completion
+        took: all, or those up to a stop string's)."""
         i = self._index[delta.request_id]
         comp = self.output.outputs[i]
         if delta.prompt_logprobs is not None and self.output.prompt_logprobs is not None:
             self._add_prompt_logprobs(delta.prompt_logprobs)
         if delta.beams is not None or (self.params.beam_width and delta.finish_reason is not None):
             self._apply_beams(delta)
-            return i, "", True, False
+            return i, "", True, False, len(delta.new_token_ids)
         if comp.finish_reason is not None:
-            return i, "", False, False  # e.g. the abort that follows a stop string
+            return i, "", False, False, 0  # e.g. the abort that follows a stop string
         if not delta.new_token_ids and delta.finish_reason is None:
-            return i, "", False, False  # prompt logprobs of a prefill chunk
+            return i, "", False, False, 0  # prompt logprobs of a prefill chunk
         if delta.num_cached_tokens > self.output.num_cached_tokens:
             self.output.num_cached_tokens = delta.num_cached_tokens
         detok = self._detok[i]
+        before = len(comp.token_ids)
         if detok is None:  # no tokenizer: token ids only
             self._extend(comp, delta, 0, len(delta.new_token_ids))
             if delta.finish_reason is None:
-                return i, "", False, False
+                return i, "", False, False, len(delta.new_token_ids)
             comp.finish_reason, comp.stop_reason = delta.finish_reason, delta.stop_reason
             self.output.finished = all(c.finish_reason is not None for c in self.output.outputs)
-            return i, "", True, False
+            return i, "", True, False, len(delta.new_token_ids)
         hit = self._add_text(comp, detok, delta)
         abort = False
         if hit is not None:
@@ -129,7 +131,7 @@ class RequestTracker:
         self._sent[i] = end
         if all(c.finish_reason is not None for c in self.output.outputs):
             self.output.finished = True
-        return i, chunk, done, abort
+        return i, chunk, done, abort, len(comp.token_ids) - before
 
     def _add_text(self, comp: CompletionOutput, detok: IncrementalDetokenizer, delta: RequestOutputDelta):
         """The delta's tokens join the completion and its text, and the first stop string they

@@ -42,6 +42,8 @@ class ServeOptions:
     zmq_curve: ServerCurve | None = None
     zmq_allow_insecure: bool = False
     limits: ServerLimits = field(default_factory=ServerLimits)
+    enable_server_load_tracking: bool = False  # GET /load counts the requests being answered
+    enable_force_include_usage: bool = False  # usage on every streamed chunk
 
     def check(self) -> None:
         """Refusals that need no engine: run before one starts."""
@@ -100,7 +102,16 @@ async def _serve(engine: AsyncEngine, name: str, options: ServeOptions, metrics:
     checks = [lambda: None if engine.accepting else "shutting down: finishing the running requests"]
     if zmq_server is not None:
         checks.append(lambda: zmq_server.dead_reason)
-    app = OpenAIServer(engine, name, options.api_key, metrics, options.limits, checks).app
+    app = OpenAIServer(
+        engine,
+        name,
+        options.api_key,
+        metrics,
+        options.limits,
+        checks,
+        track_load=options.enable_server_load_tracking,
+        force_usage=options.enable_force_include_usage,
+    ).app
     server = _Server(
         uvicorn.Config(
             app,

@@ -291,6 +291,58 @@ def test_continuous_usage_token_ids_and_truncation(server, model):
     assert right.choices[0].model_extra["prompt_token_ids"] == [5, 6]
 
 
+@pytest.mark.parametrize("kind", ["chat", "completions"])
+def test_continuous_usage_counts_each_chunks_own_tokens(server, model, kind):
+    """As vLLM's clients check it: every chunk with a choice counts more tokens than the chunk
+    before (the count is the chunk's own, not where the request has got to meanwhile), every
+    completions chunk counts at least one; the usage-only chunk at the end repeats the total.
+    Without include_usage there is no usage at all, continuous_usage_stats or not."""
+    c = client(server)
+    common = dict(model=model, temperature=0, stream=True, extra_body={"ignore_eos": True, "min_tokens": 10})
+    if kind == "chat":
+        create = c.chat.completions.create
+        common.update(messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=10)
+    else:
+        create = c.completions.create
+        common.update(prompt="What is the capital of France?", max_tokens=10)
+    for _ in range(3):
+        chunks = list(create(**common, stream_options={"include_usage": True, "continuous_usage_stats": True}))
+        counts = [(bool(ch.choices), ch.usage.completion_tokens) for ch in chunks]
+        with_choices = [n for has, n in counts if has]
+        if kind == "chat":
+            assert with_choices[0] == 0  # the role's chunk
+            with_choices = with_choices[1:]
+        assert with_choices == sorted(set(with_choices)) and with_choices[0] > 0, counts
+        assert counts[-1] == (False, 10) and with_choices[-1] == 10, counts
+        assert all(ch.usage.total_tokens == ch.usage.prompt_tokens + ch.usage.completion_tokens for ch in chunks)
+    quiet = list(create(**common, stream_options={"include_usage": False, "continuous_usage_stats": True}))
+    assert all(ch.usage is None for ch in quiet)
+
+
+def test_vllm_wording_of_an_empty_prompt_an_unknown_token_and_a_seed_out_of_range(server, model):
+    """The words clients of vLLM's server match on; stop_token_ids out of the vocabulary too."""
+    c = client(server)
+    with pytest.raises(
+        openai.BadRequestError, match=r"Either prompt or prompt_embeds must be provided and non-empty\."
+    ):
+        c.completions.create(model=model, prompt=None, max_tokens=5, extra_body={"prompt_embeds": []})
+    for prompt in ("", []):
+        with pytest.raises(openai.BadRequestError, match="Either prompt or prompt_embeds"):
+            c.completions.create(model=model, prompt=prompt, max_tokens=5)
+    with pytest.raises(openai.BadRequestError, match="out of vocabulary") as e:
+        c.completions.create(model=model, prompt=[999999], max_tokens=5)
+    assert e.value.body["param"] == "prompt_token_ids"
+    with pytest.raises(openai.BadRequestError, match="out of vocabulary") as e:
+        c.completions.create(model=model, prompt="hi", max_tokens=2, extra_body={"stop_token_ids": [3, 999999]})
+    assert e.value.body["param"] == "stop_token_ids"
+    for seed, word in ((-(2**63) - 1, "greater_than_equal"), (2**63, "less_than_equal")):
+        with pytest.raises(openai.BadRequestError, match=word) as e:
+            c.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], seed=seed)
+        assert e.value.body["param"] == "seed"
+    assert c.completions.create(model=model, prompt="hi", max_tokens=2, seed=2**63 - 1).usage.completion_tokens == 2
+    assert_serving(server, model)
+
+
 def test_min_tokens_holds_back_stop_strings(server, model):
     c = client(server)
     free = c.completions.create(
