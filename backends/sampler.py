@@ -1,10 +1,12 @@
 """Token sampling for a batch, each row with its own SamplingParams.
 
-Order, as in vLLM: min_tokens masking, penalties (repetition on prompt and output tokens;
+Order: logit_bias (added to the model's logits: the distribution the request asked for), the
+structured-outputs mask, min_tokens masking, penalties (repetition on prompt and output tokens;
 presence and frequency on output tokens), then greedy argmax, or temperature, top-k, top-p,
 min-p and a draw. A request with a seed draws from a generator seeded by (seed, number of
 tokens it has generated), so its tokens do not depend on the batch around it, nor on
-preemption. Logprobs are those of the model's raw distribution, as vLLM reports by default.
+preemption. Logprobs are those of the model's distribution with the request's logit_bias
+added, before masks and penalties (vLLM reports the raw distribution by default).
 """
 
 from __future__ import annotations
@@ -55,6 +57,13 @@ class SamplerOutput:
     logprobs: list[Logprobs | None]
 
 
+BIAS_CACHE_SIZE = 4096  # requests' logit_bias tensors kept (cleared whole when full)
+
+
+def _same_objects(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
 def _seed_for(seed: int, step: int) -> int:
     """The generator seed of a seeded request's `step`-th output token."""
     return derive_seed(seed, step)
@@ -70,10 +79,12 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)  # for rows without a seed
         self.argmax = argmax or (lambda scores: scores.argmax(dim=-1))  # the backend's (AttentionOps.argmax)
         self.apply_bitmask = apply_bitmask or apply_token_bitmask  # the backend's (AttentionOps.apply_token_bitmask)
+        self._biases: dict[int, tuple] = {}  # id(params) -> (params, token ids, biases): see _bias_tensors
+        self._batch_bias = None  # (vocab, the rows' params, flat indices, biases) of the last batch
 
     @torch.inference_mode()  # the logits are the runner's (inference tensors): masked in place
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        logits = logits.float()
+        logits = self.logit_bias(logits.float(), rows)
         want_logprobs = any(r.params.logprobs is not None for r in rows)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         logits = self._constrain(logits, rows)
@@ -98,6 +109,35 @@ class Sampler:
                 if row.params.logprobs is not None:
                     logprobs[i] = _logprobs(raw_logprobs[i], token_list[i], row.params.logprobs)
         return SamplerOutput(token_list, logprobs)
+
+    def logit_bias(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Each row's logit_bias added to its logits, in one scatter for the batch (a copy: the
+        logits may be the runner's). A request's bias becomes tensors once; a batch's, once for
+        as long as the same requests sample in the same order (a decode step's usual case)."""
+        params = [r.params for r in rows]
+        cached = self._batch_bias
+        if cached is None or cached[0] != logits.shape[1] or not _same_objects(cached[1], params):
+            biased = [(i, self._bias_tensors(p)) for i, p in enumerate(params) if p.logit_bias]
+            vocab = logits.shape[1]
+            flat = torch.cat([ids + i * vocab for i, (ids, _) in biased]) if biased else None
+            values = torch.cat([values for _, (_, values) in biased]) if biased else None
+            cached = self._batch_bias = (vocab, params, flat, values)
+        if cached[2] is None:
+            return logits
+        logits = logits.clone()
+        logits.view(-1).index_add_(0, cached[2], cached[3])
+        return logits
+
+    def _bias_tensors(self, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token ids, biases) of a request's logit_bias, made once per SamplingParams object."""
+        cached = self._biases.get(id(params))
+        if cached is None or cached[0] is not params:
+            if len(self._biases) >= BIAS_CACHE_SIZE:
+                self._biases.clear()
+            bias = params.logit_bias
+            ids = torch.tensor(list(bias.keys()), dtype=torch.long)
+            cached = self._biases[id(params)] = (params, ids, torch.tensor(list(bias.values()), dtype=torch.float32))
+        return cached[1], cached[2]
 
     def _constrain(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Structured outputs: the rows with a token bitmask keep only the tokens it allows."""

@@ -17,7 +17,7 @@ TOKEN_ID_MAX = 2**31 - 1
 # finite float32 for any length up to 2**20 tokens (at most 2**25 nats: 2**100 * 2**25 < 2**128)
 MAX_LENGTH_PENALTY = 5.0
 MAX_BEAM_WIDTH = 10
-MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100  # OpenAI's range: -100 bans a token, 100 all but forces it
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -42,6 +42,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     length_penalty: float = 1.0  # beam search: hypotheses score sum_logprobs / len ** length_penalty
     # the output follows this constraint (JSON schema, regex, choice, grammar): see core/structured.py
     structured_outputs: StructuredOutputsParams | None = None
+    # token id -> added to its logit before anything else (penalties, masks, logprobs, sampling)
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -68,10 +70,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         for s in self.stop or ():
             if not isinstance(s, str) or not s:
                 raise InvalidParameter("stop", f"each stop string must be a non-empty string, got {s!r}")
+        # -1: the whole vocabulary; the frontend caps both at the engine's max_logprobs
         if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
+            _check_int("logprobs", self.logprobs, lo=-1, hi=TOKEN_ID_MAX)
         if self.prompt_logprobs is not None:
-            _check_int("prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_LOGPROBS)
+            _check_int("prompt_logprobs", self.prompt_logprobs, lo=-1, hi=TOKEN_ID_MAX)
             if self.beam_width:
                 raise InvalidParameter("prompt_logprobs", "is not supported with beam search")
         _check_int("priority", self.priority, lo=INT64_MIN, hi=INT64_MAX)
@@ -83,6 +86,26 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             )
         if self.structured_outputs is not None:
             self._check_structured()
+        if self.logit_bias is not None:
+            self._check_logit_bias()
+
+    def _check_logit_bias(self) -> None:
+        if not isinstance(self.logit_bias, dict):
+            raise InvalidParameter(
+                "logit_bias", f"must be a map of token id to bias, got {type(self.logit_bias).__name__}"
+            )
+        for token, bias in self.logit_bias.items():
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token <= TOKEN_ID_MAX:
+                raise InvalidParameter("logit_bias", f"keys must be token ids (integers >= 0), got {token!r}")
+            if (
+                isinstance(bias, bool)
+                or not isinstance(bias, (int, float))
+                or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS
+            ):
+                raise InvalidParameter(
+                    "logit_bias",
+                    f"biases must be numbers in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {bias!r} for {token}",
+                )
 
     def _check_structured(self) -> None:
         if isinstance(self.structured_outputs, dict):  # as a Python caller may give it

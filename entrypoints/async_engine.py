@@ -105,6 +105,10 @@ class AsyncEngine:
         return self.inputs.max_model_len
 
     @property
+    def vocab_size(self) -> int:
+        return self.inputs.vocab_size
+
+    @property
     def dead_reason(self) -> str | None:
         """Why the engine stopped (it died, or was shut down), or None while it serves."""
         if self.engine.dead_reason is not None:
@@ -112,9 +116,13 @@ class AsyncEngine:
         return "shut down" if self.engine.closed else None
 
     def render_chat(
-        self, conversation: list[dict], chat_template: str | None = None, add_generation_prompt: bool = True
+        self,
+        conversation: list[dict],
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> dict:
-        return self.inputs.render_chat(conversation, chat_template, add_generation_prompt)
+        return self.inputs.render_chat(conversation, chat_template, add_generation_prompt, continue_final_message)
 
     # --- the reader thread ----------------------------------------------------------------
     def _read(self) -> None:

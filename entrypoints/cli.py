@@ -64,7 +64,6 @@ def add_limit_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes, help="HTTP body or ZMQ frame")
     g.add_argument("--max-prompts", type=int, default=d.max_prompts, help="prompts in one completions request")
     g.add_argument("--max-n", type=int, default=d.max_n, help="n, and best_of / beam width (also <= --max-num-seqs)")
-    g.add_argument("--max-logprobs", type=int, default=d.max_logprobs)
     g.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings)
     g.add_argument(
         "--max-logprob-entries",
@@ -256,6 +255,11 @@ def add_commands(sub) -> None:
         action="store_true",
         help="usage on every streamed chunk, whether the client asks for it or not",
     )
+    srv.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="logprobs name each token `token_id:N` (a request's return_tokens_as_token_ids overrides it)",
+    )
     add_zmq_security_flags(srv)
     add_limit_flags(srv)
     add_engine_flags(srv)
@@ -288,7 +292,6 @@ def cmd_serve(args) -> int:
         max_request_bytes=args.max_request_bytes,
         max_prompts=args.max_prompts,
         max_n=args.max_n,
-        max_logprobs=args.max_logprobs,
         max_stop_strings=args.max_stop_strings,
         max_logprob_entries=args.max_logprob_entries,
     )
@@ -306,6 +309,7 @@ def cmd_serve(args) -> int:
         limits=limits,
         enable_server_load_tracking=args.enable_server_load_tracking,
         enable_force_include_usage=args.enable_force_include_usage,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
     )
     run_server(engine_kwargs(args), options)
     return 0

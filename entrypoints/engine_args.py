@@ -118,6 +118,11 @@ class EngineArgs:
         '{"model": "DRAFT_FOLDER", "num_speculative_tokens": 4} ("demo-draft": the demo model\'s)',
         cli_type=str,
     )
+    max_logprobs: int = option(
+        20,
+        "the most logprobs (top_logprobs) and prompt_logprobs a request may ask for; -1: no limit, and a request's -1 "
+        "then asks for the whole vocabulary",
+    )
     tokenizer: str | None = option(None, "tokenizer folder (default: the model's)")
     skip_tokenizer_init: bool = option(False, "no tokenizer: prompts and outputs are token ids")
     transport: str = option(
@@ -149,6 +154,10 @@ class EngineArgs:
 
     def engine_config(self) -> EngineConfig:
         """The core's configuration; an unknown or unusable backend fails here, saying why."""
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise InvalidParameter(
+                "max_logprobs", f"must be an integer >= -1 (-1: no limit), got {self.max_logprobs!r}"
+            )
         backend, picked = resolve_alias(self.backend)  # "cuda" -> the best CUDA backend here
         if picked:
             logger.warning(picked)
@@ -173,7 +182,7 @@ class EngineArgs:
         fields = {
             k: v
             for k, v in asdict(self).items()
-            if k not in ("tokenizer", "skip_tokenizer_init", "transport", "swap_space")
+            if k not in ("tokenizer", "skip_tokenizer_init", "transport", "swap_space", "max_logprobs")
         }
         return EngineConfig(
             **{
@@ -234,4 +243,7 @@ def start_engine(args: EngineArgs) -> tuple[EngineClient, InputProcessor]:
     except BaseException:
         engine.shutdown()
         raise
-    return engine, InputProcessor(tokenizer, folder.eos_token_ids(tokenizer), folder.vocab_size, ready.max_model_len)
+    inputs = InputProcessor(
+        tokenizer, folder.eos_token_ids(tokenizer), folder.vocab_size, ready.max_model_len, args.max_logprobs
+    )
+    return engine, inputs

@@ -19,11 +19,28 @@ Prompt = tuple[str | None, list[int]]  # (text if known, token ids)
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, eos_token_ids: list[int], vocab_size: int, max_model_len: int):
+    def __init__(self, tokenizer, eos_token_ids: list[int], vocab_size: int, max_model_len: int, max_logprobs=20):
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.max_logprobs = max_logprobs  # -1: no limit
+
+    def logprobs_asked(self, params: SamplingParams) -> SamplingParams:
+        """The params with logprobs and prompt_logprobs within max_logprobs (a request's -1: the
+        whole vocabulary, where max_logprobs is -1 too), and no wider than the vocabulary."""
+        changes = {}
+        for field in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, field)
+            if asked is None:
+                continue
+            count = self.vocab_size if asked == -1 else asked
+            if self.max_logprobs != -1 and count > self.max_logprobs:
+                whole = " (-1: the whole vocabulary)" if asked == -1 else ""
+                raise InvalidParameter(field, f"must be <= {self.max_logprobs} (max_logprobs), got {asked}{whole}")
+            if min(count, self.vocab_size) != asked:
+                changes[field] = min(count, self.vocab_size)
+        return msgspec.structs.replace(params, **changes) if changes else params
 
     def prompts(self, prompts) -> list[Prompt]:
         """One prompt or a list: strings, token id lists, {"prompt": ...} or {"prompt_token_ids": [...]}."""
@@ -64,6 +81,7 @@ class InputProcessor:
 
     def tracker(self, prompt: Prompt, params: SamplingParams, request_id: str) -> RequestTracker:
         """The frontend's state for one request, after checking it fits this model."""
+        params = self.logprobs_asked(params)
         text, ids = prompt
         if len(ids) >= self.max_model_len:
             raise InvalidParameter(
@@ -78,11 +96,12 @@ class InputProcessor:
                 f"token id {bad[0]} is out of vocabulary (ids are in [0, {self.vocab_size})); "
                 f"{len(bad)} such id{'s' if len(bad) > 1 else ''}",
             )
-        bad = [t for t in params.stop_token_ids or () if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidParameter(
-                "stop_token_ids", f"token id {bad[0]} is out of vocabulary (ids are in [0, {self.vocab_size}))"
-            )
+        for field in ("stop_token_ids", "logit_bias"):
+            bad = next((t for t in getattr(params, field) or () if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise InvalidParameter(
+                    field, f"token id {bad} is out of vocabulary (ids are in [0, {self.vocab_size}))"
+                )
         if self.tokenizer is None and params.stop:
             raise InvalidParameter("stop", "stop strings need a tokenizer (skip_tokenizer_init is set)")
         if params.structured_outputs is not None:
@@ -111,11 +130,16 @@ class InputProcessor:
         )
 
     def render_chat(
-        self, conversation: list[dict], chat_template: str | None = None, add_generation_prompt: bool = True
+        self,
+        conversation: list[dict],
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> dict:
-        """A conversation as a prompt dict (text and token ids), through the tokenizer's template.
-        A conversation the template refuses (its raise_exception, e.g. "roles must alternate")
-        is an InvalidParameter with the template's message."""
+        """A conversation as a prompt dict (text and token ids), through the tokenizer's template
+        (continue_final_message: the last message left open, for the model to go on with). A
+        conversation the template refuses (its raise_exception, e.g. "roles must alternate") is
+        an InvalidParameter with the template's message."""
         from jinja2 import TemplateError
 
         if self.tokenizer is None:
@@ -124,8 +148,14 @@ class InputProcessor:
             raise InvalidParameter("messages", "the model's tokenizer has no chat template")
         try:
             text = self.tokenizer.apply_chat_template(
-                conversation, tokenize=False, chat_template=chat_template, add_generation_prompt=add_generation_prompt
+                conversation,
+                tokenize=False,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
             )
+        except ValueError as e:  # transformers': e.g. continue_final_message with an empty last message
+            raise InvalidParameter("continue_final_message", str(e)) from None
         except TemplateError as e:
             raise InvalidParameter("messages", f"the chat template refused the conversation: {e}") from None
         return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}

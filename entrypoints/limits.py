@@ -21,7 +21,6 @@ class ServerLimits:
     max_request_bytes: int = 8 << 20  # an HTTP body or a ZMQ frame
     max_prompts: int = 64  # prompts in one completions request
     max_n: int = 64  # completions of one prompt, and beams of one search (best_of)
-    max_logprobs: int = 20  # top log-probabilities per token
     max_stop_strings: int = 16
     # logprob entries one request may make the frontend hold (~200 bytes each: 1,000,000 is ~0.2 GB)
     max_logprob_entries: int = 1_000_000
@@ -30,8 +29,6 @@ class ServerLimits:
         for field in ("max_request_bytes", "max_prompts", "max_n", "max_stop_strings", "max_logprob_entries"):
             if getattr(self, field) < 1:
                 raise ValueError(f"--{field.replace('_', '-')}: must be >= 1, got {getattr(self, field)}")
-        if self.max_logprobs < 0:
-            raise ValueError(f"--max-logprobs: must be >= 0, got {self.max_logprobs}")
 
     def check_size(self, num_bytes: int, what: str = "request") -> None:
         if num_bytes > self.max_request_bytes:
@@ -54,10 +51,6 @@ class ServerLimits:
             raise InvalidParameter(
                 wire("beam_width"), f"beam width must be <= {self.max_n} (--max-n), got {params.beam_width}"
             )
-        for field in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, field)
-            if value is not None and value > self.max_logprobs:
-                raise InvalidParameter(wire(field), f"must be <= {self.max_logprobs} (--max-logprobs), got {value}")
         stops = params.stop or ()
         if len(stops) > self.max_stop_strings:
             raise InvalidParameter(
@@ -67,19 +60,25 @@ class ServerLimits:
             raise InvalidParameter("stop", f"each stop string has at most {MAX_STOP_STRING_CHARS} characters")
 
     def check_logprob_entries(
-        self, params: SamplingParams, prompt_lens: list[int], max_model_len: int, wire=lambda field: field
+        self,
+        params: SamplingParams,
+        prompt_lens: list[int],
+        max_model_len: int,
+        wire=lambda field: field,
+        vocab_size: int = 0,
     ) -> None:
         """The frontend holds every logprob entry of a request until it ends (a non-streamed
         answer needs them all): at most --max-logprob-entries per request, counting each
-        token's own and its top ones, over all prompts and completions."""
+        token's own and its top ones (-1: the vocabulary's), over all prompts and completions."""
         total = 0
         for length in prompt_lens:
             if params.logprobs is not None:
                 room = max_model_len - length
                 tokens = min(params.max_tokens or room, room)
-                total += params.n * tokens * (params.logprobs + 1)
+                total += params.n * tokens * ((vocab_size if params.logprobs == -1 else params.logprobs) + 1)
             if params.prompt_logprobs is not None:
-                total += length * (params.prompt_logprobs + 1)
+                top = vocab_size if params.prompt_logprobs == -1 else params.prompt_logprobs
+                total += length * (top + 1)
         if total > self.max_logprob_entries:
             field = "logprobs" if params.logprobs is not None else "prompt_logprobs"
             raise InvalidParameter(

@@ -67,6 +67,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     length_penalty: float = 1.0
     prompt_logprobs: int | None = None
     return_token_ids: bool = False
+    return_tokens_as_token_ids: bool | None = None  # logprobs name tokens `token_id:N` (None: the server's flag)
     truncate_prompt_tokens: int | None = None  # keep this many prompt tokens (-1: max_model_len)
     truncation_side: Literal["left", "right"] = "left"  # left: drop the start, keep the end
     # structured outputs: OpenAI's response_format, or vLLM's structured_outputs object
@@ -115,8 +116,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
             raise e.renamed(self.wire_field(e.field)) from None
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None):
-        if self.logit_bias:
-            raise InvalidParameter("logit_bias", "is not supported")
+        logit_bias = self._logit_bias()
         if self.best_of is not None and self.best_of != self.n and not self.use_beam_search:
             raise InvalidParameter(
                 "best_of", f"must equal n ({self.n}) unless use_beam_search is set, got {self.best_of}"
@@ -135,6 +135,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
                 length_penalty=self.length_penalty,
                 ignore_eos=self.ignore_eos,
                 structured_outputs=self.constraint()[0],
+                logit_bias=logit_bias,
             )
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         return SamplingParams(
@@ -155,7 +156,21 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             structured_outputs=self.constraint()[0],
+            logit_bias=logit_bias,
         )
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """OpenAI's map of token ids (as strings) to biases, keyed by int (SamplingParams checks
+        the biases; the frontend, that the ids are in the vocabulary)."""
+        if not self.logit_bias:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            token = key.strip()
+            if not (token.isascii() and token.isdigit()):
+                raise InvalidParameter("logit_bias", f"keys must be token ids (non-negative integers), got {key!r}")
+            bias[int(token)] = value
+        return bias
 
     @property
     def include_usage(self) -> bool:
@@ -238,6 +253,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last message is left open, its text continued
+    echo: bool = False  # the content starts with the last message's, when it is the answer's role
     tools: list[Tool] | None = None
     tool_choice: str | dict | None = None  # none (the default, as vLLM's), required, or a named function
 
@@ -290,8 +307,22 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
             conv.append(message)
         return conv
 
+    @property
+    def echoed(self) -> str:
+        """What `echo` puts before the answer: the last message's content, where that message
+        has the answer's role (the assistant's, or with add_generation_prompt off, its own)."""
+        if not self.echo or not self.messages:
+            return ""
+        last = self.conversation()[-1]
+        role = "assistant" if self.add_generation_prompt else last["role"]
+        return last["content"] if last["role"] == role else ""
+
     def to_sampling_params(self) -> SamplingParams:
         self.check()
+        if self.continue_final_message and self.add_generation_prompt:
+            raise InvalidParameter(
+                "continue_final_message", "cannot be combined with add_generation_prompt (set it to false)"
+            )
         if self.stream and self.tool_choice == "required":
             raise InvalidParameter("stream", 'tool_choice "required" cannot be streamed (a named function can)')
         if self.top_logprobs is not None and not self.logprobs:
@@ -310,7 +341,8 @@ def decode_body(body: bytes, kind: type):
     except UnicodeDecodeError as e:
         raise InvalidParameter(path_at(body, e.start) or "body", f"is not valid UTF-8 (byte {e.start})") from None
     try:
-        return msgspec.json.decode(body, type=kind)
+        # lax, as vLLM's pydantic models are: "logprobs": "true", "max_tokens": "8"
+        return msgspec.json.decode(body, type=kind, strict=False)
     except msgspec.ValidationError as e:
         field, message = validation_error_parts(e)
         raise InvalidParameter(field or "body", message) from None
@@ -345,26 +377,36 @@ def error_body(message: str, kind: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def _ranked(entry, num_top: int):
-    return sorted((lp for lp in entry.values() if lp.rank is not None), key=lambda lp: lp.rank)[:num_top]
+def _ranked(entry, num_top: int) -> list:
+    """The entry's (token id, Logprob) of the num_top most likely tokens (-1: all it holds)."""
+    ranked = sorted(((t, lp) for t, lp in entry.items() if lp.rank is not None), key=lambda item: item[1].rank)
+    return ranked if num_top < 0 else ranked[:num_top]
 
 
-def completion_logprobs(entries, token_ids, offset: int, num_top: int, decode=None) -> dict:
+def _token_text(token: int, lp, as_ids: bool) -> str:
+    """A token as logprobs name it: its text, or `token_id:N` (vLLM's return_tokens_as_token_ids,
+    for tokens whose text alone is ambiguous or not valid UTF-8)."""
+    return f"token_id:{token}" if as_ids else (lp.decoded_token or "")
+
+
+def completion_logprobs(entries, token_ids, offset: int, num_top: int, decode=None, as_ids: bool = False) -> dict:
     """The legacy completions `logprobs` object for some tokens and their Logprob dicts: each
     position's top_logprobs holds the sampled token and the num_top most likely (up to
     num_top + 1 entries, as OpenAI and vLLM give them). An entry of None (a prompt's first
-    token, echoed) has no logprob; `decode(token)` gives its text."""
+    token, echoed) has no logprob; `decode(token)` gives its text. The offsets count the
+    tokens' texts, whatever names them."""
     tokens, token_lps, tops, offsets = [], [], [], []
     for token, entry in zip(token_ids, entries):
         if entry is None:
-            text, lp, top = decode(token) if decode is not None else "", None, None
+            text = decode(token) if decode is not None else ""
+            name, lp, top = f"token_id:{token}" if as_ids else text, None, None
         else:
-            text = entry[token].decoded_token or ""
+            text, name = entry[token].decoded_token or "", _token_text(token, entry[token], as_ids)
             lp = entry[token].logprob
-            top = {text: lp}
-            for ranked in _ranked(entry, num_top):
-                top.setdefault(ranked.decoded_token or "", ranked.logprob)
-        tokens.append(text)
+            top = {name: lp}
+            for ranked, ranked_lp in _ranked(entry, num_top):
+                top.setdefault(_token_text(ranked, ranked_lp, as_ids), ranked_lp.logprob)
+        tokens.append(name)
         token_lps.append(lp)
         tops.append(top)
         offsets.append(offset)
@@ -372,14 +414,14 @@ def completion_logprobs(entries, token_ids, offset: int, num_top: int, decode=No
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def chat_logprobs(entries, token_ids, num_top: int) -> dict:
-    def item(lp):
-        text = lp.decoded_token or ""
-        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
+def chat_logprobs(entries, token_ids, num_top: int, as_ids: bool = False) -> dict:
+    def item(token, lp):
+        text = _token_text(token, lp, as_ids)
+        return {"token": text, "logprob": lp.logprob, "bytes": list((lp.decoded_token or "").encode())}
 
     return {
         "content": [
-            {**item(entry[token]), "top_logprobs": [item(lp) for lp in _ranked(entry, num_top)]}
+            {**item(token, entry[token]), "top_logprobs": [item(t, lp) for t, lp in _ranked(entry, num_top)]}
             for token, entry in zip(token_ids, entries)
         ]
     }

@@ -21,19 +21,25 @@ def usage_of(outputs, echo_only: bool = False) -> dict:
     return usage(sum(len(o.prompt_token_ids) for o in outputs), completion, sum(o.num_cached_tokens for o in outputs))
 
 
-class _Usage:
-    """Which usage a stream carries: the final chunk's (include_usage) and every chunk's
-    (continuous_usage_stats); the server's --enable-force-include-usage turns both on."""
+class _Options:
+    """What the server's flags change in a response: which usage a stream carries (the final
+    chunk's, include_usage, and every chunk's, continuous_usage_stats; --enable-force-include-usage
+    turns both on) and how logprobs name tokens (`token_id:N` with return_tokens_as_token_ids,
+    the request's or else --return-tokens-as-token-ids)."""
 
-    def _usage_options(self, req, force: bool) -> None:
-        self.include_usage = req.include_usage or force
-        self.continuous_usage = (req.continuous_usage and self.include_usage) or force
+    def _options(self, req, force_usage: bool, tokens_as_ids: bool) -> None:
+        self.include_usage = req.include_usage or force_usage
+        self.continuous_usage = (req.continuous_usage and self.include_usage) or force_usage
+        asked = req.return_tokens_as_token_ids
+        self.as_ids = tokens_as_ids if asked is None else asked
 
 
-class CompletionResponses(_Usage):
-    def __init__(self, req: CompletionRequest, params, meta: dict, tokenizer, force_usage: bool = False):
+class CompletionResponses(_Options):
+    def __init__(
+        self, req: CompletionRequest, params, meta: dict, tokenizer, force_usage: bool = False, tokens_as_ids=False
+    ):
         self.req, self.params, self.meta, self.tokenizer = req, params, meta, tokenizer
-        self._usage_options(req, force_usage)
+        self._options(req, force_usage, tokens_as_ids)
 
     def _decode(self, token: int) -> str:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else ""
@@ -58,12 +64,10 @@ class CompletionResponses(_Usage):
         return text, ids, entries
 
     def _extras(self, out, comp_ids: list[int], first: bool) -> dict:
-        extra = {}
-        if self.req.return_token_ids:
-            extra["token_ids"] = comp_ids
-            if first:
-                extra["prompt_token_ids"] = list(out.prompt_token_ids)
-        return extra
+        """token_ids and prompt_token_ids: null where not asked for, as vLLM's choices have them."""
+        if not self.req.return_token_ids:
+            return {"token_ids": None, "prompt_token_ids": None}
+        return {"token_ids": comp_ids, "prompt_token_ids": list(out.prompt_token_ids) if first else None}
 
     def body(self, outputs: list) -> dict:
         req = self.req
@@ -73,7 +77,7 @@ class CompletionResponses(_Usage):
                 text, ids, entries = self._echoed(out, comp)
                 logprobs = None
                 if entries is not None and req.logprobs is not None:
-                    logprobs = completion_logprobs(entries, ids, 0, req.logprobs, self._decode)
+                    logprobs = completion_logprobs(entries, ids, 0, req.logprobs, self._decode, self.as_ids)
                 choices.append(
                     {
                         "index": p * self.params.n + comp.index,
@@ -123,8 +127,10 @@ class CompletionResponses(_Usage):
                 continue
             logprobs = None
             if out.output.outputs[out.index].logprobs is not None:
-                logprobs = completion_logprobs(entries, ids, offsets.get(index, 0), req.logprobs)
-                offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
+                logprobs = completion_logprobs(entries, ids, offsets.get(index, 0), req.logprobs, as_ids=self.as_ids)
+                offsets[index] = offsets.get(index, 0) + sum(
+                    len(e[t].decoded_token or "") for t, e in zip(ids, entries)
+                )
             chunk = self._chunk(index, out.delta_text, logprobs, out.finish_reason, ids)
             del pending[index]
             yield self._with_usage(chunk, out, out.num_tokens)
@@ -145,7 +151,9 @@ class CompletionResponses(_Usage):
             text = self._prompt_text(out)
             if req.logprobs is not None:
                 entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
-                logprobs = completion_logprobs(entries, out.prompt_token_ids, 0, req.logprobs, self._decode)
+                logprobs = completion_logprobs(
+                    entries, out.prompt_token_ids, 0, req.logprobs, self._decode, self.as_ids
+                )
         chunk = self._chunk(index, text, logprobs, None, [])
         choice = chunk["choices"][0]
         if req.prompt_logprobs is not None:
@@ -175,10 +183,10 @@ def _prompt_done(output) -> bool:
     return any(c.token_ids or c.finish_reason for c in output.outputs)
 
 
-class ChatResponses(_Usage):
-    def __init__(self, req: ChatCompletionRequest, params, meta: dict, force_usage: bool = False):
+class ChatResponses(_Options):
+    def __init__(self, req: ChatCompletionRequest, params, meta: dict, force_usage: bool = False, tokens_as_ids=False):
         self.req, self.params, self.meta = req, params, meta
-        self._usage_options(req, force_usage)
+        self._options(req, force_usage, tokens_as_ids)
         self.functions = req.forced_functions  # tool_choice required or named: the output is calls
 
     def _message(self, comp) -> tuple[dict, str | None]:
@@ -188,7 +196,7 @@ class ChatResponses(_Usage):
             calls = tool_calls(comp.text, self.functions, self.req.tool_choice)
             if calls is not None:
                 return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
-        return {"role": "assistant", "content": comp.text}, comp.finish_reason
+        return {"role": "assistant", "content": self.req.echoed + comp.text}, comp.finish_reason
 
     def body(self, outputs: list) -> dict:
         req = self.req
@@ -199,25 +207,22 @@ class ChatResponses(_Usage):
             choice = {
                 "index": comp.index,
                 "message": message,
-                "logprobs": chat_logprobs(comp.logprobs, comp.token_ids, req.top_logprobs or 0)
+                "logprobs": chat_logprobs(comp.logprobs, comp.token_ids, req.top_logprobs or 0, self.as_ids)
                 if comp.logprobs is not None
                 else None,
                 "finish_reason": finish_reason,
                 "stop_reason": comp.stop_reason,
             }
-            if req.return_token_ids:
-                choice["token_ids"] = list(comp.token_ids)
+            choice["token_ids"] = list(comp.token_ids) if req.return_token_ids else None  # null, as vLLM's
             choices.append(choice)
-        body = {
+        return {
             **self.meta,
             "object": "chat.completion",
             "choices": choices,
             "usage": usage_of(outputs),
             "prompt_logprobs": prompt_logprobs_body(out.prompt_logprobs if req.prompt_logprobs is not None else None),
+            "prompt_token_ids": list(out.prompt_token_ids) if req.return_token_ids else None,
         }
-        if req.return_token_ids:
-            body["prompt_token_ids"] = list(out.prompt_token_ids)
-        return body
 
     def _chunk(self, index, delta, finish_reason=None, logprobs=None, token_ids=None, out=None) -> dict:
         """`out`: the StreamOutput the chunk ends with, for continuous usage (its choice's count)."""
@@ -239,6 +244,12 @@ class ChatResponses(_Usage):
             if self.continuous_usage:
                 chunk["usage"] = usage(len(prompt_token_ids), 0)
             yield chunk
+        echoed = req.echoed if self.functions is None else ""
+        for i in range(self.params.n if echoed else 0):  # echo: the last message's content first
+            chunk = self._chunk(i, {"content": echoed})
+            if self.continuous_usage:
+                chunk["usage"] = usage(len(prompt_token_ids), 0)
+            yield chunk
         pending: dict[int, tuple[list, list]] = {}  # choice -> ids, logprob entries not yet sent
         started: set[int] = set()  # choices whose first content chunk went out
         last, prompt_lps_sent = None, False
@@ -252,7 +263,7 @@ class ChatResponses(_Usage):
             del pending[out.index]
             logprobs = None
             if out.output.outputs[out.index].logprobs is not None:
-                logprobs = chat_logprobs(entries, new_ids, req.top_logprobs or 0)
+                logprobs = chat_logprobs(entries, new_ids, req.top_logprobs or 0, self.as_ids)
             delta = {"content": out.delta_text} if out.delta_text else {}
             finish_reason = out.finish_reason
             if self.functions is not None:  # a named function: its arguments, as they come

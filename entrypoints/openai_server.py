@@ -177,11 +177,14 @@ class OpenAIServer:
         health_checks=(),
         track_load: bool = False,
         force_usage: bool = False,
+        tokens_as_ids: bool = False,
     ):
         """health_checks: callables that return why the server is unhealthy, or None (e.g. a
         ZMQ entrypoint beside it that stopped). track_load: count the completions and chat
         requests being answered, for GET /load (vLLM's --enable-server-load-tracking).
-        force_usage: usage on every streamed chunk, asked for or not (--enable-force-include-usage)."""
+        force_usage: usage on every streamed chunk, asked for or not (--enable-force-include-usage).
+        tokens_as_ids: logprobs name tokens `token_id:N` unless a request says otherwise
+        (--return-tokens-as-token-ids)."""
         self.engine = engine
         self.model_name = model_name
         self.api_key = api_key
@@ -189,7 +192,7 @@ class OpenAIServer:
         self.limits = limits or ServerLimits()
         self.health_checks = list(health_checks)
         self.track_load, self.server_load = track_load, 0
-        self.force_usage = force_usage
+        self.force_usage, self.tokens_as_ids = force_usage, tokens_as_ids
         self.app = Starlette(
             routes=[
                 Route("/health", self.health, methods=["GET"]),
@@ -356,7 +359,9 @@ class OpenAIServer:
             self.limits.check_prompts(len(prompts))
             prepared = [self.engine.prepare(p, req.truncation) for p in prompts]
             lens = [len(p["prompt_token_ids"]) for p in prepared]
-            self.limits.check_logprob_entries(params, lens, self.engine.max_model_len, req.wire_field)
+            self.limits.check_logprob_entries(
+                params, lens, self.engine.max_model_len, req.wire_field, self.engine.vocab_size
+            )
             for prompt in prepared:
                 streams.append(self.engine.add_request(prompt, params))
         except ClientDisconnect:  # it left while sending the body: nobody to answer
@@ -378,9 +383,11 @@ class OpenAIServer:
             return error_response(500, str(e), "server_error", code="engine_dead")
         meta = {"id": new_id("chatcmpl" if is_chat else "cmpl"), "created": now(), "model": self.model_name}
         if is_chat:
-            responses = ChatResponses(req, params, meta, self.force_usage)
+            responses = ChatResponses(req, params, meta, self.force_usage, self.tokens_as_ids)
         else:
-            responses = CompletionResponses(req, params, meta, self.engine.tokenizer, self.force_usage)
+            responses = CompletionResponses(
+                req, params, meta, self.engine.tokenizer, self.force_usage, self.tokens_as_ids
+            )
         if req.stream:
             updates = merged(streams)
             first = streams[0].tracker.output.prompt_token_ids
@@ -406,7 +413,14 @@ class OpenAIServer:
 
     def _prompts(self, req, is_chat: bool) -> list:
         if is_chat:
-            return [self.engine.render_chat(req.conversation(), add_generation_prompt=req.add_generation_prompt)]
+            conversation = req.conversation()
+            return [
+                self.engine.render_chat(
+                    conversation,
+                    add_generation_prompt=req.add_generation_prompt,
+                    continue_final_message=req.continue_final_message,
+                )
+            ]
         return req.prompts()
 
     @staticmethod

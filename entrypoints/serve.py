@@ -44,6 +44,7 @@ class ServeOptions:
     limits: ServerLimits = field(default_factory=ServerLimits)
     enable_server_load_tracking: bool = False  # GET /load counts the requests being answered
     enable_force_include_usage: bool = False  # usage on every streamed chunk
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens `token_id:N`
 
     def check(self) -> None:
         """Refusals that need no engine: run before one starts."""
@@ -111,6 +112,7 @@ async def _serve(engine: AsyncEngine, name: str, options: ServeOptions, metrics:
         checks,
         track_load=options.enable_server_load_tracking,
         force_usage=options.enable_force_include_usage,
+        tokens_as_ids=options.return_tokens_as_token_ids,
     ).app
     server = _Server(
         uvicorn.Config(

@@ -267,3 +267,22 @@ def test_merged_deltas_say_what_the_steps_said():
     assert merged.queued_seconds == 0.5 and merged.num_cached_tokens == 16
     # positions 1-3 from the first chunk, 4-5 from the second (its report of 2-3 again is dropped)
     assert merged.prompt_logprobs.start == 1 and merged.prompt_logprobs.entries == lp[:5]
+
+
+def test_max_logprobs_caps_what_a_request_asks_and_minus_one_is_the_vocabulary():
+    """The engine's max_logprobs (vLLM's; 20 by default) bounds logprobs and prompt_logprobs; a
+    request's -1 asks for the whole vocabulary, which only max_logprobs -1 (or one as large)
+    allows; a count wider than the vocabulary is the vocabulary."""
+    from pagedllm.entrypoints.input_processor import InputProcessor
+
+    inputs = InputProcessor(None, [], vocab_size=400, max_model_len=512)
+    assert inputs.logprobs_asked(SamplingParams(logprobs=20, prompt_logprobs=0)).logprobs == 20
+    for field, value in (("logprobs", 21), ("prompt_logprobs", -1), ("logprobs", -1)):
+        with pytest.raises(InvalidParameter) as e:
+            inputs.logprobs_asked(SamplingParams(**{field: value}))
+        assert e.value.field == field and "max_logprobs" in str(e.value)
+    unlimited = InputProcessor(None, [], vocab_size=400, max_model_len=512, max_logprobs=-1)
+    asked = unlimited.logprobs_asked(SamplingParams(logprobs=-1, prompt_logprobs=1000))
+    assert (asked.logprobs, asked.prompt_logprobs) == (400, 400)
+    with pytest.raises(InvalidParameter, match="max_logprobs"):
+        LLM(None, max_logprobs=-2)

@@ -1,6 +1,11 @@
-"""`pagedllm serve`'s options that vLLM's server has and its clients use: server-load tracking
-(GET /load), SageMaker's /invocations, usage forced onto every streamed chunk — through the real
-openai client and raw HTTP."""
+"""The OpenAI surface as clients written for vLLM's server use it, through the real openai client
+and raw HTTP: logit_bias (against transformers' logits plus the bias), --max-logprobs and the
+logprobs forms vLLM accepts (-1 for the whole vocabulary, "true" as a string, token_id:N names,
+chat echo of a continued message), server-load tracking (GET /load), SageMaker's /invocations,
+usage forced onto every streamed chunk, and the keys vLLM's bodies carry as null.
+
+The server runs the demo model in float32 (so that transformers in float32 is its oracle) with
+--max-logprobs above its vocabulary."""
 
 from __future__ import annotations
 
@@ -11,21 +16,20 @@ import urllib.request
 
 import openai
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from pagedllm.entrypoints.default_model import shipped_model_dir
 
 from serve_helpers import ServerProcess
+
+DEMO_VOCAB = 4096
 
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess(
-        "",
-        "--max-model-len",
-        "512",
-        "--enable-server-load-tracking",
-        "--enable-force-include-usage",
-        "--zmq-endpoint",
-        "none",
-    )
+    flags = ["--max-model-len", "512", "--dtype", "float32", "--max-logprobs", "5000", "--zmq-endpoint", "none"]
+    srv = ServerProcess("", *flags, "--enable-server-load-tracking", "--enable-force-include-usage")
     yield srv
     srv.stop()
 
@@ -124,3 +128,240 @@ def test_forced_usage_is_on_every_chunk_and_counts_up(server):
     chunks = list(c.completions.create(model=model, prompt="A list", max_tokens=5, stream=True))
     assert all(ch.usage is not None and ch.usage.completion_tokens > 0 for ch in chunks)
     assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == 5
+
+
+def hf_biased_greedy(prompt: list[int], bias: dict[int, float], steps: int) -> tuple[list[int], list[torch.Tensor]]:
+    """transformers' greedy tokens on logits + bias, and each step's log-probabilities."""
+    hf = AutoModelForCausalLM.from_pretrained(shipped_model_dir(), dtype=torch.float32).eval()
+    add = torch.zeros(DEMO_VOCAB)
+    for token, value in bias.items():
+        add[token] = value
+    ids, tokens, logprobs = list(prompt), [], []
+    with torch.no_grad():
+        for _ in range(steps):
+            lp = torch.log_softmax(hf(torch.tensor([ids])).logits[0, -1].float() + add, dim=-1)
+            tokens.append(int(lp.argmax()))
+            logprobs.append(lp)
+            ids.append(tokens[-1])
+    return tokens, logprobs
+
+
+def test_logit_bias_is_transformers_logits_plus_the_bias(server):
+    """Greedy tokens and logprobs (the sampled token's and the top 5) of a biased request equal
+    transformers' on logits + bias: the unbiased first choice banned (-100), another token
+    boosted, a third nudged; through completions and chat alike."""
+    c = client(server)
+    model = c.models.list().data[0].id
+    prompt = [93, 4, 275, 451, 718, 320]
+    plain = c.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0)
+    first = (
+        plain.choices[0].model_extra.get("token_ids")
+        or c.completions.create(
+            model=model, prompt=prompt, max_tokens=1, temperature=0, extra_body={"return_token_ids": True}
+        )
+        .choices[0]
+        .model_extra["token_ids"]
+    )
+    bias = {first[0]: -100.0, 1500: 6.5, 201: 2.25}
+    want, want_lps = hf_biased_greedy(prompt, bias, 6)
+    assert want[0] != first[0]
+    out = c.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=6,
+        temperature=0,
+        logprobs=5,
+        logit_bias={str(t): v for t, v in bias.items()},
+        extra_body={"return_token_ids": True, "ignore_eos": True, "return_tokens_as_token_ids": True},
+    ).choices[0]
+    assert out.model_extra["token_ids"] == want
+    for p, (token, lp) in enumerate(zip(want, want_lps)):
+        assert out.logprobs.token_logprobs[p] == pytest.approx(float(lp[token]), abs=2e-4)
+        top = {int(name.split(":")[1]): value for name, value in out.logprobs.top_logprobs[p].items()}
+        for t in lp.topk(5).indices.tolist():
+            assert top[t] == pytest.approx(float(lp[t]), abs=2e-4), (p, t)
+    chat_prompt = [{"role": "user", "content": "A list is"}]
+    chat = c.chat.completions.create(
+        model=model,
+        messages=chat_prompt,
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        logit_bias={str(t): v for t, v in bias.items()},
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
+    rendered = c.completions.create(
+        model=model,
+        prompt="<|user|>\nA list is</s>\n<|assistant|>\n",
+        max_tokens=4,
+        temperature=0,
+        logit_bias={str(t): v for t, v in bias.items()},
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
+    assert chat.choices[0].token_ids == rendered.choices[0].model_extra["token_ids"]
+    assert first[0] not in chat.choices[0].token_ids
+
+
+@pytest.mark.parametrize(
+    "bias,why",
+    [
+        ({"x": 1}, "token ids"),
+        ({"1.5": 1}, "token ids"),
+        ({"-3": 1}, "token ids"),
+        ({str(DEMO_VOCAB): 1}, "out of vocabulary"),
+        ({"99999999999999999999": 1}, "token ids"),
+        ({"5": 100.5}, "[-100, 100]"),
+        ({"5": -1e308}, "[-100, 100]"),
+        ({"5": "x"}, None),
+        ([5], None),
+    ],
+)
+def test_a_bad_logit_bias_is_a_400_naming_it(server, bias, why):
+    for path, body in (
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+    ):
+        status, reply = post(server, path, {**body, "logit_bias": bias})
+        assert status == 400 and reply["error"]["param"].startswith("logit_bias"), reply
+        assert why is None or why in reply["error"]["message"], reply
+    req = urllib.request.Request(
+        server.url + "/v1/completions",
+        data=b'{"prompt": "hi", "logit_bias": {"5": NaN}}',
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == 400
+
+
+def test_logit_bias_over_the_whole_vocabulary_and_with_beams_n_and_a_grammar(server):
+    """A bias on every token of the vocabulary; beams and n > 1 samples all biased; a
+    constrained request whose grammar forbids the boosted token still follows its grammar."""
+    c = client(server)
+    model = c.models.list().data[0].id
+    everything = {str(t): (-1.0 if t % 2 else 1.0) for t in range(DEMO_VOCAB)}
+    out = c.completions.create(
+        model=model,
+        prompt="A list",
+        max_tokens=8,
+        temperature=0,
+        logit_bias=everything,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
+    assert len(out.choices[0].model_extra["token_ids"]) == 8
+    banned = {str(t): -100.0 for t in range(0, DEMO_VOCAB, 2)}  # every even token id
+    beams = c.completions.create(
+        model=model,
+        prompt="A list",
+        max_tokens=6,
+        n=2,
+        logit_bias=banned,
+        extra_body={"use_beam_search": True, "return_token_ids": True, "ignore_eos": True},
+    )
+    samples = c.completions.create(
+        model=model,
+        prompt="A list",
+        max_tokens=6,
+        n=3,
+        temperature=1.0,
+        seed=3,
+        logit_bias=banned,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
+    for choice in beams.choices + samples.choices:
+        assert all(t % 2 for t in choice.model_extra["token_ids"]), choice
+    digits = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    letter_a = {"64": 100.0}  # "a"? whatever token 64 is, the grammar's mask comes after the bias
+    structured = c.completions.create(
+        model=model,
+        prompt="JSON:",
+        max_tokens=20,
+        temperature=0,
+        logit_bias=letter_a,
+        extra_body={"structured_outputs": {"json": digits}},
+    )
+    assert isinstance(json.loads(structured.choices[0].text)["n"], int)
+
+
+def test_max_logprobs_and_the_logprobs_forms_vllm_clients_send(server):
+    """--max-logprobs 5000 (above the 4,096-token vocabulary): -1 asks for the whole vocabulary,
+    in top_logprobs and prompt_logprobs; "logprobs": "true" as a string; return_tokens_as_token_ids."""
+    c = client(server)
+    model = c.models.list().data[0].id
+    messages = [{"role": "user", "content": "Beijing is the capital of which country?"}]
+    status, body = post(
+        server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1, "logprobs": "true", "top_logprobs": -1}
+    )
+    assert status == 200, body
+    assert len(body["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == DEMO_VOCAB
+    chat = c.chat.completions.create(model=model, messages=messages, max_tokens=2, extra_body={"prompt_logprobs": -1})
+    assert all(entry is None or len(entry) >= DEMO_VOCAB for entry in chat.prompt_logprobs)
+    ids = c.completions.create(
+        model=model,
+        prompt="A list",
+        max_tokens=3,
+        logprobs=2,
+        temperature=0,
+        extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True},
+    )
+    choice = ids.choices[0]
+    assert choice.logprobs.tokens == [f"token_id:{t}" for t in choice.model_extra["token_ids"]]
+    assert all(all(k.startswith("token_id:") for k in top) for top in choice.logprobs.top_logprobs)
+    chat = c.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=2,
+        logprobs=True,
+        top_logprobs=1,
+        extra_body={"return_tokens_as_token_ids": True},
+    )
+    assert all(item.token.startswith("token_id:") for item in chat.choices[0].logprobs.content)
+    status, body = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": "3", "temperature": "0"})
+    assert status == 200 and body["usage"]["completion_tokens"] == 3  # as vLLM's pydantic models coerce
+
+
+def test_chat_echo_continues_the_final_message(server):
+    """echo with continue_final_message: the answer starts with the assistant message it continues
+    (streamed: in a chunk before the new text); without echo, only the new text."""
+    c = client(server)
+    model = c.models.list().data[0].id
+    saying = "A dictionary is"
+    messages = [{"role": "user", "content": "tell me something"}, {"role": "assistant", "content": saying}]
+    extra = {"continue_final_message": True, "add_generation_prompt": False, "ignore_eos": True}
+    echoed = c.chat.completions.create(
+        model=model, messages=messages, max_tokens=5, temperature=0, extra_body={**extra, "echo": True}
+    )
+    plain = c.chat.completions.create(model=model, messages=messages, max_tokens=5, temperature=0, extra_body=extra)
+    assert echoed.choices[0].message.content == saying + plain.choices[0].message.content
+    assert not plain.choices[0].message.content.startswith(saying)
+    rendered = c.completions.create(
+        model=model,
+        prompt=f"<|user|>\ntell me something</s>\n<|assistant|>\n{saying}",
+        max_tokens=5,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert plain.choices[0].message.content == rendered.choices[0].text  # the message was left open
+    stream = c.chat.completions.create(
+        model=model, messages=messages, max_tokens=5, temperature=0, stream=True, extra_body={**extra, "echo": True}
+    )
+    text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+    assert text == echoed.choices[0].message.content
+    status, body = post(server, "/v1/chat/completions", {"messages": messages, "continue_final_message": True})
+    assert status == 400 and body["error"]["param"] == "continue_final_message"
+
+
+def test_token_id_keys_are_null_when_not_asked_for(server):
+    status, body = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+    assert status == 200 and body["choices"][0]["prompt_token_ids"] is None and body["choices"][0]["token_ids"] is None
+    status, body = post(
+        server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    )
+    assert status == 200 and body["prompt_token_ids"] is None and body["choices"][0]["token_ids"] is None

@@ -71,9 +71,13 @@ def test_a_worker_restart_under_async_scheduling_never_leaves_a_query_on_a_relea
     window, block_size = 5, 4
     for crash_at in range(24):
         sched = make_scheduler(
-            block_size=block_size, num_blocks=12, budget=8, max_model_len=64, sliding_window=window,
+            block_size=block_size,
+            num_blocks=12,
+            budget=8,
+            max_model_len=64,
+            sliding_window=window,
             enable_prefix_caching=caching,
-        )  # fmt: skip
+        )
         worker = FakeWorker(block_size, 12, window=window)
         add(sched, "a", range(2, 2 + prompt_len), max_tokens=20)
         add(sched, "b", range(30, 30 + prompt_len - 3), max_tokens=18)

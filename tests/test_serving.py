@@ -222,7 +222,7 @@ def _fuzz_bodies(rng: random.Random, model: str) -> list[bytes]:
         "min_p": [1.5, -0.1],
         "min_tokens": [-4, 10**6],
         "best_of": [3, -1],
-        "logit_bias": [{"5": 1.0}],
+        "logit_bias": [{"5": 101}, {"5": -1e308}, {"x": 1}, {"-1": 1}, {"1e3": 1}, {"5": True}, {"100000": 1}],
         "stop_token_ids": [[-5]],
         "repetition_penalty": [0, -1],
         "stop": [[""], ["ok", ""]],
@@ -251,6 +251,11 @@ def _fuzz_bodies(rng: random.Random, model: str) -> list[bytes]:
         json.dumps({"model": model, "prompt": "x " * 2000, "max_tokens": 4}).encode(),  # over max_model_len
         json.dumps({"model": model, "prompt": [7] * MAX_MODEL_LEN}).encode(),
         json.dumps({"model": model, "prompt": [100000]}).encode(),  # token id outside the vocabulary
+        # logit_bias extremes: a huge map past the vocabulary, NaN and infinities (not JSON, but sent)
+        json.dumps({"model": model, "prompt": "hi", "logit_bias": {str(t): 1.0 for t in range(200_000)}}).encode(),
+        b'{"prompt": "hi", "logit_bias": {"5": NaN}}',
+        b'{"prompt": "hi", "logit_bias": {"5": Infinity}}',
+        b'{"prompt": "hi", "logit_bias": {"5": 1e999}}',
         json.dumps({"model": model, "prompt": "hi", "max_tokens": 10**9}).encode(),
         json.dumps({"model": model, "prompt": "hi", "n": 0}).encode(),
         json.dumps({"model": model, "prompt": "hi", "logprobs": 1000}).encode(),

@@ -2,7 +2,8 @@
 one delta) and speculative decoding (a verified run arrives as one delta) must end a request
 exactly where plain decoding ends it. Many random stops — stop token ids, stop strings,
 min_tokens, max_tokens, EOS — drawn from what plain decoding writes, so that they hit inside
-forced and verified runs; text, token ids, logprobs, finish and stop reasons compared."""
+forced and verified runs, some requests with a logit_bias (which verification must see as
+sampling does); text, token ids, logprobs, finish and stop reasons compared."""
 
 from __future__ import annotations
 
@@ -51,6 +52,9 @@ def workload(reference: list, prompts: list[str], constrained: list[bool], token
             params["max_tokens"] = rng.randrange(max(1, params.get("min_tokens", 1)), len(tokens) + 1)
         if rng.random() < 0.25:
             params["logprobs"] = 2  # (jump-forward is off for such a request: it has no forced logprobs)
+        if rng.random() < 0.3:  # a bias on tokens the output has, and on others; verification sees it too
+            chosen = rng.sample(tokens, k=2) + [rng.randrange(3, 4096)]
+            params["logit_bias"] = {t: rng.choice([-100.0, -3.5, 2.0, 8.0]) for t in chosen}
         if constrained[p]:
             params["structured_outputs"] = StructuredOutputsParams(json=SCHEMA)
         requests.append((prompts[p], SamplingParams(**params)))

@@ -74,20 +74,25 @@ def test_tp2_greedy_equals_one_rank_under_preemption_and_chunked_prefill(tiny_mo
         assert out.outputs[0].token_ids == want, f"request {i} ({len(prompts[i])}-token prompt)"
 
 
-def test_tp2_n_samples_beams_and_prefix_hits_equal_one_rank(tiny_model):
+def test_tp2_n_samples_beams_logit_bias_and_prefix_hits_equal_one_rank(tiny_model):
     path = tiny_model("llama")
     shared = list(range(20, 84))  # 4 full blocks that later prompts hit
     prompts = [shared + [5, 6], shared + [7], [9, 10, 11]]
     sampled = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    biased = SamplingParams(
+        temperature=0, max_tokens=8, ignore_eos=True, logit_bias={t: -100.0 for t in range(0, 400, 2)}
+    )
     beams = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
     runs = {}
     for tp in (1, 2):
         with LLM(path, tensor_parallel_size=tp, num_kv_blocks=128, max_model_len=256, skip_tokenizer_init=True) as llm:
             samples = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, sampled, use_tqdm=False)]
             searched = [[s.tokens for s in o.sequences] for o in llm.beam_search(prompts[:2], beams)]
-            runs[tp] = (samples, searched, llm.last_stats.scheduler.prefix_cache_hits)
-    assert runs[2][:2] == runs[1][:2]
-    assert runs[2][2] > 0
+            odd = [o.outputs[0].token_ids for o in llm.generate(prompts, biased, use_tqdm=False)]  # rank 0 biases
+            runs[tp] = (samples, searched, odd, llm.last_stats.scheduler.prefix_cache_hits)
+    assert runs[2][:3] == runs[1][:3]
+    assert all(t % 2 for out in runs[2][2] for t in out)
+    assert runs[2][3] > 0
 
 
 def test_two_launches_meet_through_the_rendezvous(tiny_model):
