@@ -164,13 +164,11 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
         the biases; the frontend, that the ids are in the vocabulary)."""
         if not self.logit_bias:
             return None
-        bias = {}
-        for key, value in self.logit_bias.items():
-            token = key.strip()
-            if not (token.isascii() and token.isdigit()):
-                raise InvalidParameter("logit_bias", f"keys must be token ids (non-negative integers), got {key!r}")
-            bias[int(token)] = value
-        return bias
+        bad = [key for key in self.logit_bias if not (key.strip().isascii() and key.strip().isdigit())]
+        if bad:  # every bad key named, as vLLM names them
+            shown = ", ".join(repr(k) for k in bad[:10]) + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
+            raise InvalidParameter("logit_bias", f"keys must be token ids (non-negative integers), got {shown}")
+        return {int(key): value for key, value in self.logit_bias.items()}
 
     @property
     def include_usage(self) -> bool:
