@@ -3,7 +3,7 @@ on English that ships with Python itself (the pydoc topics and standard-library 
 the docstrings of larger packages. Plain torch training loop, seeded; writes a standard Hugging
 Face folder.
 
-The shipped model (docs/bench, 2026-12-06, night) was made in two runs with the first demo
+The shipped model was made in five runs. The first two (docs/bench, 2026-12-06, night), with the first demo
 model's tokenizer (a run with only `--out DIR --minutes 12` trains one, and a plain text model):
 copy lessons (random tokens, then the same again) until it copies; then text beside quote
 lessons (a passage of prose never trained on as text, given again and again, some of the
@@ -15,9 +15,24 @@ text and quote lessons only, at a lower learning rate. It quotes a passage it wa
         --seq 512 --batch 8 --docstrings 0.75 --quote-rows 4 --quote-weight 2 --quote-noise 0.05 \
         --copy-rows 12 --copy-alphabet 24 --copy-first --bf16-autocast --eval-every 500 \
         --minutes 70 --lr 2e-3
-    python tools/train_demo_model.py --init /tmp/demo-quoting --out assets/demo-model \
+    python tools/train_demo_model.py --init /tmp/demo-quoting --out /tmp/demo-quoting2 \
         --seq 512 --batch 12 --docstrings 0.75 --quote-rows 4 --quote-noise 0.05 \
         --bf16-autocast --eval-every 250 --minutes 14 --lr 5e-4 --seed 1
+
+Then (docs/bench, 2026-12-07) three short runs of loop lessons — sequence-level unlikelihood on
+the tokens of its own greedy continuations that repeat a 4-gram the continuation already had —
+beside text and quote lessons, so that its greedy prose stops looping on what it wrote while it
+still quotes what it is given:
+
+    python tools/train_demo_model.py --init /tmp/demo-quoting2 --out /tmp/demo-ul1 --seq 512 --batch 12 \
+        --docstrings 0.75 --quote-rows 4 --quote-noise 0.05 --loop-rows 8 --loop-weight 1.0 \
+        --bf16-autocast --eval-every 100 --minutes 20 --lr 3e-4 --seed 2
+    python tools/train_demo_model.py --init /tmp/demo-ul1 --out /tmp/demo-ul2 --seq 512 --batch 12 \
+        --docstrings 0.75 --quote-rows 4 --quote-weight 1.5 --quote-noise 0.05 --loop-rows 6 --loop-weight 0.3 \
+        --bf16-autocast --eval-every 150 --minutes 22 --lr 4e-4 --seed 3
+    python tools/train_demo_model.py --init /tmp/demo-ul2 --out assets/demo-model --seq 512 --batch 12 \
+        --docstrings 0.75 --quote-rows 4 --quote-weight 1.5 --quote-noise 0.05 --loop-rows 6 --loop-weight 0.5 \
+        --bf16-autocast --eval-every 150 --minutes 12 --lr 1.5e-4 --seed 4
 
 Its draft model for speculative decoding (one layer, the demo model's tokenizer):
 
@@ -276,8 +291,109 @@ def evaluate(model, tokenizer, held_out: list[list[int]]) -> str:
         count += chunk.shape[1] - 1
     return (
         f"held-out loss {total / count:.3f}, random copy {copy_accuracy(model, len(tokenizer)):.1%}, "
-        f"quoting {quote_accuracy(model, tokenizer, held_out_texts()):.1%}"
+        f"quoting {quote_accuracy(model, tokenizer, held_out_texts()):.1%}, "
+        f"greedy prose's repeated 6-grams {greedy_repetition(model, tokenizer):.1%}"
     )
+
+
+# the README's prompts, then 60 more: what `pagedllm generate` users type first
+PROSE_PROMPTS = [
+    "The quick brown fox",
+    "The for statement",
+    "A dictionary is",
+    "A list",
+    "The while loop",
+    "Exceptions are",
+    "A generator function",
+    "The import system",
+    "Strings in Python",
+    "The with statement",
+    "A class definition",
+    "Decorators",
+    "The garbage collector",
+    "Integers and floats",
+    "A module is",
+    "The return statement",
+    "Lambda expressions",
+    "The global statement",
+    "A tuple",
+    "Comparisons",
+    "The assert statement",
+    "Sets are",
+    "The print function",
+    "A function call",
+    "Keyword arguments",
+    "The range function",
+    "Iterators",
+    "The try statement",
+    "A dictionary comprehension",
+    "Slicing a list",
+    "The len function",
+    "Boolean operations",
+    "The if statement",
+    "Default argument values",
+    "Unicode strings",
+    "The sort method",
+    "A package is",
+    "The break statement",
+    "File objects",
+    "The open function",
+    "Regular expressions",
+    "A namespace is",
+    "The yield expression",
+    "Operator precedence",
+    "The del statement",
+    "Bytes objects",
+    "The continue statement",
+    "Attribute references",
+    "A frozen set",
+    "The raise statement",
+    "Context managers",
+    "The pass statement",
+    "Instance methods",
+    "The nonlocal statement",
+    "Integer division",
+    "Type annotations",
+    "The str method",
+    "Coroutines",
+    "The zip function",
+    "Modules can",
+    "Name binding",
+    "The sum function",
+    "Hash values",
+]
+
+
+def repeated_ngrams(outputs: list[list[int]], n: int = 6) -> float:
+    """Of the outputs' n-grams, the share that the same output already had: how much greedy
+    prose loops (a quoting model copies what it wrote as readily as what it was given)."""
+    repeated = total = 0
+    for out in outputs:
+        seen = set()
+        for i in range(len(out) - n + 1):
+            gram = tuple(out[i : i + n])
+            repeated += gram in seen
+            total += 1
+            seen.add(gram)
+    return repeated / total if total else 0.0
+
+
+@torch.inference_mode()
+def greedy_repetition(model, tokenizer, max_new: int = 128) -> float:
+    """repeated_ngrams of the greedy continuations of PROSE_PROMPTS."""
+    outputs = []
+    for prompt in PROSE_PROMPTS:
+        ids = torch.tensor([tokenizer.encode(prompt)])
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new,
+            min_new_tokens=max_new,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        outputs.append(out[0, ids.shape[1] :].tolist())
+    return repeated_ngrams(outputs)
 
 
 def stdlib_source_ids(tokenizer) -> torch.Tensor:
@@ -328,6 +444,47 @@ def copy_accuracy(model, vocab: int, copies: int = 16, span: int = 100) -> float
     with torch.inference_mode():
         guess = model(input_ids=torch.cat([noise, noise], dim=1)).logits[:, span:-1].argmax(-1)
     return (guess == noise[:, 1:]).float().mean().item()
+
+
+def loop_lessons(
+    model, data: torch.Tensor, rows: int, gen: torch.Generator, prompt: int = 24, new: int = 96, n: int = 4
+):
+    """Sequence-level unlikelihood (Welleck et al., 2019) against loops: the model's own greedy
+    continuations of text windows, and in them the tokens that complete an n-gram the
+    continuation already had (the model copying what it just wrote). Returns (the rows, a
+    mask of those tokens); the loss pushes their probability down, -log(1 - p)."""
+    was_training = model.training
+    model.eval()
+    with torch.inference_mode():
+        heads = windows(data, rows, prompt, gen)
+        out = model.generate(
+            input_ids=heads,
+            attention_mask=torch.ones_like(heads),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    model.train(was_training)
+    out = out.clone()
+    mask = torch.zeros_like(out, dtype=torch.bool)
+    for r in range(rows):
+        seen, row = set(), out[r, prompt:].tolist()
+        for i in range(len(row) - n + 1):
+            gram = tuple(row[i : i + n])
+            if gram in seen:
+                mask[r, prompt + i + n - 1] = True
+            seen.add(gram)
+    return out, mask
+
+
+def unlikelihood(model, rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """-log(1 - p) of the masked tokens, averaged over the rows' continuation tokens."""
+    logits = model(input_ids=rows).logits[:, :-1].float()
+    target = rows[:, 1:]
+    p = torch.softmax(logits, dim=-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    penalty = -torch.log((1 - p).clamp(min=1e-5)) * mask[:, 1:]
+    return penalty.sum() / max(1, int(mask[:, 1:].numel() // 2))
 
 
 def descend(model, opt, loss: torch.Tensor) -> None:
@@ -433,6 +590,14 @@ def main(argv=None):
         "slips to go on quoting after",
     )
     ap.add_argument(
+        "--loop-rows",
+        type=int,
+        default=0,
+        help="rows a step of the model's own greedy continuations of text, with unlikelihood on each token "
+        "that repeats a 4-gram the continuation already had (against greedy loops)",
+    )
+    ap.add_argument("--loop-weight", type=float, default=1.0, help="the loop rows' unlikelihood against the text loss")
+    ap.add_argument(
         "--bf16-autocast",
         action="store_true",
         help="run the forward and backward passes under bfloat16 autocast (weights and optimizer stay float32); "
@@ -507,6 +672,9 @@ def main(argv=None):
             if args.quote_rows:
                 quoted, labels = quote_rows(args.quote_rows, args.seq, prose_quotes, blank_line, gen, args.quote_noise)
                 loss = loss + args.quote_weight * model(input_ids=quoted, labels=labels).loss
+            if args.loop_rows:
+                rows, mask = loop_lessons(model, data, args.loop_rows, gen)
+                loss = loss + args.loop_weight * unlikelihood(model, rows, mask)
             if args.copy_rows:
                 copies, labels = copy_lessons(
                     args.copy_rows, args.copy_seq, len(tokenizer), gen, quotes, args.copy_alphabet
