@@ -117,3 +117,26 @@ def test_logprobs_of_sampled_and_top_tokens(k):
     assert lp.rank == 1 and math.isclose(lp.token_logprob, float(expected.max()), rel_tol=1e-6)
     assert lp.top_token_ids == expected.topk(k).indices.tolist() if k else lp.top_token_ids == []
     assert out.logprobs[1] is None
+
+
+@pytest.mark.parametrize("dense", [True, False])
+def test_logit_bias_adds_each_rows_own_bias_as_the_batch_changes(dense, monkeypatch):
+    """Dense (a [rows, vocab] tensor a batch) or scattered, cached while the same requests
+    sample in the same order: every row gets its own bias and no other, batch after batch."""
+    from pagedllm.backends import sampler as sampler_module
+
+    if not dense:
+        monkeypatch.setattr(sampler_module, "DENSE_BIAS_BYTES", 0)
+    vocab = 50
+    params = [SamplingParams(temperature=0, logit_bias={3: 5.0, 7: -100.0}), SamplingParams(temperature=0)]
+    params.append(SamplingParams(temperature=0, logit_bias={3: -2.5, 49: 1.0}))
+    sampler = Sampler()
+    gen = torch.Generator().manual_seed(0)
+    for order in ([0, 1, 2], [0, 1, 2], [2, 0], [1], [2, 1, 0]):
+        logits = torch.randn(len(order), vocab, generator=gen)
+        want = logits.clone()
+        for row, i in enumerate(order):
+            for token, bias in (params[i].logit_bias or {}).items():
+                want[row, token] += bias
+        got = sampler.logit_bias(logits.clone(), [SamplingRow(params[i], [1], 1) for i in order])
+        assert torch.equal(got, want), order
