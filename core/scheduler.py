@@ -575,8 +575,13 @@ class Scheduler:
         if status is None:
             return RequestOutputDelta(request.request_id, new_tokens, queued_seconds=queued)
         self._finish(request, status)
-        return RequestOutputDelta(
-            request.request_id, new_tokens, status.finish_reason, request.stop_reason, queued_seconds=queued
+        return RequestOutputDelta(  # the engine no longer finds the request: its prefix-cache hit goes along
+            request.request_id,
+            new_tokens,
+            status.finish_reason,
+            request.stop_reason,
+            queued_seconds=queued,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
         )
 
     def _ended_by(self, request: Request, token: int) -> RequestStatus | None:

@@ -367,12 +367,17 @@ def test_version(server):
 
 
 def test_zmq_prompt_logprobs_and_cached_tokens(server):
+    """A prefix hit is reported, also for a request that ends at its first token (the engine
+    core once looked the hit up after the request had gone, and said 0)."""
     with ZmqClient(server.zmq_endpoint, timeout_s=20) as zc:
-        final = zc.generate(prompt_token_ids=list(range(5, 45)), max_tokens=2, prompt_logprobs=2)
+        final = zc.generate(prompt_token_ids=list(range(5, 45)), max_tokens=2, prompt_logprobs=2, temperature=0)
         assert final.prompt_logprobs[0] is None and len(final.prompt_logprobs) == 40
         assert all(len(top) == 2 for top in final.prompt_top_logprobs[1:])
-        again = zc.generate(prompt_token_ids=list(range(5, 45)), max_tokens=2)
+        again = zc.generate(prompt_token_ids=list(range(5, 45)), max_tokens=2, temperature=0)
         assert again.usage.cached_tokens > 0
+        first = again.completions[0].token_ids[0]
+        stopped = zc.generate(prompt_token_ids=list(range(5, 45)), max_tokens=2, temperature=0, stop_token_ids=[first])
+        assert stopped.completions[0].token_ids == [first] and stopped.usage.cached_tokens > 0
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(final))  # plain msgpack for other languages
 
 
