@@ -3,6 +3,7 @@ check that it left no process or shared-memory segment behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -12,12 +13,30 @@ import threading
 import time
 import urllib.request
 
+import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm.core.ipc import free_tcp_port
 from pagedllm.core.local_workers import LAUNCHER_SERVER_ENV
 
 from proc_helpers import children_of, is_running, pythonpath_with, segments_of, wait_until
+
+
+def client(server) -> openai.OpenAI:
+    """The real openai client, pointed at a ServerProcess."""
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def post(server, path: str, body, content_type: str = "application/json") -> tuple[int, dict]:
+    """POST a JSON-able body (or raw bytes) as a client that is not the openai package would:
+    (status, the JSON answer), errors included."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(server.url + path, data=data, method="POST", headers={"Content-Type": content_type})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
 
 
 class ServerProcess:

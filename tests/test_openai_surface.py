@@ -12,16 +12,14 @@ from __future__ import annotations
 import json
 import threading
 import time
-import urllib.request
 
-import openai
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from pagedllm.entrypoints.default_model import shipped_model_dir
 
-from serve_helpers import ServerProcess
+from serve_helpers import ServerProcess, client, post
 
 DEMO_VOCAB = 4096
 
@@ -32,21 +30,6 @@ def server():
     srv = ServerProcess("", *flags, "--enable-server-load-tracking", "--enable-force-include-usage")
     yield srv
     srv.stop()
-
-
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-
-
-def post(server, path: str, body) -> tuple[int, dict]:
-    req = urllib.request.Request(
-        server.url + path, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def load(server) -> int:
@@ -225,15 +208,8 @@ def test_a_bad_logit_bias_is_a_400_naming_it(server, bias, why):
         status, reply = post(server, path, {**body, "logit_bias": bias})
         assert status == 400 and reply["error"]["param"].startswith("logit_bias"), reply
         assert why is None or why in reply["error"]["message"], reply
-    req = urllib.request.Request(
-        server.url + "/v1/completions",
-        data=b'{"prompt": "hi", "logit_bias": {"5": NaN}}',
-        method="POST",
-        headers={"Content-Type": "application/json"},
-    )
-    with pytest.raises(urllib.error.HTTPError) as e:
-        urllib.request.urlopen(req, timeout=30)
-    assert e.value.code == 400
+    status, reply = post(server, "/v1/completions", b'{"prompt": "hi", "logit_bias": {"5": NaN}}')
+    assert status == 400, reply
 
 
 def test_logit_bias_over_the_whole_vocabulary_and_with_beams_n_and_a_grammar(server):

@@ -20,7 +20,7 @@ from pagedllm.entrypoints.zmq_protocol import Error, Final
 
 from proc_helpers import children_of, segments_of, wait_until
 from serve_helpers import SERVED_MAX_MODEL_LEN as MAX_MODEL_LEN
-from serve_helpers import ServerProcess
+from serve_helpers import ServerProcess, client
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +31,6 @@ def model(served):
 @pytest.fixture(scope="module")
 def server(served):  # conftest's, shared with test_serving_trust.py (the same MAX_MODEL_LEN)
     return served[0]
-
-
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
 def test_openai_client_completions_chat_streaming_and_n(server, model):

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import socket
 import time
-import urllib.request
 
 import msgspec
 import openai
@@ -22,7 +21,7 @@ import pytest
 from pagedllm.entrypoints.zmq_client import ZmqClient, ZmqRequestError
 from pagedllm.entrypoints.zmq_protocol import Error, Final, Ready
 
-from serve_helpers import PLANTED_PENALTY
+from serve_helpers import PLANTED_PENALTY, client, post
 
 
 @pytest.fixture(scope="module")
@@ -33,20 +32,6 @@ def model(served):
 @pytest.fixture(scope="module")
 def server(served):
     return served[0]
-
-
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-
-
-def post(server, path: str, body, content_type: str = "application/json") -> tuple[int, dict]:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(server.url + path, data=data, method="POST", headers={"Content-Type": content_type})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def assert_serving(server, model) -> None:

@@ -21,7 +21,7 @@ from pagedllm import LLM, SamplingParams, StructuredOutputsParams
 from pagedllm.entrypoints.zmq_client import ZmqClient, ZmqRequestError
 
 from proc_helpers import workers_of
-from serve_helpers import ServerProcess
+from serve_helpers import ServerProcess, client
 
 NAME = {"type": "string", "minLength": 1, "maxLength": 12}
 SMALL = {"type": "integer", "minimum": -50, "maximum": 50}
@@ -75,10 +75,6 @@ def demo_server():
     srv = ServerProcess("", "--max-model-len", "512", "--max-num-seqs", "64")
     yield srv
     srv.stop()
-
-
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
 def test_hot_samples_of_every_schema_parse_and_validate(demo_server):
