@@ -15,16 +15,13 @@ from typing import Any, Literal
 import msgspec
 
 from pagedllm.core.errors import InvalidParameter, validation_error_parts
-from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.core.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from pagedllm.core.structured import StructuredOutputsParams
 
 from .json_paths import path_at, path_nested_deeper_than
 from .openai_structured import ResponseFormat, Tool, constraint, forced_tools
 
 MAX_JSON_DEPTH_SHOWN = 32  # where a too-deep body is reported: the first value this deep
-
-
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 def _check_seed(seed) -> None:
@@ -349,6 +346,18 @@ def decode_body(body: bytes, kind: type):
     except RecursionError:
         where = path_nested_deeper_than(body, MAX_JSON_DEPTH_SHOWN) or "body"
         raise InvalidParameter(where, "nests arrays or objects too deeply to be read") from None
+
+
+def invocation_kind(body: bytes) -> type:
+    """The request a SageMaker /invocations body is, as vLLM routes it: one with `messages` a
+    chat completion, one with `prompt` a completion. Only the top-level keys are read (the values
+    are skipped, not built); a malformed body raises InvalidParameter as decode_body does."""
+    keys = decode_body(body, dict[str, msgspec.Raw])
+    if "messages" in keys:
+        return ChatCompletionRequest
+    if "prompt" in keys:
+        return CompletionRequest
+    raise InvalidParameter("body", "needs 'messages' (a chat completion) or 'prompt' (a completion)")
 
 
 # --- responses ----------------------------------------------------------------------------

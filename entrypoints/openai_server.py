@@ -23,7 +23,15 @@ from .async_engine import AsyncEngine, EngineOverloaded, EngineShuttingDown, Req
 from .engine_client import EngineDeadError
 from .limits import RequestTooLarge, ServerLimits
 from .metrics import CONTENT_TYPE, EngineMetrics
-from .openai_protocol import ChatCompletionRequest, CompletionRequest, decode_body, error_body, new_id, now
+from .openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    decode_body,
+    error_body,
+    invocation_kind,
+    new_id,
+    now,
+)
 from .openai_responses import ChatResponses, CompletionResponses
 
 logger = logging.getLogger("pagedllm.entrypoints")
@@ -294,19 +302,13 @@ class OpenAIServer:
             return denied
         try:
             body = await read_body(request, self.limits)
-            fields = json.loads(body)
+            kind = invocation_kind(body)
         except RequestTooLarge as e:
             return error_response(413, str(e), "invalid_request_error", code="request_too_large")
         except ClientDisconnect:
             return Response(status_code=CLIENT_CLOSED)
-        except ValueError:
-            return error_response(400, "body: is not valid JSON", "invalid_request_error", "body")
-        kind = None
-        if isinstance(fields, dict):
-            kind = ChatCompletionRequest if "messages" in fields else CompletionRequest if "prompt" in fields else None
-        if kind is None:
-            message = "body: needs 'messages' (a chat completion) or 'prompt' (a completion)"
-            return error_response(400, message, "invalid_request_error", "body")
+        except InvalidParameter as e:
+            return error_response(400, str(e), "invalid_request_error", e.field)
         return await self._counted(request, kind, body)
 
     async def _counted(self, request: Request, kind, body: bytes | None = None) -> Response:

@@ -89,6 +89,8 @@ def test_invocations_answer_as_the_route_the_body_names(server):
     assert status == 400 and "messages" in error["error"]["message"]
     status, error = post(server, "/invocations", {"messages": [], "max_tokens": "x"})
     assert status == 400 and error["error"]["param"] == "max_tokens"
+    status, error = post(server, "/invocations", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+    assert status == 400 and error["error"]["param"].startswith("prompt"), error  # a nesting bomb: no 500
 
 
 def test_forced_usage_is_on_every_chunk_and_counts_up(server):
