@@ -188,6 +188,7 @@ class ChatResponses(_Options):
         self.req, self.params, self.meta = req, params, meta
         self._options(req, force_usage, tokens_as_ids)
         self.functions = req.forced_functions  # tool_choice required or named: the output is calls
+        self.echoed = req.echoed  # echo: the text the answer starts with (the conversation's, read once)
 
     def _message(self, comp) -> tuple[dict, str | None]:
         """The choice's message and finish_reason: tool calls read from the constrained text, or
@@ -196,7 +197,7 @@ class ChatResponses(_Options):
             calls = tool_calls(comp.text, self.functions, self.req.tool_choice)
             if calls is not None:
                 return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
-        return {"role": "assistant", "content": self.req.echoed + comp.text}, comp.finish_reason
+        return {"role": "assistant", "content": self.echoed + comp.text}, comp.finish_reason
 
     def body(self, outputs: list) -> dict:
         req = self.req
@@ -244,7 +245,7 @@ class ChatResponses(_Options):
             if self.continuous_usage:
                 chunk["usage"] = usage(len(prompt_token_ids), 0)
             yield chunk
-        echoed = req.echoed if self.functions is None else ""
+        echoed = self.echoed if self.functions is None else ""
         for i in range(self.params.n if echoed else 0):  # echo: the last message's content first
             chunk = self._chunk(i, {"content": echoed})
             if self.continuous_usage:
