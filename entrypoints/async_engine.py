@@ -104,9 +104,10 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.inputs.max_model_len
 
-    @property
-    def vocab_size(self) -> int:
-        return self.inputs.vocab_size
+    def logprobs_asked(self, params: SamplingParams) -> SamplingParams:
+        """The params' logprobs within max_logprobs, a -1 made the vocabulary's size (see
+        InputProcessor.logprobs_asked): for a server's checks before add_request."""
+        return self.inputs.logprobs_asked(params)
 
     @property
     def dead_reason(self) -> str | None:

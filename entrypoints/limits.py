@@ -60,25 +60,20 @@ class ServerLimits:
             raise InvalidParameter("stop", f"each stop string has at most {MAX_STOP_STRING_CHARS} characters")
 
     def check_logprob_entries(
-        self,
-        params: SamplingParams,
-        prompt_lens: list[int],
-        max_model_len: int,
-        wire=lambda field: field,
-        vocab_size: int = 0,
+        self, params: SamplingParams, prompt_lens: list[int], max_model_len: int, wire=lambda field: field
     ) -> None:
         """The frontend holds every logprob entry of a request until it ends (a non-streamed
         answer needs them all): at most --max-logprob-entries per request, counting each
-        token's own and its top ones (-1: the vocabulary's), over all prompts and completions."""
+        token's own and its top ones, over all prompts and completions. `params` as
+        InputProcessor.logprobs_asked gives them (a -1 already the vocabulary's size)."""
         total = 0
         for length in prompt_lens:
             if params.logprobs is not None:
                 room = max_model_len - length
                 tokens = min(params.max_tokens or room, room)
-                total += params.n * tokens * ((vocab_size if params.logprobs == -1 else params.logprobs) + 1)
+                total += params.n * tokens * (params.logprobs + 1)
             if params.prompt_logprobs is not None:
-                top = vocab_size if params.prompt_logprobs == -1 else params.prompt_logprobs
-                total += length * (top + 1)
+                total += length * (params.prompt_logprobs + 1)
         if total > self.max_logprob_entries:
             field = "logprobs" if params.logprobs is not None else "prompt_logprobs"
             raise InvalidParameter(

@@ -361,9 +361,8 @@ class OpenAIServer:
             self.limits.check_prompts(len(prompts))
             prepared = [self.engine.prepare(p, req.truncation) for p in prompts]
             lens = [len(p["prompt_token_ids"]) for p in prepared]
-            self.limits.check_logprob_entries(
-                params, lens, self.engine.max_model_len, req.wire_field, self.engine.vocab_size
-            )
+            params = self.engine.logprobs_asked(params)
+            self.limits.check_logprob_entries(params, lens, self.engine.max_model_len, req.wire_field)
             for prompt in prepared:
                 streams.append(self.engine.add_request(prompt, params))
         except ClientDisconnect:  # it left while sending the body: nobody to answer

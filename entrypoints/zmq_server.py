@@ -150,9 +150,8 @@ class ZmqServer:
             self.limits.check(params, wire_field)
             prompt = self.engine.prepare(self._prompt(msg))
             lens = [len(prompt["prompt_token_ids"])]
-            self.limits.check_logprob_entries(
-                params, lens, self.engine.max_model_len, wire_field, self.engine.vocab_size
-            )
+            params = self.engine.logprobs_asked(params)
+            self.limits.check_logprob_entries(params, lens, self.engine.max_model_len, wire_field)
             stream = self.engine.add_request(prompt, params, request_id=f"zmq-{next(self._ids)}")
         except InvalidParameter as e:
             self._reply_soon(identity, Error(msg.request_id, 400, wire_field(e.field), str(e)))
