@@ -486,7 +486,9 @@ def loop_lessons(
 
 
 def unlikelihood(model, rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """-log(1 - p) of the masked tokens, averaged over the rows' continuation tokens."""
+    """-log(1 - p) of the masked tokens, summed and divided by half the rows' predicted positions
+    (prompt and continuation alike: the normalisation the shipped model was trained with, so
+    kept although a mean over the continuation tokens would read more plainly)."""
     logits = model(input_ids=rows).logits[:, :-1].float()
     target = rows[:, 1:]
     p = torch.softmax(logits, dim=-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
