@@ -26,6 +26,10 @@ from typing import NamedTuple
 
 import torch
 
+from pagedllm.core.protocol import KVSpec
+
+from .models.config import DTYPE_NAMES
+
 # the engine's names (core/config.py KV_CACHE_DTYPES) -> the code dtype
 KV_CODE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8}
 # the largest magnitude of each format: a row's absmax is stored as this code
@@ -116,3 +120,15 @@ def write_quantized(key, value, cache: torch.Tensor, scales: torch.Tensor, slot_
         codes, row_scales = quantize(rows, cache.dtype)
         cache[which][blocks, offsets] = codes
         scales[which][blocks, offsets] = row_scales
+
+
+def kv_spec_of(model, kv_cache_dtype: str) -> KVSpec:
+    """What a model's KV takes in the pool, as the worker reports it (core.protocol.KVSpec)."""
+    cfg = model.config
+    return KVSpec(
+        num_layers=cfg.num_layers,
+        num_kv_heads=model.shards.num_kv_heads,
+        head_size=cfg.head_dim,
+        dtype=DTYPE_NAMES[cfg.dtype],
+        kv_cache_dtype=kv_cache_dtype,
+    )

@@ -129,3 +129,12 @@ def check_contract(name: str, cls) -> None:
 def load_backend(name: str):
     """Instantiate the backend's AttentionOps."""
     return backend_class(name)()
+
+
+def unsupported(ops, config, wanted) -> str | None:
+    """What of a model (`wanted`, a ModelConfig: the target or a draft), with the engine's
+    (`config`) block size, context and KV cache dtype, the backend `ops` does not support;
+    None: all of it."""
+    problem = ops.unsupported(wanted.dtype, wanted.head_dim, config.block_size, config.max_model_len)
+    problem = problem or ops.unsupported_features(wanted.attention_features())
+    return problem or ops.unsupported_kv_cache_dtype(config.kv_cache_dtype, wanted.head_dim)

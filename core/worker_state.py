@@ -87,8 +87,6 @@ class WorkerState:
             blocks.extend(ids)
         for rid, tokens in plan.appended_token_ids.items():
             requests[rid].token_ids.extend(tokens)
-        for rid, tokens in plan.draft_token_ids.items():  # this step's proposal, confirmed or cut after it
-            requests[rid].token_ids.extend(tokens)
         chunks = []
         new_chunk = tuple.__new__  # a NamedTuple's own __new__ is a Python call: 60% of this loop
         for rid, n in plan.num_scheduled_tokens.items():

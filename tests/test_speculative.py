@@ -13,7 +13,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.backends.sampler import Sampler, SamplingRow, probabilities
-from pagedllm.backends.spec_verify import verify
+from pagedllm.backends.speculation.verify import verify
 from pagedllm.benchmarks.bench_speculative import quoting_prompts
 from pagedllm.core.errors import InvalidParameter
 from pagedllm.core.speculative import parse_speculative_config, propose_ngram

@@ -23,6 +23,7 @@ GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
 @dataclass

@@ -3,8 +3,8 @@ by the worker inside the step, before the target verifies. Its KV lives in the p
 beside the target's (the same block ids and slots, a region of its own), so a proposal costs
 the draft one pass over the tokens it has not seen and K - 1 one-token passes.
 
-The core schedules 1 + K tokens for a speculating request with K placeholders as its proposal;
-`propose` fills them with the draft's greedy choices. What the draft has computed is kept per
+The core schedules 1 + K tokens for a speculating request and sends an empty proposal;
+`propose` makes the K tokens, the draft's greedy choices. What the draft has computed is kept per
 request (`computed`: its KV is valid for positions below it) and cut back wherever the target's
 KV was: to the kept tokens after a verification, and to the first block of a table the core
 replaced (a rollback's freed blocks, a swap-in, a copy-on-write copy). A request the worker
@@ -17,7 +17,7 @@ from __future__ import annotations
 from pagedllm.core.outputs import SchedulerOutput
 from pagedllm.core.worker_state import ScheduledChunk
 
-from .runner import ModelRunner, SeqInput
+from ..runner import ModelRunner, SeqInput
 
 
 class DraftProposer:
@@ -35,9 +35,9 @@ class DraftProposer:
             if rid in computed:
                 computed[rid] = min(computed[rid], start * block_size)
 
-    def propose(self, chunks: list[ScheduledChunk]) -> dict[str, list[int]]:
-        """Each chunk is the request's last known token and K placeholders: the draft's K greedy
-        tokens replace the placeholders (in the worker's copy of the tokens) and are returned."""
+    def propose(self, chunks: list[ScheduledChunk]) -> list[list[int]]:
+        """Each chunk is the request's last known token and K slots to fill: the draft's K
+        greedy tokens for each, in the chunks' order."""
         computed = self.computed
         seqs = []
         for c in chunks:
@@ -49,12 +49,9 @@ class DraftProposer:
             seqs = [SeqInput([proposals[i][-1]], chunks[i].start + step, chunks[i].state.block_ids) for i in active]
             for i, token in zip(active, self.argmax(self.runner.execute(seqs)).tolist()):
                 proposals[i].append(token)
-        out = {}
         for c, proposal in zip(chunks, proposals):
-            c.state.token_ids[c.start + 1 : c.start + c.num_tokens] = proposal
             computed[c.request_id] = c.start + len(proposal)  # the last token and all but the last proposed
-            out[c.request_id] = proposal
-        return out
+        return proposals
 
     def keep(self, chunk: ScheduledChunk) -> None:
         """After verification: the draft's KV past the kept tokens is not the request's."""

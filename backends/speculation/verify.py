@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .sampler import Logprobs, Sampler, SamplingRow
+from ..sampler import Logprobs, Sampler, SamplingRow
 
 
 def position_rows(row: SamplingRow, proposal: list[int]) -> list[SamplingRow]:
