@@ -4,7 +4,8 @@
 # checkout folder's name, when it collects tests/. Every name loads on first use: the engine's
 # processes import their own modules, not the user API's.
 
-__version__ = "0.1.0"
+from pagedllm.core.version import VERSION as __version__
+
 __all__ = [
     "LLM",
     "SamplingParams",
@@ -32,7 +33,7 @@ def __getattr__(name):
 
         return getattr(sampling_params, name)
     if name == "StructuredOutputsParams":
-        from pagedllm.core.structured import StructuredOutputsParams
+        from pagedllm.core.sampling_params import StructuredOutputsParams
 
         return StructuredOutputsParams
     if name == "LLM":

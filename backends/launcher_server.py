@@ -23,7 +23,7 @@ import signal
 import socket
 import sys
 
-from ..core.local_workers import VOLATILE_ENV, launched_line, process_context
+from ..core.process.local_workers import VOLATILE_ENV, launched_line, process_context
 
 START = process_context()  # before the launcher's import adds its own settings to the environment
 

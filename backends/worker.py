@@ -29,10 +29,11 @@ import numpy as np
 import torch
 import zmq
 
-from pagedllm.core import shm
 from pagedllm.core.config import EngineConfig, default_batched_tokens
 from pagedllm.core.logs import setup_logging
 from pagedllm.core.outputs import SchedulerOutput
+from pagedllm.core.process import shm
+from pagedllm.core.process.worker_group import rank_identity
 from pagedllm.core.protocol import (
     Configure,
     Decoder,
@@ -49,7 +50,6 @@ from pagedllm.core.protocol import (
     WorkerJoin,
     WorkerReady,
 )
-from pagedllm.core.worker_group import rank_identity
 from pagedllm.core.worker_state import WorkerState
 
 from .kv_cache import allocate_pool, kv_spec_of, pool_dtype, pool_shape

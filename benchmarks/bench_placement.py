@@ -22,7 +22,7 @@ import torch
 
 from pagedllm.backends.attention import DecodeMetadata
 from pagedllm.backends.cpu import CpuAttentionOps, native
-from pagedllm.core.free_blocks import PLACEMENTS
+from pagedllm.core.config import PLACEMENTS
 
 from .kv_memory import measure_kv_utilisation, print_placements
 

@@ -20,7 +20,7 @@ import time
 
 from pagedllm.benchmarks.report import percentiles_ms
 from pagedllm.benchmarks.workload import poisson_arrivals
-from pagedllm.core.ipc import free_tcp_port
+from pagedllm.core.process.ipc import free_tcp_port
 
 
 def start_server(

@@ -35,7 +35,8 @@ MASKED = {
 
 
 def compile_times(schemas: list[dict]) -> dict:
-    from pagedllm.core.structured import Grammars, StructuredOutputsParams
+    from pagedllm.core.sampling_params import StructuredOutputsParams
+    from pagedllm.core.scheduling.structured import Grammars
     from pagedllm.entrypoints.default_model import default_model_dir
 
     model = default_model_dir()

@@ -57,7 +57,7 @@ def weight_bytes(path: str, rank: int, size: int) -> int:
 
 def decode_step_ms(path: str, size: int, requests: int, steps: int) -> tuple[float, list[int]]:
     from pagedllm import LLM, SamplingParams
-    from pagedllm.core import shm
+    from pagedllm.core.process import shm
 
     with LLM(
         path, tensor_parallel_size=size, num_kv_blocks=NUM_BLOCKS, max_model_len=1024, skip_tokenizer_init=True

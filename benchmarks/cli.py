@@ -137,7 +137,7 @@ def _run_mode(args, peers: list[str]) -> int:
     if args.mode == "serving":
         return _serving(args, out_dir)
     if args.mode == "memory":
-        from pagedllm.core.free_blocks import PLACEMENTS
+        from pagedllm.core.config import PLACEMENTS
 
         from .kv_memory import kv_capacity, measure_kv_utilisation, print_capacity, print_placements
 

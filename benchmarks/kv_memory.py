@@ -93,7 +93,7 @@ def print_placements(rows: list[dict]) -> None:
 
 
 def main():
-    from pagedllm.core.free_blocks import PLACEMENTS
+    from pagedllm.core.config import PLACEMENTS
 
     rows = [measure_kv_utilisation(placement=p) for p in PLACEMENTS]
     r = rows[0]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 def add_parser(sub) -> None:
-    from pagedllm.core.free_blocks import PLACEMENTS
+    from pagedllm.core.config import PLACEMENTS
 
     conf = sub.add_parser("conformance", help="run the backend conformance suite")
     conf.add_argument("--backend", required=True)

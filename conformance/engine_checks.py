@@ -8,13 +8,13 @@ import random
 
 import torch
 
-from pagedllm.core import shm
 from pagedllm.core.config import CacheConfig, EngineConfig, SchedulerConfig
-from pagedllm.core.engine import sampled_by_request
+from pagedllm.core.process import shm
+from pagedllm.core.process.engine import sampled_by_request
 from pagedllm.core.protocol import InitCache
 from pagedllm.core.request import EngineRequest
 from pagedllm.core.sampling_params import SamplingParams
-from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.scheduling.scheduler import Scheduler
 from pagedllm.fixtures.tiny_models import ARCHITECTURES, load_hf
 
 from .op_cases import slots_of

@@ -1,4 +1,6 @@
-"""The hardware-agnostic core: block pool, KV cache manager, scheduler. Never imports torch.
+"""The hardware-agnostic core. Never imports torch. Three parts (docs/architecture.md):
+the vocabulary every process shares (the modules here), the scheduling brain (scheduling/)
+and the engine core's process plumbing (process/).
 
 The names below load on first use: a process that needs one module of the core (the engine
 core's entry point starting the worker launcher first thing) does not wait for the rest."""
@@ -13,7 +15,7 @@ _EXPORTS = {
     "Request": "request",
     "RequestStatus": "request",
     "SamplingParams": "sampling_params",
-    "Scheduler": "scheduler",
+    "Scheduler": "scheduling.scheduler",
 }
 __all__ = list(_EXPORTS)
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 import msgspec
 
 from .errors import InvalidParameter
-from .free_blocks import PLACEMENTS
-from .speculative import SpeculativeConfig
 from .utils import cdiv
 
 SCHEDULER_POLICIES = ("fcfs", "priority")
@@ -16,6 +14,7 @@ BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 # row (backends/kv_cache.py); "fp8" is vLLM's name for fp8_e4m3
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 KV_CACHE_ALIASES = {"fp8": "fp8_e4m3"}
+PLACEMENTS = ("lru", "first-fit", "best-fit")  # which free block a request gets (core/scheduling/free_blocks.py)
 
 
 def default_batched_tokens(max_model_len: int) -> int:
@@ -47,7 +46,7 @@ class CacheConfig(msgspec.Struct, kw_only=True):
     num_blocks: int = 1024  # including the reserved null block 0
     num_swap_blocks: int = 0  # host swap space, in blocks
     enable_prefix_caching: bool = True
-    block_placement: str = "lru"  # which free block a request gets (core/free_blocks.py)
+    block_placement: str = "lru"  # which free block a request gets (core/scheduling/free_blocks.py)
     sliding_window: int | None = None  # every layer's window: blocks behind it are released
 
     def __post_init__(self):
@@ -134,7 +133,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     jump_forward: bool = True  # structured outputs: append the tokens a grammar forces, unsampled
     quantization: str | None = None  # core/quantization.py: a load-time mode, or the checkpoint's method
     kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
-    speculative_config: SpeculativeConfig | None = None  # core/speculative.py
+    speculative_config: SpeculativeConfig | None = None  # core/scheduling/speculation.py
 
     def __post_init__(self):
         _check_block_size(self.block_size)
@@ -194,3 +193,63 @@ def parse_size(value, field: str) -> int:
                 except ValueError:
                     break
     raise InvalidParameter(field, f"must be a size such as 4GiB or 512MiB, got {value!r}")
+
+
+# --- speculative decoding (core/scheduling/speculation.py) -----------------------------------
+METHODS = {"ngram": False, "draft_model": True}  # method: whether it takes a draft model
+MAX_SPECULATIVE_TOKENS = 16
+
+
+class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's `speculative_config` fields for the n-gram and draft-model methods."""
+
+    method: str | None = None  # "draft_model" where a model is given, else "ngram"
+    model: str | None = None  # the draft model's folder (draft_model)
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4  # the longest suffix matched against earlier tokens
+    prompt_lookup_min: int = 1  # the shortest
+    # no speculation in a step with more running requests than this (vLLM's name): a full batch
+    # is bound by arithmetic, and verifying rejected tokens costs more than it saves
+    disable_by_batch_size: int | None = 16
+
+    def __post_init__(self):
+        if self.method is None:
+            self.method = "draft_model" if self.model else "ngram"
+        takes_model = METHODS.get(self.method)
+        if takes_model is None:
+            raise InvalidParameter("speculative_config.method", f"must be one of {tuple(METHODS)}, got {self.method!r}")
+        if takes_model and not self.model:
+            raise InvalidParameter("speculative_config.model", f"the draft model's folder is required by {self.method}")
+        if not takes_model and self.model:
+            message = f"is a draft model's: the {self.method} method takes none"
+            raise InvalidParameter("speculative_config.model", message)
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise InvalidParameter(
+                "speculative_config.num_speculative_tokens",
+                f"must be in 1..{MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}",
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise InvalidParameter(
+                "speculative_config.prompt_lookup_min",
+                f"must be >= 1 and <= prompt_lookup_max ({self.prompt_lookup_max}), got {self.prompt_lookup_min}",
+            )
+
+
+def parse_speculative_config(value) -> SpeculativeConfig | None:
+    """From a dict, a JSON string (the CLI's --speculative-config) or None."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, str):
+        try:
+            value = msgspec.json.decode(value)
+        except msgspec.DecodeError as e:
+            raise InvalidParameter("speculative_config", f"is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise InvalidParameter("speculative_config", f"must be a JSON object, got {type(value).__name__}")
+    unknown = sorted(set(value) - set(SpeculativeConfig.__struct_fields__))
+    if unknown:
+        raise InvalidParameter("speculative_config", f"unknown fields {unknown}")
+    try:
+        return SpeculativeConfig(**value)
+    except TypeError as e:  # a value of the wrong type
+        raise InvalidParameter("speculative_config", str(e)) from None

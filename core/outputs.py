@@ -6,7 +6,6 @@ import msgspec
 import numpy as np
 
 from .sampling_params import SamplingParams
-from .speculative import SpecStats
 
 
 class NewRequestData(msgspec.Struct, array_like=True):
@@ -146,3 +145,24 @@ class SchedulerStats(msgspec.Struct):
     num_blocks: int
     fragmentation: Fragmentation | None = None  # refreshed at most once a second (it walks every table)
     spec_decode: SpecStats | None = None  # speculative decoding's counts, where it is on
+
+
+class SpecStats(msgspec.Struct):
+    """Counts since the engine started, as vLLM's spec_decode metrics name them."""
+
+    num_accepted_tokens_per_pos: list[int]  # proposals whose token at position i was confirmed
+    num_drafts: int = 0  # proposals verified
+    num_draft_tokens: int = 0  # tokens proposed
+    num_accepted_tokens: int = 0  # of those, confirmed
+
+    def copy(self) -> SpecStats:
+        return SpecStats(
+            list(self.num_accepted_tokens_per_pos), self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens
+        )
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        for i in range(accepted):
+            self.num_accepted_tokens_per_pos[i] += 1

@@ -61,7 +61,7 @@ class EngineReady(msgspec.Struct, tag="ready"):
     # per rank: the shared-memory segment of its KV pool, or None (device memory, another host)
     kv_segments: list[str | None]
     # this host's worker launcher, whose children the local workers are: the core's own child, or
-    # a launcher server's (core/local_workers.py)
+    # a launcher server's (core/process/local_workers.py)
     launcher_pid: int | None = None
 
 

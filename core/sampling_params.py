@@ -7,7 +7,6 @@ import math
 import msgspec
 
 from .errors import InvalidParameter
-from .structured import StructuredOutputsParams
 
 # below this a temperature is greedy decoding, as in vLLM: dividing logits by 1e-38 overflows
 GREEDY_TEMPERATURE = 1e-5
@@ -18,6 +17,34 @@ TOKEN_ID_MAX = 2**31 - 1
 MAX_LENGTH_PENALTY = 5.0
 MAX_BEAM_WIDTH = 10
 MAX_LOGIT_BIAS = 100  # OpenAI's range: -100 bans a token, 100 all but forces it
+
+
+STRUCTURED_FIELD = "structured_outputs"  # StructuredOutputsParams' name in SamplingParams
+
+
+class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One constraint on a request's output, named as vLLM names them: `json` (a JSON schema,
+    as a dict or its text), `regex`, `choice` (the output is one of these strings), `grammar`
+    (Lark, or llama.cpp's GBNF), or `json_object` (any JSON object)."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self):
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            message = f"give exactly one of json, regex, choice, grammar or json_object, got {given or 'none'}"
+            raise InvalidParameter(STRUCTURED_FIELD, message)
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise InvalidParameter(f"{STRUCTURED_FIELD}.choice", "must be a non-empty list of non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k))
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -40,7 +67,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     priority: int = 0  # lower runs first under the `priority` policy, as in vLLM
     beam_width: int = 0  # > 0: beam search with this many beams (see LLM.beam_search)
     length_penalty: float = 1.0  # beam search: hypotheses score sum_logprobs / len ** length_penalty
-    # the output follows this constraint (JSON schema, regex, choice, grammar): see core/structured.py
+    # the output follows this constraint (JSON schema, regex, choice, grammar): see core/scheduling/structured.py
     structured_outputs: StructuredOutputsParams | None = None
     # token id -> added to its logit before anything else (penalties, masks, logprobs, sampling)
     logit_bias: dict[int, float] | None = None

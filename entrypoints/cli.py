@@ -112,7 +112,7 @@ def structured_outputs(args):
 
 
 def _constraint(args):
-    from pagedllm.core.structured import StructuredOutputsParams
+    from pagedllm.core.sampling_params import StructuredOutputsParams
 
     if args.json_schema is not None:
         with open(args.json_schema) as f:

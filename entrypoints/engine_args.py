@@ -13,16 +13,16 @@ from pagedllm.backends.registry import check_available, device_count, resolve_al
 from pagedllm.core.config import (
     BLOCK_SIZES,
     KV_CACHE_DTYPES,
+    PLACEMENTS,
     PREEMPTION_MODES,
     SCHEDULER_POLICIES,
     EngineConfig,
     parse_size,
+    parse_speculative_config,
 )
 from pagedllm.core.errors import InvalidParameter
-from pagedllm.core.free_blocks import PLACEMENTS
 from pagedllm.core.model_folder import ModelFolder, model_folder
 from pagedllm.core.quantization import QUANTIZATIONS, resolve_quantization
-from pagedllm.core.speculative import parse_speculative_config
 
 from .engine_client import EngineClient
 from .input_processor import InputProcessor

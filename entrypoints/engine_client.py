@@ -11,9 +11,9 @@ import time
 import msgspec
 import zmq
 
-from pagedllm.core import shm
 from pagedllm.core.config import EngineConfig
-from pagedllm.core.ipc import Channel, free_tcp_endpoint, ipc_endpoint, make_ipc_dir, remove_ipc_dir
+from pagedllm.core.process import shm
+from pagedllm.core.process.ipc import Channel, free_tcp_endpoint, ipc_endpoint, make_ipc_dir, remove_ipc_dir
 from pagedllm.core.protocol import AbortRequests, AddRequests, CoreMessage, EngineDead, EngineReady, Shutdown
 from pagedllm.core.request import EngineRequest
 
@@ -46,7 +46,7 @@ class EngineClient:
             [
                 sys.executable,
                 "-m",
-                "pagedllm.core.engine_main",
+                "pagedllm.core.process.engine_main",
                 "--config",
                 msgspec.json.encode(config).decode(),
                 "--input",

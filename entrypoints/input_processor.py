@@ -10,8 +10,8 @@ import msgspec
 
 from pagedllm.core.errors import InvalidParameter
 from pagedllm.core.request import EngineRequest
-from pagedllm.core.sampling_params import SamplingParams
-from pagedllm.core.structured import StructuredOutputsParams, grammar_of
+from pagedllm.core.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedllm.core.scheduling.structured import grammar_of
 
 from .request_tracker import RequestTracker
 

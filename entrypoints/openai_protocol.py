@@ -15,8 +15,7 @@ from typing import Any, Literal
 import msgspec
 
 from pagedllm.core.errors import InvalidParameter, validation_error_parts
-from pagedllm.core.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
-from pagedllm.core.structured import StructuredOutputsParams
+from pagedllm.core.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, StructuredOutputsParams
 
 from .json_paths import path_at, path_nested_deeper_than
 from .openai_structured import ResponseFormat, Tool, constraint, forced_tools

@@ -16,8 +16,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from pagedllm import __version__
 from pagedllm.core.errors import InvalidParameter, RequestFailed
+from pagedllm.core.version import VERSION
 
 from .async_engine import AsyncEngine, EngineOverloaded, EngineShuttingDown, RequestStream
 from .engine_client import EngineDeadError
@@ -240,7 +240,7 @@ class OpenAIServer:
         return JSONResponse({"server_load": self.server_load})
 
     async def version(self, request: Request) -> Response:
-        return JSONResponse({"version": __version__})
+        return JSONResponse({"version": VERSION})
 
     async def models(self, request: Request) -> Response:
         if (denied := self._check_key(request)) is not None:

@@ -12,7 +12,7 @@ import uuid
 import msgspec
 
 from pagedllm.core.errors import InvalidParameter
-from pagedllm.core.structured import StructuredOutputsParams
+from pagedllm.core.sampling_params import StructuredOutputsParams
 
 
 class JsonSchemaFormat(msgspec.Struct, kw_only=True):

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from pagedllm.core.local_workers import LAUNCHER_SERVER_ENV
+from pagedllm.core.process.local_workers import LAUNCHER_SERVER_ENV
 from pagedllm.fixtures.tiny_models import make_model_dir
 
 from proc_helpers import pythonpath_with

@@ -16,8 +16,8 @@ import urllib.request
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagedllm.core.ipc import free_tcp_port
-from pagedllm.core.local_workers import LAUNCHER_SERVER_ENV
+from pagedllm.core.process.ipc import free_tcp_port
+from pagedllm.core.process.local_workers import LAUNCHER_SERVER_ENV
 
 from proc_helpers import children_of, is_running, pythonpath_with, segments_of, wait_until
 
@@ -132,7 +132,7 @@ PLANTED_PENALTY = 4.25
 
 SITECUSTOMIZE = f"""
 import numpy  # noqa: F401 - before the patch, so that a torch-free process imports what it would
-from pagedllm.core import beam_search
+from pagedllm.core.scheduling import beam_search
 
 _step = beam_search.BeamGroup.step
 

@@ -107,8 +107,7 @@ def test_every_engine_flag_comes_from_the_one_declaration():
     import msgspec
 
     from pagedllm.cli import build_parser
-    from pagedllm.core.config import BLOCK_SIZES, PREEMPTION_MODES, SCHEDULER_POLICIES, EngineConfig
-    from pagedllm.core.free_blocks import PLACEMENTS
+    from pagedllm.core.config import BLOCK_SIZES, PLACEMENTS, PREEMPTION_MODES, SCHEDULER_POLICIES, EngineConfig
     from pagedllm.entrypoints.cli import engine_kwargs
     from pagedllm.entrypoints.engine_args import EngineArgs
 

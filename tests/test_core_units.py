@@ -5,8 +5,8 @@ import msgspec
 import pytest
 
 from pagedllm.core import CacheConfig, InvalidParameter, SamplingParams, SchedulerConfig
-from pagedllm.core.block_pool import BlockPool
 from pagedllm.core.protocol import Decoder, Encoder, Step, ToWorker
+from pagedllm.core.scheduling.block_pool import BlockPool
 
 
 def test_core_imports_no_torch():
@@ -142,7 +142,7 @@ def test_free_block_policies_against_a_model_of_the_free_set(placement):
     keep their runs equal to the runs of the free set."""
     import random
 
-    from pagedllm.core.free_blocks import make_free_blocks, run_lengths
+    from pagedllm.core.scheduling.free_blocks import make_free_blocks, run_lengths
 
     rng = random.Random(7)
     free = make_free_blocks(placement, range(1, 200))
@@ -166,7 +166,7 @@ def test_free_block_policies_against_a_model_of_the_free_set(placement):
 
 
 def test_first_fit_and_best_fit_choose_their_runs():
-    from pagedllm.core.free_blocks import make_free_blocks
+    from pagedllm.core.scheduling.free_blocks import make_free_blocks
 
     # free runs: [1..2] (2), [5..9] (5), [12..14] (3)
     ids = [1, 2, 5, 6, 7, 8, 9, 12, 13, 14]

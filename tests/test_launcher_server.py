@@ -13,7 +13,7 @@ import time
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.core.local_workers import LAUNCHER_SERVER_ENV
+from pagedllm.core.process.local_workers import LAUNCHER_SERVER_ENV
 
 from proc_helpers import children_of, direct_children, parent_of, wait_until
 

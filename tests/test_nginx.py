@@ -10,7 +10,7 @@ import subprocess
 import openai
 import pytest
 
-from pagedllm.core.ipc import free_tcp_port
+from pagedllm.core.process.ipc import free_tcp_port
 
 from proc_helpers import wait_until
 from serve_helpers import ServerProcess

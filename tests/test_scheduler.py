@@ -402,7 +402,7 @@ def test_colliding_prefix_keys_never_hand_one_request_anothers_kv(monkeypatch):
     """Every full block gets the same cache key, so each lookup finds a candidate: only equal
     tokens after an equal parent may be a hit. The fake worker checks that every request
     reads exactly its own tokens from the KV slots."""
-    monkeypatch.setattr("pagedllm.core.kv_cache_manager.hash_block_tokens", lambda parent, tokens: 7)
+    monkeypatch.setattr("pagedllm.core.scheduling.kv_cache_manager.hash_block_tokens", lambda parent, tokens: 7)
     sched = make_scheduler(block_size=4, num_blocks=64)
     worker = FakeWorker(4, 64)
     add(sched, "a", range(10, 30), max_tokens=4)

@@ -104,7 +104,7 @@ def test_a_beam_search_wider_than_the_token_budget_is_refused():
 def test_an_error_in_one_beam_search_ends_it_alone(monkeypatch):
     """A search whose step raises (the OverflowError an unbounded length_penalty gave) is ended
     with its blocks freed and reported; the request beside it goes on to the end."""
-    from pagedllm.core.beam_search import BeamGroup
+    from pagedllm.core.scheduling.beam_search import BeamGroup
 
     def overflow(self, candidates, histories):
         raise OverflowError("(34, 'Numerical result out of range')")

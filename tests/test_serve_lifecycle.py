@@ -13,7 +13,7 @@ import time
 import openai
 import pytest
 
-from pagedllm.core.ipc import free_tcp_port
+from pagedllm.core.process.ipc import free_tcp_port
 from pagedllm.entrypoints.zmq_client import AsyncZmqClient, ZmqClient, ZmqRequestError
 
 from proc_helpers import is_running, segments_of, wait_until

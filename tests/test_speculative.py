@@ -15,8 +15,9 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.backends.sampler import Sampler, SamplingRow, probabilities
 from pagedllm.backends.speculation.verify import verify
 from pagedllm.benchmarks.bench_speculative import quoting_prompts
+from pagedllm.core.config import parse_speculative_config
 from pagedllm.core.errors import InvalidParameter
-from pagedllm.core.speculative import parse_speculative_config, propose_ngram
+from pagedllm.core.scheduling.speculation import propose_ngram
 from pagedllm.entrypoints.metrics import EngineMetrics
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}

@@ -17,9 +17,9 @@ import zmq
 
 from pagedllm import LLM, BeamSearchParams, InvalidParameter, SamplingParams
 from pagedllm.core.config import EngineConfig
-from pagedllm.core.ipc import free_tcp_port
+from pagedllm.core.process.ipc import free_tcp_port
+from pagedllm.core.process.worker_group import WorkerGroup, rank_identity
 from pagedllm.core.protocol import Decoder, Encoder, Step, StepResult, ToWorker, WorkerFailed
-from pagedllm.core.worker_group import WorkerGroup, rank_identity
 from pagedllm.entrypoints.engine_args import EngineArgs
 from pagedllm.entrypoints.engine_client import EngineDeadError
 

@@ -251,7 +251,7 @@ import os
 import time
 
 from pagedllm.backends import worker
-from pagedllm.core import worker_group
+from pagedllm.core.process import worker_group
 from pagedllm.core.protocol import Step, StepResult
 
 _send, _sent = worker.CoreLink.send, [0]

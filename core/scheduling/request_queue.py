@@ -6,7 +6,7 @@ from __future__ import annotations
 import heapq
 import itertools
 
-from .request import Request
+from ..request import Request
 
 
 class RequestQueue:

@@ -17,7 +17,7 @@ import bisect
 
 import numpy as np
 
-PLACEMENTS = ("lru", "first-fit", "best-fit")
+from ..config import PLACEMENTS
 
 
 class FreeBlockStack:

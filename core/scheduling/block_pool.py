@@ -3,7 +3,7 @@ content-hashed prefix cache.
 
 A free block is in exactly one of two places:
 - `_free`: never cached (no hash) — handed out first, in the order of the block placement
-  policy (core/free_blocks.py: lru, first-fit, best-fit);
+  policy (core/scheduling/free_blocks.py: lru, first-fit, best-fit);
 - the LRU list: full blocks whose content hash is still registered, kept so an equal prefix can
   revive them; evicted oldest-first only when `_free` is empty. The list is intrusive
   (prev/next on the block), so revival from the middle is O(1).

@@ -9,7 +9,7 @@ import tempfile
 
 import zmq
 
-from .protocol import Decoder, Encoder
+from ..protocol import Decoder, Encoder
 
 
 class PeerGone(RuntimeError):

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .outputs import NewRequestData, SchedulerOutput
-from .request import Request
+from ..outputs import NewRequestData, SchedulerOutput
+from ..request import Request
 
 
 class WorkerView:
@@ -71,20 +71,12 @@ class StepBuilder:
         elif delta[1]:
             self.deltas[rid] = delta
 
-    def build(
-        self, step_id: int, block_copies, appended: dict[str, list[int]], total_budget: int, constrained: bool = False
-    ) -> SchedulerOutput:
+    def build(self, step_id: int, block_copies, appended: dict[str, list[int]], total_budget: int) -> SchedulerOutput:
         finished, preempted = self.worker.take_dropped()
         if appended and self.new_requests:
             # preempted and started again in this step (priority preemption): its tokens go whole
             new = {n.request_id for n in self.new_requests}
             appended = {rid: token for rid, token in appended.items() if rid not in new}
-        # the constrained requests that sample in this step: their masks follow (StepMasks)
-        sampling = (
-            [r.request_id for r in self.requests if r.matcher is not None and r.num_computed_tokens == r.num_tokens]
-            if constrained
-            else []
-        )
         return SchedulerOutput(
             step_id=step_id,
             new_requests=self.new_requests,
@@ -97,5 +89,4 @@ class StepBuilder:
             preempted_request_ids=preempted,
             appended_token_ids=appended,
             total_num_scheduled_tokens=total_budget - self.budget,
-            structured_request_ids=sampling,
         )

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from collections import Counter
 
+from ..outputs import Fragmentation
+from ..request import Request
+from ..utils import cdiv
 from .block_pool import BlockPool, KVBlock, hash_block_tokens
 from .free_blocks import table_runs
-from .outputs import Fragmentation
-from .request import Request
-from .utils import cdiv
 
 # (index of the first changed entry, block ids from there on): how a step tells the worker
 # what became of a block table. Usually an append; a copy-on-write replaces one entry; an

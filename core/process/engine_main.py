@@ -1,4 +1,4 @@
-"""Entry point of the engine-core process: `python -m pagedllm.core.engine_main ...`."""
+"""Entry point of the engine-core process: `python -m pagedllm.core.process.engine_main ...`."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import logging
 import signal
 import sys
 
+from ..logs import setup_logging
 from .local_workers import LocalWorkers
-from .logs import setup_logging
 
 
 def main(argv=None) -> int:
@@ -18,9 +18,9 @@ def main(argv=None) -> int:
     launcher = LocalWorkers()
     import msgspec
 
-    from .config import EngineConfig
+    from ..config import EngineConfig
+    from ..errors import EngineFailure
     from .engine import EngineCore
-    from .errors import EngineFailure
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", required=True)

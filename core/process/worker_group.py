@@ -15,11 +15,11 @@ import time
 
 import zmq
 
-from .config import EngineConfig
-from .errors import EngineFailure
+from ..config import EngineConfig
+from ..errors import EngineFailure
+from ..protocol import Configure, Decoder, Encoder, FromWorker, Heartbeat, Shutdown, WorkerFailed, WorkerJoin
 from .ipc import free_tcp_port
 from .local_workers import LauncherGone, LocalWorkers
-from .protocol import Configure, Decoder, Encoder, FromWorker, Heartbeat, Shutdown, WorkerFailed, WorkerJoin
 
 POLL_MS = 100
 HEARTBEAT_S = 2.0  # the core says it is alive at least this often (workers on other hosts watch)

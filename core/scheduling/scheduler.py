@@ -22,23 +22,28 @@ import time
 
 import msgspec
 
+from ..config import CacheConfig, SchedulerConfig, check_fits
+from ..errors import InvalidParameter
+from ..outputs import Fragmentation, RequestOutputDelta, SchedulerOutput, SchedulerStats
+from ..request import EngineRequest, Request, RequestStatus, child_request_id, child_seed, sample_request_ids
+from ..sampling_params import SamplingParams
 from .beam_search import BeamSearches, check_beams_fit
-from .config import CacheConfig, SchedulerConfig, check_fits
-from .errors import InvalidParameter
 from .kv_cache_manager import KVCacheManager
-from .outputs import Fragmentation, RequestOutputDelta, SchedulerOutput, SchedulerStats
-from .request import EngineRequest, Request, RequestStatus, child_request_id, child_seed, sample_request_ids
 from .request_queue import RequestQueue
-from .sampling_params import SamplingParams
-from .speculative import DRAFT_PLACEHOLDER, MAX_BACKOFF, SpecStats, may_speculate, propose_ngram
+from .speculation import Speculation
 from .step_builder import StepBuilder, WorkerView
+from .structured import StructuredOutputs
 
 RUNNING = RequestStatus.RUNNING
 logger = logging.getLogger("pagedllm.core")
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig):
+    def __init__(
+        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, structured: StructuredOutputs | None = None
+    ):
+        """structured: the engine's structured outputs (one that compiles grammars); by default
+        one that takes the matchers add_request is given."""
         check_fits(cache_config, scheduler_config)
         self.config = scheduler_config
         self.cache_config = cache_config
@@ -64,17 +69,14 @@ class Scheduler:
         # requests ended by an error in their own handling, since the last take_failures():
         # (request id as the frontend knows it, what to tell the client)
         self._failures: list[tuple[str, str]] = []
-        self.constrained = False  # structured outputs are in use (some request has had a grammar)
-        self._forced: dict[str, list[int]] = {}  # jump-forward tokens the worker has not been sent
+        self.structured = structured or StructuredOutputs(scheduler_config.jump_forward)
         self._fragmentation, self._fragmentation_at = None, -1e9
-        self.spec = scheduler_config.speculative
-        self._drafts: dict[str, list[int]] = {}  # this step's proposals, by request id
-        # proposed, accepted; accepted at each position of a proposal
-        self.spec_stats = SpecStats([0] * (self.spec.num_speculative_tokens if self.spec else 0))
+        spec = scheduler_config.speculative
+        self.spec = Speculation(spec, scheduler_config.max_model_len) if spec else None
 
     # --- requests in and out --------------------------------------------------------------
     def add_request(self, engine_request: EngineRequest, matcher=None) -> Request:
-        """`matcher`: the request's compiled constraint (core/structured.py), when it has one."""
+        """`matcher`: the request's compiled constraint (core/scheduling/structured.py), when it has one."""
         rid = engine_request.request_id
         if rid in self.requests or rid in self.beams.groups:
             raise InvalidParameter("request_id", f"{rid!r} is already in use")
@@ -105,8 +107,7 @@ class Scheduler:
             params = msgspec.structs.replace(params, logprobs=2 * params.beam_width)
             engine_request = msgspec.structs.replace(engine_request, sampling_params=params)
         request = Request.from_engine_request(engine_request, max_tokens)
-        request.matcher = matcher
-        self.constrained = self.constrained or matcher is not None
+        self.structured.started(request, matcher)
         if params.beam_width:
             self.beams.start(request, params, max_tokens)
         self.requests[rid] = request
@@ -221,7 +222,8 @@ class Scheduler:
         if self.by_priority and self.config.priority_preemption:
             self._preempt_for_waiting(step)
         decodes, prefills = self._running_by_phase()
-        self._drafts = self._propose(decodes) if self.spec else {}
+        if self.spec:
+            self.spec.propose(decodes, len(self.running))
         self._schedule_running(decodes, step)
         self._schedule_beam_groups(step)  # decodes too: before prefills take the blocks they need
         self._schedule_running(prefills, step)
@@ -232,53 +234,17 @@ class Scheduler:
             self._schedule_waiting(step)
         for request, num_tokens in zip(step.requests, step.scheduled.values()):
             request.num_computed_tokens += num_tokens
+        known = self.worker.known
         plan = step.build(
             next(self._step_ids),
             self.kv.take_block_copies(),
-            {**self.beams.take_appended(self.worker.known), **self._take_forced()},
+            {**self.beams.take_appended(known), **self.structured.take_forced(known)},
             self.config.max_num_batched_tokens,
-            self.constrained,
         )
-        if self._drafts:
-            scheduled = plan.num_scheduled_tokens
-            plan.draft_token_ids = {
-                rid: d[: scheduled[rid] - 1] for rid, d in self._drafts.items() if scheduled.get(rid, 0) > 1
-            }
+        plan.structured_request_ids = self.structured.sampling(step.requests)
+        if self.spec:
+            self.spec.attach(plan)
         return plan
-
-    @staticmethod
-    def _may_propose(request: Request) -> bool:
-        """Whether the request may propose in its next step (after the one in flight)."""
-        return request.spec_backoff <= 1 and may_speculate(request)
-
-    def _speculation_on(self) -> bool:
-        limit = self.spec.disable_by_batch_size
-        return limit is None or len(self.running) <= limit
-
-    def _propose(self, decodes: list[tuple[Request, int]]) -> dict[str, list[int]]:
-        """Speculative decoding: n-gram proposals for the decodes that may speculate, within
-        their length limits; none above the batch size where it stops paying."""
-        spec = self.spec
-        if not self._speculation_on():
-            return {}
-        drafts = {}
-        for request, _ in decodes:
-            if request.spec_backoff or not may_speculate(request):
-                continue
-            room = min(
-                request.max_tokens - (request.num_tokens - request.num_prompt_tokens),
-                self.config.max_model_len - request.num_tokens,
-            )
-            k = min(spec.num_speculative_tokens, room - 1)  # the model's own token comes after them
-            if k <= 0:
-                continue
-            if spec.method == "draft_model":  # the worker's draft fills it in
-                drafts[request.request_id] = [DRAFT_PLACEHOLDER] * k
-            else:
-                proposal = propose_ngram(request.all_token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
-                if proposal:
-                    drafts[request.request_id] = proposal
-        return drafts
 
     def schedule_ahead(self, in_flight: SchedulerOutput) -> SchedulerOutput | None:
         """The step after `in_flight`, planned before its tokens are known (async scheduling):
@@ -291,9 +257,9 @@ class Scheduler:
         cfg = self.config
         if self.swapped or self.beams.groups or not self.running:
             return None
-        if self.constrained and any(r.matcher is not None for r in self.running):
-            return None  # a constrained request's next mask needs the token sampled in the step in flight
-        if self.spec is not None and self._speculation_on() and any(self._may_propose(r) for r in self.running):
+        if self.structured.blocks_planning_ahead(self.running):
+            return None
+        if self.spec and self.spec.blocks_planning_ahead(self.running):
             return None  # a proposal continues the token sampled in the step in flight
         if self.waiting and (self.by_priority or len(self.running) < cfg.max_num_seqs):
             return None  # one could start or preempt: that needs the results first
@@ -328,14 +294,14 @@ class Scheduler:
 
     def _schedule_running(self, left: list[tuple[Request, int]], step: StepBuilder) -> None:
         allocate = self.kv.allocate_slots
-        drafts = self._drafts
+        spec = self.spec
         for request, num_left in left:
             if step.budget <= 0:
                 break
             if request.status != RUNNING:
                 continue  # preempted as a victim earlier in this loop
-            if drafts and request.request_id in drafts:  # its last token and the proposal, in one chunk
-                num_left += len(drafts[request.request_id])
+            if spec:  # a proposal: its last token and the proposed ones, in one chunk
+                num_left += spec.extra_tokens(request)
             num_new = min(num_left, step.budget)
             delta = allocate(request, num_new)
             if delta is None:
@@ -509,7 +475,7 @@ class Scheduler:
                 continue
             try:
                 if drafts and rid in drafts:
-                    outputs.append(self._accept(request, drafts[rid], spec_token_ids[rid]))
+                    outputs.append(self._accept(request, plan, spec_token_ids[rid]))
                 elif request.num_computed_tokens < len(request.all_token_ids):
                     if request.forks_pending and request.num_computed_tokens == request.fork_point:
                         self._fork_samples(request)
@@ -517,7 +483,7 @@ class Scheduler:
                     self.beams.report(request, logprobs[rid])
                 else:
                     if request.spec_backoff:
-                        request.spec_backoff -= 1
+                        self.spec.decoded(request)
                     outputs.append(self._append_token(request, sampled_token_ids[rid]))
             except Exception as e:  # noqa: BLE001 - one request's failure is its own (fail_request logs it)
                 self.fail_request(rid, e)
@@ -527,21 +493,12 @@ class Scheduler:
             self.running = [r for r in self.running if r.status == RUNNING]
         return outputs
 
-    def _accept(self, request: Request, proposal: list[int], tokens: list[int]) -> RequestOutputDelta:
+    def _accept(self, request: Request, plan: SchedulerOutput, tokens: list[int]) -> RequestOutputDelta:
         """A speculating request's step: the first len(tokens) - 1 proposed tokens were confirmed,
         then the model's own. The rest of the proposal's KV is rolled back — its slots, and the
         blocks that held only them, go back — before the confirmed tokens join (blocks they fill
         enter the prefix cache then, never with an unconfirmed token)."""
-        accepted = len(tokens) - 1
-        if accepted > len(proposal) or (proposal[0] != DRAFT_PLACEHOLDER and tokens[:accepted] != proposal[:accepted]):
-            raise RuntimeError(f"the worker confirmed {tokens[:accepted]} of the proposal {proposal}")
-        self.spec_stats.record(len(proposal), accepted)
-        if accepted:
-            request.spec_misses = 0
-        else:  # the proposer does not follow this output: wait 2, 4, ... 64 steps before the next
-            request.spec_misses += 1
-            request.spec_backoff = min(2**request.spec_misses, MAX_BACKOFF)
-        request.num_computed_tokens -= len(proposal) - accepted
+        request.num_computed_tokens -= self.spec.accept(request, plan, tokens)
         self.kv.forget_beyond(request)
         out = None
         for token in tokens:
@@ -568,9 +525,8 @@ class Scheduler:
             self.kv.cache_planned_blocks(request)
         new_tokens = [token]
         status = self._ended_by(request, token)
-        jump = request.matcher is not None and self.config.jump_forward and request.sampling_params.logprobs is None
-        if status is None and jump:  # (forced tokens have no logprobs: not where they are asked for)
-            status = self._jump_forward(request, new_tokens)
+        if status is None and request.matcher is not None:
+            status = self.structured.jump_forward(request, new_tokens, self._ended_by, self.worker.known)
         queued = request.queued_seconds if len(tokens) - request.num_prompt_tokens == len(new_tokens) else None
         if status is None:
             return RequestOutputDelta(request.request_id, new_tokens, queued_seconds=queued)
@@ -586,12 +542,8 @@ class Scheduler:
 
     def _ended_by(self, request: Request, token: int) -> RequestStatus | None:
         """How the token just appended ends the request, if it does."""
-        matcher = request.matcher
-        if matcher is not None:
-            if not matcher.consume_token(token):  # the mask allowed it: the grammar and the mask disagree
-                raise RuntimeError(f"the grammar refused token {token}: {matcher.get_error()}")
-            if matcher.is_stopped():  # the output is complete: nothing may follow
-                return RequestStatus.FINISHED_STOPPED
+        if request.matcher is not None and self.structured.consume(request, token):
+            return RequestStatus.FINISHED_STOPPED  # the output is complete: nothing may follow
         num_tokens = len(request.all_token_ids)
         num_output = num_tokens - request.num_prompt_tokens
         if num_output >= request.min_tokens and (token in request.eos_token_ids or token in request.stop_ids):
@@ -600,31 +552,6 @@ class Scheduler:
         if num_output >= request.max_tokens or num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
-
-    def _jump_forward(self, request: Request, new_tokens: list[int]) -> RequestStatus | None:
-        """Jump-forward decoding: the tokens the grammar now admits as the only continuation
-        (a schema's keys and punctuation) join the request at once, unsampled, up to the first
-        that ends it; the next step computes them in one chunk and samples after them. Returns
-        how the request ended, if it did."""
-        status = None
-        for token in request.matcher.compute_ff_tokens():
-            request.all_token_ids.append(token)
-            new_tokens.append(token)
-            status = self._ended_by(request, token)
-            if status is not None:
-                break
-        if status is None and len(new_tokens) > 1 and request.request_id in self.worker.known:
-            self._forced.setdefault(request.request_id, []).extend(new_tokens[1:])
-        return status
-
-    def _take_forced(self) -> dict[str, list[int]]:
-        """Jump-forward tokens for the worker to append, of the requests it holds."""
-        if not self._forced:
-            return {}
-        known = self.worker.known
-        forced = {rid: tokens for rid, tokens in self._forced.items() if rid in known}
-        self._forced = {}
-        return forced
 
     # --- preemption -----------------------------------------------------------------------
     def _pick_victim(self, current: Request, step: StepBuilder) -> Request:
@@ -707,7 +634,7 @@ class Scheduler:
         if kv_lost:
             self.kv.pool.reset_prefix_cache()
         self.worker = WorkerView()
-        self._forced = {}  # every running request goes to the new workers whole
+        self.structured.reset()  # every running request goes to the new workers whole
         return sum(r.num_computed_tokens for r in self.running) + sum(r.num_computed_tokens for r in self.swapped)
 
     def _requeue_for_recompute(self, request: Request) -> None:
@@ -738,7 +665,7 @@ class Scheduler:
             peak_blocks_used=pool.peak_used,
             num_blocks=pool.num_blocks,
             fragmentation=self._fragmentation,
-            spec_decode=self.spec_stats.copy() if self.spec else None,
+            spec_decode=self.spec.stats.copy() if self.spec else None,
         )
 
     def check_invariants(self) -> None:

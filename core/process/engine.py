@@ -12,19 +12,13 @@ import logging
 import os
 import time
 from collections import deque
-from concurrent.futures import Future
 
-import numpy as np
 import zmq
 
-from . import shm
-from .config import CacheConfig, EngineConfig, SchedulerConfig, default_batched_tokens
-from .errors import EngineFailure, InvalidParameter
-from .ipc import Channel, PeerGone, remove_ipc_dir
-from .local_workers import LocalWorkers
-from .model_folder import model_folder
-from .outputs import SchedulerOutput, merge_deltas
-from .protocol import (
+from ..config import CacheConfig, EngineConfig, SchedulerConfig, default_batched_tokens
+from ..errors import EngineFailure, InvalidParameter
+from ..outputs import SchedulerOutput, merge_deltas
+from ..protocol import (
     AbortRequests,
     AddRequests,
     EngineDead,
@@ -44,10 +38,13 @@ from .protocol import (
     WorkerHello,
     WorkerReady,
 )
+from ..request import is_sample_of, sample_request_ids
+from ..scheduling.scheduler import Scheduler
+from ..scheduling.structured import StructuredOutputs
+from . import shm
+from .ipc import Channel, PeerGone, remove_ipc_dir
+from .local_workers import LocalWorkers
 from .recovery import RESTART_WINDOW_S, RestartBudget
-from .request import EngineRequest, is_sample_of, sample_request_ids
-from .scheduler import Scheduler
-from .structured import Grammars
 from .worker_group import WorkerFailure, WorkerGroup
 
 logger = logging.getLogger("pagedllm.core")
@@ -96,10 +93,9 @@ class EngineCore:
         self._inits: list[InitCache] = []  # per rank, sent again to a replacement worker
         self.restarts = RestartBudget(config.max_worker_restarts, RESTART_WINDOW_S)
         self.recovered_tokens = 0  # computed tokens that recoveries kept (the pool outlived the worker)
-        # structured outputs: grammars compile on a thread, off this loop; a request waits here
+        # structured outputs: grammars compile on a thread, off this loop; a request waits there
         # until its matcher is ready
-        self.grammars: Grammars | None = None
-        self.compiling: dict[str, tuple[EngineRequest, Future]] = {}
+        self.structured = StructuredOutputs(config.jump_forward, config.model)
 
     # --- start-up -------------------------------------------------------------------------
     def start(self) -> None:
@@ -108,7 +104,7 @@ class EngineCore:
         self.workers.start()
         hellos = self.workers.gather(WorkerHello, WORKER_START_TIMEOUT_S, self._check_frontend)
         cache_config, sched_config = self._size_cache(hellos)
-        self.scheduler = Scheduler(sched_config, cache_config)  # checks that max_model_len fits
+        self.scheduler = Scheduler(sched_config, cache_config, self.structured)  # checks that max_model_len fits
         kv_segments = [self._init_cache(rank, hello, cache_config, sched_config) for rank, hello in enumerate(hellos)]
         self.workers.gather(WorkerReady, WORKER_START_TIMEOUT_S, self._check_frontend)
         self._to_frontend(
@@ -255,13 +251,13 @@ class EngineCore:
         in_flight = self.in_flight
         while not self.stopping:
             if not in_flight:
-                if self.compiling:
+                if self.structured.compiling:
                     self._admit_compiled()
                 busy = sched.has_unfinished_requests()
                 if busy and self._empty_plans < 2:
                     wait_ms = 0
                 else:  # idle, or a second empty plan in a row: nothing runs until a message (or a grammar) comes
-                    wait_ms = COMPILE_POLL_MS if self.compiling else POLL_MS
+                    wait_ms = COMPILE_POLL_MS if self.structured.compiling else POLL_MS
                 self._take_frontend_messages(wait_ms)
                 if not busy:
                     self._flush_outputs()  # e.g. aborts that emptied the engine, with fresh stats
@@ -278,7 +274,7 @@ class EngineCore:
             # the workers compute; meanwhile flush outputs and take new messages
             self._flush_outputs()
             self._take_frontend_messages(0)
-            if self.compiling:
+            if self.structured.compiling:
                 self._admit_compiled()
             plan = in_flight[0]
             result = self._wait_result(plan)
@@ -330,23 +326,10 @@ class EngineCore:
         self.in_flight.append(plan)
         self.workers.broadcast(Step(plan))
         if plan.structured_request_ids:  # computed while the workers run the forward pass
-            self.workers.send(0, StepMasks(plan.step_id, self._masks(plan.structured_request_ids)))
-
-    def _masks(self, request_ids: list[str]):
-        """The step's token bitmasks; a request whose matcher fails here fails alone (its row
-        then allows every token, and what it samples is dropped with it)."""
-        requests = self.scheduler.requests
-        try:
-            return self.grammars.masks([requests[rid].matcher for rid in request_ids])
-        except Exception:  # noqa: BLE001 - find which one, and fail it alone
-            bitmask = np.full((len(request_ids), self.grammars.words), -1, dtype=np.int32)  # every token
-            for i, rid in enumerate(request_ids):
-                try:
-                    bitmask[i] = self.grammars.masks([requests[rid].matcher])[0]
-                except Exception as e:  # noqa: BLE001 - logged by fail_request
-                    self.scheduler.fail_request(rid, e)
+            sched = self.scheduler
+            masks = self.structured.masks(plan.structured_request_ids, sched.requests, sched.fail_request)
             self._report_failures()
-            return bitmask
+            self.workers.send(0, StepMasks(plan.step_id, masks))
 
     def _wait_result(self, plan: SchedulerOutput) -> StepResult:
         result = self.workers.wait_result(StepResult, self._check_frontend)
@@ -432,10 +415,10 @@ class EngineCore:
     def _add_request(self, request, matcher=None) -> None:
         """Admit one request; one that cannot be taken is refused alone, with the reason. A
         constrained one first has its grammar compiled, off this loop."""
-        if matcher is None and request.sampling_params.structured_outputs is not None:
-            self._compile(request)
-            return
         try:
+            if matcher is None and self.structured.constrained(request):
+                self.structured.compile(request)
+                return
             self.scheduler.add_request(request, matcher)
             if request.final_only:
                 self.final_only.update(sample_request_ids(request.request_id, request.sampling_params.n))
@@ -445,47 +428,22 @@ class EngineCore:
             self.scheduler.fail_request(request.request_id, e)
             self._report_failures(also=request.request_id)
 
-    def _compile(self, request: EngineRequest) -> None:
-        try:
-            if self.grammars is None:
-                self.grammars = self._make_grammars()
-            self.compiling[request.request_id] = (
-                request,
-                self.grammars.compile(request.sampling_params.structured_outputs),
-            )
-        except InvalidParameter as e:
-            self._to_frontend(RequestRejected(request.request_id, e.field, str(e)))
-
-    def _make_grammars(self) -> Grammars:
-        folder = model_folder(self.config.model)
-        path = os.path.join(self.config.model, "tokenizer.json")
-        if not os.path.isfile(path):
-            raise InvalidParameter("structured_outputs", "needs the model's tokenizer.json, which its folder lacks")
-        return Grammars(path, folder.vocab_size, folder.eos_token_ids())
-
     def _admit_compiled(self) -> None:
         """Requests whose grammar is ready go to the scheduler; one that did not compile is refused."""
-        for rid, (request, future) in list(self.compiling.items()):
-            if not future.done():
-                continue
-            del self.compiling[rid]
-            try:
-                matcher = future.result()
-            except InvalidParameter as e:
-                self._to_frontend(RequestRejected(rid, e.field, str(e)))
-                continue
-            except Exception as e:  # noqa: BLE001 - this request's failure is its own (logged)
-                self.scheduler.fail_request(rid, e)
+        for request, matcher, error in self.structured.take_compiled():
+            rid = request.request_id
+            if isinstance(error, InvalidParameter):
+                self._to_frontend(RequestRejected(rid, error.field, str(error)))
+            elif error is not None:  # this request's failure is its own (logged)
+                self.scheduler.fail_request(rid, error)
                 self._report_failures(also=rid)
-                continue
-            self._add_request(request, matcher)
+            else:
+                self._add_request(request, matcher)
 
     def _abort_compiling(self, request_ids) -> None:
-        for rid in request_ids:
-            entry = self.compiling.pop(rid, None)
-            if entry is not None:
-                n = entry[0].sampling_params.n
-                self._emit([RequestOutputDelta(eid, [], "abort") for eid in sample_request_ids(rid, n)])
+        for request in self.structured.abort(request_ids):
+            ended = sample_request_ids(request.request_id, request.sampling_params.n)
+            self._emit([RequestOutputDelta(eid, [], "abort") for eid in ended])
 
     def _report_failures(self, also: str | None = None) -> None:
         """Tell the frontend which requests the scheduler ended because handling them raised."""
@@ -500,8 +458,7 @@ class EngineCore:
 
     # --- shutdown -------------------------------------------------------------------------
     def close(self) -> None:
-        if self.grammars is not None:
-            self.grammars.close()
+        self.structured.close()
         if self.workers is not None:
             self.workers.shutdown()
         for name in self.segments:

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 
-from .errors import EngineFailure
+from ..errors import EngineFailure
 
 LAUNCHER_SERVER_ENV = "PAGEDLLM_LAUNCHER_SERVER"
 # what may differ between a core and the launcher server: set by pytest and by shells (the last two:

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import InvalidParameter
-from .outputs import BeamResult, RequestOutputDelta
-from .request import RequestStatus
-from .utils import cdiv
+from ..errors import InvalidParameter
+from ..outputs import BeamResult, RequestOutputDelta
+from ..request import RequestStatus
+from ..utils import cdiv
 
 NEG = np.float32(-1.0e9)
 
