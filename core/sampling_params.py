@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import math
+import typing
+from typing import Annotated, NamedTuple
 
 import msgspec
 
@@ -47,49 +50,112 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         return next(k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k))
 
 
+def declared(
+    help: str,
+    *,
+    lo: float | None = None,
+    hi: float | None = None,
+    lo_open: bool = False,
+    openai=True,
+    openai_type=None,
+    cli=True,
+    flag: str | None = None,
+) -> msgspec.Meta:
+    """A sampling field's declaration, beside its type and default: its help, the bounds
+    __post_init__ checks (lo, hi; lo_open: lo itself is out), and how the OpenAI request models
+    and the CLI's flags take it (entrypoints/sampling_fields.py derives both). openai: False
+    where the requests declare it themselves (their own names or defaults); openai_type: the
+    request's type where JSON gives it another. cli: False for no flag, else the flag's default
+    where it differs from the Python API's (stated here, once); flag: the flag's name where it
+    is not --field-name."""
+    extra = {"lo": lo, "hi": hi, "lo_open": lo_open, "openai": openai, "openai_type": openai_type}
+    return msgspec.Meta(description=help, extra={**extra, "cli": cli, "flag": flag})
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1 disables
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    max_tokens: int | None = 16  # None: until max_model_len
-    min_tokens: int = 0
-    stop: list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None  # per prompt token: its logprob and this many most likely
-    priority: int = 0  # lower runs first under the `priority` policy, as in vLLM
-    beam_width: int = 0  # > 0: beam search with this many beams (see LLM.beam_search)
-    length_penalty: float = 1.0  # beam search: hypotheses score sum_logprobs / len ** length_penalty
-    # the output follows this constraint (JSON schema, regex, choice, grammar): see core/scheduling/structured.py
-    structured_outputs: StructuredOutputsParams | None = None
-    # token id -> added to its logit before anything else (penalties, masks, logprobs, sampling)
-    logit_bias: dict[int, float] | None = None
+    """How a request samples, with vLLM's field names and ranges. Each field is declared once,
+    here: its default, help and bounds; the OpenAI request models and the CLI derive from them."""
+
+    n: Annotated[int, declared("completions to return for the prompt", lo=1)] = 1
+    temperature: Annotated[
+        float, declared("how random sampling is; 0 is greedy", lo=0.0, cli=0.0)  # the CLI is greedy by default
+    ] = 1.0
+    top_p: Annotated[
+        float,
+        declared("sample from the likeliest tokens whose probability adds up to this", lo=0.0, lo_open=True, hi=1.0),
+    ] = 1.0
+    top_k: Annotated[int, declared("sample from this many most likely tokens (0 or -1: all)", lo=-1, hi=INT64_MAX)] = 0
+    min_p: Annotated[
+        float, declared("drop tokens less likely than this fraction of the most likely one", lo=0.0, hi=1.0)
+    ] = 0.0
+    presence_penalty: Annotated[float, declared("penalize tokens already in the output", lo=-2.0, hi=2.0)] = 0.0
+    frequency_penalty: Annotated[
+        float, declared("penalize tokens by how often they are in the output", lo=-2.0, hi=2.0)
+    ] = 0.0
+    repetition_penalty: Annotated[
+        float, declared("divide the logits of tokens in the prompt or output by this", lo=0.0, lo_open=True)
+    ] = 1.0
+    seed: Annotated[
+        int | None, declared("the request's own seed", lo=INT64_MIN, hi=2**64 - 1, flag="--sampling-seed")
+    ] = None
+    max_tokens: Annotated[
+        int | None,
+        declared("output tokens at most (None: until max_model_len)", lo=1, hi=INT64_MAX, openai=False, cli=64),
+    ] = 16
+    min_tokens: Annotated[int, declared("output tokens before EOS or a stop may end it", lo=0, hi=INT64_MAX)] = 0
+    stop: Annotated[str | list[str] | None, declared("strings that end the output (not included in it)")] = None
+    stop_token_ids: Annotated[list[int] | None, declared("token ids that end the output")] = None
+    ignore_eos: Annotated[bool, declared("go on past EOS")] = False
+    # -1: the whole vocabulary; the frontend caps both at the engine's max_logprobs
+    logprobs: Annotated[
+        int | None,
+        declared("the logprob of each output token, and this many most likely", lo=-1, hi=TOKEN_ID_MAX, openai=False),
+    ] = None
+    prompt_logprobs: Annotated[
+        int | None,
+        declared("per prompt token: its logprob and this many most likely", lo=-1, hi=TOKEN_ID_MAX, cli=False),
+    ] = None
+    priority: Annotated[
+        int, declared("lower runs first under the priority policy, as in vLLM", lo=INT64_MIN, hi=INT64_MAX, cli=False)
+    ] = 0
+    beam_width: Annotated[
+        int,
+        declared("> 0: beam search with this many beams", lo=0, hi=MAX_BEAM_WIDTH, openai=False),
+    ] = 0
+    length_penalty: Annotated[
+        float,
+        declared(
+            "beam search: a hypothesis scores sum_logprobs / len ** length_penalty",
+            lo=-MAX_LENGTH_PENALTY,
+            hi=MAX_LENGTH_PENALTY,
+        ),
+    ] = 1.0
+    structured_outputs: Annotated[
+        StructuredOutputsParams | None,
+        declared("the output follows this constraint (JSON schema, regex, choice, grammar)", cli=False),
+    ] = None
+    logit_bias: Annotated[
+        dict[int, float] | None,
+        declared(
+            "token id -> added to its logit before anything else (penalties, masks, logprobs, sampling)",
+            openai_type=dict[str, float] | None,  # JSON's keys are strings (the frontend reads them)
+            cli=False,
+        ),
+    ] = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        _check_int("n", self.n, lo=1)
-        _check_float("temperature", self.temperature, lo=0.0)
+        for name, is_int, lo, hi, lo_open in bounded_fields(type(self)):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if is_int:
+                _check_int(name, value, lo, hi)
+            else:
+                _check_float(name, value, lo, hi, lo_open)
         if self.temperature < GREEDY_TEMPERATURE:
             self.temperature = 0.0
-        _check_float("top_p", self.top_p, lo=0.0, lo_open=True, hi=1.0)
-        _check_int("top_k", self.top_k, lo=-1, hi=INT64_MAX)
-        _check_float("min_p", self.min_p, lo=0.0, hi=1.0)
-        _check_float("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
-        _check_float("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
-        _check_float("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True)
-        if self.seed is not None:
-            _check_int("seed", self.seed, lo=-(2**63), hi=2**64 - 1)
-        if self.max_tokens is not None:
-            _check_int("max_tokens", self.max_tokens, lo=1, hi=INT64_MAX)
-        _check_int("min_tokens", self.min_tokens, lo=0, hi=INT64_MAX)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidParameter("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         for token_id in self.stop_token_ids or ():
@@ -97,16 +163,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         for s in self.stop or ():
             if not isinstance(s, str) or not s:
                 raise InvalidParameter("stop", f"each stop string must be a non-empty string, got {s!r}")
-        # -1: the whole vocabulary; the frontend caps both at the engine's max_logprobs
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, lo=-1, hi=TOKEN_ID_MAX)
-        if self.prompt_logprobs is not None:
-            _check_int("prompt_logprobs", self.prompt_logprobs, lo=-1, hi=TOKEN_ID_MAX)
-            if self.beam_width:
-                raise InvalidParameter("prompt_logprobs", "is not supported with beam search")
-        _check_int("priority", self.priority, lo=INT64_MIN, hi=INT64_MAX)
-        _check_int("beam_width", self.beam_width, lo=0, hi=MAX_BEAM_WIDTH)
-        _check_length_penalty(self.length_penalty)
+        if self.prompt_logprobs is not None and self.beam_width:
+            raise InvalidParameter("prompt_logprobs", "is not supported with beam search")
         if self.beam_width and self.n > self.beam_width:
             raise InvalidParameter(
                 "n", f"beam search returns at most its beams: must be <= {self.beam_width}, got {self.n}"
@@ -147,6 +205,37 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 "min_tokens", "cannot be combined with structured_outputs (the grammar decides the end)"
             )
         # whether the constraint compiles is checked by the frontend (InputProcessor), once
+
+
+class FieldDeclaration(NamedTuple):
+    name: str
+    type: object  # the annotation, without its declaration
+    default: object
+    help: str
+    extra: dict  # declared()'s keywords
+
+
+@functools.cache
+def field_declarations(cls=None) -> tuple[FieldDeclaration, ...]:
+    """Each field of SamplingParams (or a subclass) with its declaration, in order."""
+    cls = cls or SamplingParams
+    hints = typing.get_type_hints(cls, include_extras=True)
+    out = []
+    for f in msgspec.structs.fields(cls):
+        base, meta = typing.get_args(hints[f.name])[:2]
+        out.append(FieldDeclaration(f.name, base, f.default, meta.description, meta.extra))
+    return tuple(out)
+
+
+@functools.cache
+def bounded_fields(cls) -> tuple[tuple[str, bool, float | None, float | None, bool], ...]:
+    """(name, whether an integer, lo, hi, lo_open) of the fields declared with bounds."""
+    out = []
+    for d in field_declarations(cls):
+        if d.extra["lo"] is not None or d.extra["hi"] is not None:
+            is_int = int in (typing.get_args(d.type) or (d.type,))
+            out.append((d.name, is_int, d.extra["lo"], d.extra["hi"], d.extra["lo_open"]))
+    return tuple(out)
 
 
 def _check_length_penalty(value) -> None:

@@ -16,28 +16,17 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sampling")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default here)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--min-tokens", type=int, default=0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
-    g.add_argument("--n", type=int, default=1)
-    g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
-    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--logprobs", type=int, default=None)
-    g.add_argument("--beam-width", type=int, default=0, help="> 0: beam search with this many beams")
+    """A flag per SamplingParams field, from its declaration (entrypoints/sampling_fields.py),
+    and the output constraints'."""
+    from .sampling_fields import add_sampling_flags as add_declared_flags
+
+    add_declared_flags(p)
+    g = p.add_argument_group("structured outputs (one of)")
     c = g.add_mutually_exclusive_group()
     c.add_argument("--json-schema", metavar="FILE", default=None, help="the output is JSON that follows this schema")
     c.add_argument("--regex", default=None, help="the output matches this regular expression")
     c.add_argument("--choice", default=None, help="the output is one of these comma-separated strings")
     c.add_argument("--grammar", metavar="FILE", default=None, help="the output follows this Lark or GBNF grammar")
-    g.add_argument("--length-penalty", type=float, default=1.0, help="beam search length penalty")
 
 
 def add_zmq_security_flags(p: argparse.ArgumentParser) -> None:
@@ -82,23 +71,9 @@ def engine_kwargs(args) -> dict:
 def sampling_params(args):
     from pagedllm.core.sampling_params import SamplingParams
 
-    return SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        max_tokens=args.max_tokens,
-        min_tokens=args.min_tokens,
-        repetition_penalty=args.repetition_penalty,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-        n=args.n,
-        seed=args.sampling_seed,
-        stop=args.stop,
-        ignore_eos=args.ignore_eos,
-        logprobs=args.logprobs,
-        structured_outputs=structured_outputs(args),
-    )
+    from .sampling_fields import sampling_values
+
+    return SamplingParams(**{**sampling_values(args), "structured_outputs": structured_outputs(args)})
 
 
 def structured_outputs(args):

@@ -19,6 +19,7 @@ from pagedllm.core.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, 
 
 from .json_paths import path_at, path_nested_deeper_than
 from .openai_structured import ResponseFormat, Tool, constraint, forced_tools
+from .sampling_fields import openai_sampling_struct, openai_values
 
 MAX_JSON_DEPTH_SHOWN = 32  # where a too-deep body is reported: the first value this deep
 
@@ -38,37 +39,22 @@ class StreamOptions(msgspec.Struct):
     continuous_usage_stats: bool = False  # vLLM's: usage on every chunk
 
 
-class _SamplingFields(msgspec.Struct, kw_only=True):
+class _RequestFields(msgspec.Struct, kw_only=True):
+    """What completions and chat requests share beyond the sampling fields (those are
+    SamplingParams', derived: `_SamplingFields` below)."""
+
     model: str | None = None
-    n: int = 1
     best_of: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
-    # vLLM's extras
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
     use_beam_search: bool = False
-    length_penalty: float = 1.0
-    prompt_logprobs: int | None = None
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool | None = None  # logprobs name tokens `token_id:N` (None: the server's flag)
     truncate_prompt_tokens: int | None = None  # keep this many prompt tokens (-1: max_model_len)
     truncation_side: Literal["left", "right"] = "left"  # left: drop the start, keep the end
-    # structured outputs: OpenAI's response_format, or vLLM's structured_outputs object
+    # structured outputs: OpenAI's response_format, or vLLM's structured_outputs object (a sampling field)
     response_format: ResponseFormat | None = None
-    structured_outputs: StructuredOutputsParams | None = None
 
     # the engine's field names as this request names them (see wire_field)
     _MAX_TOKENS_FIELD = "max_tokens"
@@ -133,27 +119,17 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
                 structured_outputs=self.constraint()[0],
                 logit_bias=logit_bias,
             )
-        stop = [self.stop] if isinstance(self.stop, str) else self.stop
-        return SamplingParams(
-            n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
-            seed=self.seed,
+        values = openai_values(self)
+        if values.get("stop") == []:
+            del values["stop"]
+        values.update(
             max_tokens=max_tokens,
-            min_tokens=self.min_tokens,
-            stop=stop or None,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             structured_outputs=self.constraint()[0],
             logit_bias=logit_bias,
         )
+        return SamplingParams(**values)
 
     def _logit_bias(self) -> dict[int, float] | None:
         """OpenAI's map of token ids (as strings) to biases, keyed by int (SamplingParams checks
@@ -180,6 +156,9 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
         if self.truncate_prompt_tokens is None:
             return None
         return self.truncate_prompt_tokens, self.truncation_side
+
+
+_SamplingFields = openai_sampling_struct(_RequestFields)
 
 
 NO_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty."  # vLLM's words
