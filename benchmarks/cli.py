@@ -11,7 +11,6 @@ import os
 import time
 
 from pagedllm.core.config import parse_size
-from pagedllm.core.quantization import QUANTIZATIONS
 
 
 def load_dataset(spec: str, num: int, seed: int, tokenizer, vocab_size: int, max_len: int = 2048):
@@ -365,6 +364,8 @@ def _scaling(args, out_dir: str) -> int:
 
 
 def add_parser(sub) -> None:
+    from pagedllm.entrypoints.engine_args import EngineArgs
+
     bench = sub.add_parser("bench", help="benchmark pagedllm against transformers on one workload")
     bench.add_argument("mode", choices=["throughput", "latency", "serving", "scaling", "memory"])
     bench.add_argument(
@@ -373,14 +374,12 @@ def add_parser(sub) -> None:
         help="model folder (default: the demo model), or random:layers=2,hidden=192[,intermediate=,heads=,"
         "kv_heads=,vocab=]: a seeded random-weight Llama written under --out",
     )
-    bench.add_argument("--backend", default="cpu")
-    bench.add_argument("--dtype", default="float32")
-    bench.add_argument("--tensor-parallel-size", type=int, default=1, help="pagedllm's ranks")
-    bench.add_argument(
-        "--quantization",
-        default=None,
-        choices=QUANTIZATIONS,
-        help="pagedllm's weights (the peers run the checkpoint as it is)",
+    # the engine's own flags (EngineArgs' declarations); the benchmarks' defaults: float32, the
+    # dtype the transformers peers compute in, and a pool that holds a whole workload
+    EngineArgs.add_cli_args(
+        bench,
+        only=("backend", "dtype", "tensor_parallel_size", "quantization", "kv_cache_memory", "seed"),
+        defaults={"dtype": "float32", "kv_cache_memory": "2GiB"},
     )
     bench.add_argument("--num-prompts", type=int, default=200)
     bench.add_argument(
@@ -406,7 +405,6 @@ def add_parser(sub) -> None:
         help="python of an environment with llama-cpp-python and gguf installed; llama.cpp then joins the table",
     )
     bench.add_argument("--batch-size", type=int, default=16, help="transformers static batch size")
-    bench.add_argument("--kv-cache-memory", default="2GiB")
     bench.add_argument(
         "--kv-cache-dtype",
         default="auto",
@@ -426,7 +424,6 @@ def add_parser(sub) -> None:
         "(default 2)",
     )
     bench.add_argument("--concurrency", default="1,4,16,64,256", help="scaling: max_num_seqs values to sweep")
-    bench.add_argument("--seed", type=int, default=0)
     bench.add_argument(
         "--busy",
         type=int,

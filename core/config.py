@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import typing
+from dataclasses import dataclass
+
 import msgspec
 
 from .errors import InvalidParameter
+from .quantization import QUANTIZATIONS
 from .utils import cdiv
 
 SCHEDULER_POLICIES = ("fcfs", "priority")
@@ -41,7 +46,26 @@ def _check_positive(owner, fields) -> None:
             raise InvalidParameter(field, f"must be >= 1, got {value}")
 
 
-class CacheConfig(msgspec.Struct, kw_only=True):
+# the scheduler's names of the engine options it takes under other names
+_SCHEDULER_NAMES = {"policy": "scheduler_policy", "speculative": "speculative_config"}
+
+
+class _FromEngine:
+    @classmethod
+    def of(cls, engine: EngineConfig, **resolved):
+        """From the engine's options (same names, or those _SCHEDULER_NAMES gives), with the
+        values sized at start-up (`resolved`)."""
+        values = {}
+        for name in cls.__struct_fields__:
+            source = _SCHEDULER_NAMES.get(name, name)
+            if name in resolved:
+                values[name] = resolved[name]
+            elif hasattr(engine, source):
+                values[name] = getattr(engine, source)
+        return cls(**values)
+
+
+class CacheConfig(_FromEngine, msgspec.Struct, kw_only=True):
     block_size: int = 16
     num_blocks: int = 1024  # including the reserved null block 0
     num_swap_blocks: int = 0  # host swap space, in blocks
@@ -58,7 +82,7 @@ class CacheConfig(msgspec.Struct, kw_only=True):
             raise InvalidParameter("num_swap_blocks", f"must be >= 0, got {self.num_swap_blocks}")
 
 
-class SchedulerConfig(msgspec.Struct, kw_only=True):
+class SchedulerConfig(_FromEngine, msgspec.Struct, kw_only=True):
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
@@ -96,76 +120,6 @@ def check_fits(cache: CacheConfig, sched: SchedulerConfig) -> None:
             f"{sched.max_model_len} tokens need {needed} KV blocks of {cache.block_size} but the cache "
             f"has {usable}; lower max_model_len or give the KV cache more memory",
         )
-
-
-class EngineConfig(msgspec.Struct, kw_only=True):
-    """Everything the engine core needs to start. Field names follow vLLM's engine flags."""
-
-    model: str
-    backend: str = "cpu"
-    dtype: str = "auto"
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # default: default_batched_tokens(max_model_len)
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    enable_prefix_caching: bool = True
-    scheduler_policy: str = "fcfs"
-    priority_preemption: bool = True
-    block_placement: str = "lru"
-    preemption_mode: str = "recompute"
-    # plan step k+1 while step k computes, whenever it needs none of step k's tokens
-    async_scheduling: bool = True
-    seed: int = 0
-    kv_cache_memory: int = 1 << 30  # bytes of KV pool (cpu backend)
-    num_kv_blocks: int | None = None  # exact pool size, overriding kv_cache_memory
-    swap_space: int = 0  # bytes of host swap space
-    gpu_memory_utilization: float = 0.9
-    tensor_parallel_size: int = 1
-    # several hosts: the ranks split evenly over `nnodes`, the head node (this one) has the first;
-    # the others start theirs with `pagedllm worker`, reaching the core at `worker_endpoint`
-    nnodes: int = 1
-    worker_endpoint: str | None = None  # where workers reach the core (default: private to this host)
-    master_addr: str = "127.0.0.1"  # torch.distributed's rendezvous, on the head node
-    master_port: int | None = None  # default: a free port (one host only)
-    enforce_eager: bool = False
-    cpu_threads: int | None = None  # host threads a worker computes with (None: its governor picks)
-    max_worker_restarts: int = 3  # within 10 minutes; past it the engine is dead
-    jump_forward: bool = True  # structured outputs: append the tokens a grammar forces, unsampled
-    quantization: str | None = None  # core/quantization.py: a load-time mode, or the checkpoint's method
-    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
-    speculative_config: SpeculativeConfig | None = None  # core/scheduling/speculation.py
-
-    def __post_init__(self):
-        _check_block_size(self.block_size)
-        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
-        self.kv_cache_dtype = KV_CACHE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
-        _check_positive(
-            self, ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks", "cpu_threads")
-        )
-        _check_choice("scheduler_policy", self.scheduler_policy, SCHEDULER_POLICIES)
-        _check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
-        _check_choice("block_placement", self.block_placement, PLACEMENTS)
-        if self.kv_cache_memory < 1:
-            raise InvalidParameter("kv_cache_memory", f"must be > 0 bytes, got {self.kv_cache_memory}")
-        if self.swap_space < 0:
-            raise InvalidParameter("swap_space", f"must be >= 0, got {self.swap_space}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise InvalidParameter("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
-        _check_positive(self, ("tensor_parallel_size", "nnodes"))
-        if self.max_worker_restarts < 0:
-            raise InvalidParameter("max_worker_restarts", f"must be >= 0, got {self.max_worker_restarts}")
-        if self.tensor_parallel_size % self.nnodes:
-            raise InvalidParameter(
-                "nnodes", f"{self.nnodes} nodes cannot share {self.tensor_parallel_size} ranks evenly"
-            )
-        if self.nnodes > 1 and (self.worker_endpoint is None or self.master_port is None):
-            raise InvalidParameter(
-                "worker_endpoint", "several nodes need a tcp:// worker_endpoint and a master_port the others can reach"
-            )
-
-    def ranks_of_node(self, node_rank: int) -> range:
-        per_node = self.tensor_parallel_size // self.nnodes
-        return range(node_rank * per_node, (node_rank + 1) * per_node)
 
 
 def parse_size(value, field: str) -> int:
@@ -253,3 +207,168 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
         return SpeculativeConfig(**value)
     except TypeError as e:  # a value of the wrong type
         raise InvalidParameter("speculative_config", str(e)) from None
+
+
+# --- the engine's options ----------------------------------------------------------------
+DEFAULT_KV_CACHE_MEMORY = "1GiB"
+REQUIRED = object()  # a resolved field with no default
+
+
+def option(default, help: str, *, choices=None, cli_type=None, resolved=None, frontend: bool = False):
+    """One engine option: its default, its help text and allowed values. The CLI's flag and
+    its help (entrypoints/engine_args.py), `LLM(**kwargs)`, the servers, the benchmarks' flags
+    and the core's EngineConfig all come from these declarations. `cli_type`: the flag's type
+    where the annotation admits several; `resolved`: (type, default) of the field in
+    EngineConfig where the frontend resolves what a user gives (a size as text, a path);
+    `frontend`: the frontend's alone, not in EngineConfig."""
+    meta = {"help": help, "choices": choices, "cli_type": cli_type, "resolved": resolved, "frontend": frontend}
+    return dataclasses.field(default=default, metadata=meta)
+
+
+@dataclass(kw_only=True)
+class EngineOptions:
+    """The engine's options, named as vLLM names them, declared once: `LLM(**kwargs)`,
+    `AsyncEngine(**kwargs)` and `pagedllm generate|serve --flag` take them (entrypoints'
+    EngineArgs), and EngineConfig, what the core is sent, is made from them."""
+
+    model: str | None = option(
+        None, "Hugging Face model folder (default: the built-in demo model)", resolved=(str, REQUIRED)
+    )
+    backend: str = option("cpu", "cpu, cuda (the best CUDA backend here), cuda-triton, cuda-native, or a plugin")
+    dtype: str = option("auto", "auto (the checkpoint's; the backend may choose), float32, bfloat16 or float16")
+    quantization: str | None = option(
+        None,
+        "weight-only quantization at load time (int8, int4, nf4); a GPTQ/AWQ checkpoint is read as saved",
+        choices=QUANTIZATIONS,
+    )
+    block_size: int = option(16, "tokens per KV block", choices=BLOCK_SIZES)
+    kv_cache_dtype: str = option(
+        "auto",
+        "what KV blocks hold: auto (the model's dtype), or 8-bit codes with a scale per token and KV head "
+        "(fp8 = fp8_e4m3, fp8_e5m2, int8): about twice the blocks per GiB of a 16-bit cache",
+        choices=KV_CACHE_DTYPES,
+    )
+    max_num_seqs: int = option(256, "sequences in one step at most")
+    max_num_batched_tokens: int | None = option(
+        None, "tokens in one step at most (default: max_model_len clamped to 2,048-8,192)"
+    )
+    max_model_len: int | None = option(None, "prompt + output tokens of a request (default: the model's)")
+    enable_prefix_caching: bool = option(True, "reuse the KV blocks of equal prompt prefixes")
+    scheduler_policy: str = option("fcfs", "the order requests run in", choices=SCHEDULER_POLICIES)
+    priority_preemption: bool = option(
+        True, "priority policy: a waiting request preempts running ones of lower priority"
+    )
+    block_placement: str = option(
+        "lru",
+        "which free KV block a request gets: the last freed, or from the lowest / smallest run that fits",
+        choices=PLACEMENTS,
+    )
+    preemption_mode: str = option("recompute", "how a request gives its blocks back", choices=PREEMPTION_MODES)
+    async_scheduling: bool = option(True, "plan each decode step while the previous one computes")
+    seed: int = option(0, "the engine's sampling seed (requests without a seed of their own)")
+    kv_cache_memory: int | str = option(
+        DEFAULT_KV_CACHE_MEMORY,
+        "KV pool size per rank, e.g. 512MiB or 4GiB (bytes as an int)",
+        cli_type=str,
+        resolved=(int, parse_size(DEFAULT_KV_CACHE_MEMORY, "kv_cache_memory")),
+    )
+    swap_space: float | str | None = option(
+        None,
+        "GiB of host swap space (default: 1 under preemption_mode swap, else 0)",
+        cli_type=float,
+        resolved=(int, 0),  # bytes
+    )
+    tensor_parallel_size: int = option(1, "ranks to split the model over")
+    nnodes: int = option(1, "hosts the ranks split over (the others run `pagedllm worker`)")
+    worker_endpoint: str | None = option(None, "several hosts: where their ranks reach this core (tcp://)")
+    master_addr: str = option("127.0.0.1", "several hosts: this host's address for torch.distributed")
+    master_port: int | None = option(None, "several hosts: torch.distributed's port on this host")
+    num_kv_blocks: int | None = option(None, "KV pool size in blocks (overrides kv_cache_memory)")
+    gpu_memory_utilization: float = option(
+        0.9, "where the backend profiles its memory (GPUs): the fraction for weights, activations and the KV pool"
+    )
+    cpu_threads: int | None = option(
+        None,
+        "threads a worker computes with on host CPUs (default: chosen per step by measurement, "
+        "from 1 to the host's cores shared among its ranks)",
+    )
+    enforce_eager: bool = option(False, "no graph capture of decode steps (GPUs: CUDA graphs)")
+    max_worker_restarts: int = option(3, "workers replaced within 10 minutes before the engine gives up")
+    jump_forward: bool = option(
+        True, "structured outputs: tokens the grammar forces are appended without sampling, computed in one chunk"
+    )
+    speculative_config: dict | str | None = option(  # noqa: RUF009 - the default is None
+        None,
+        'speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 1, "disable_by_batch_size": 16}, or a draft model: '
+        '{"model": "DRAFT_FOLDER", "num_speculative_tokens": 4} ("demo-draft": the demo model\'s)',
+        cli_type=str,
+        resolved=(SpeculativeConfig | None, None),
+    )
+    max_logprobs: int = option(
+        20,
+        "the most logprobs (top_logprobs) and prompt_logprobs a request may ask for; -1: no limit, and a request's -1 "
+        "then asks for the whole vocabulary",
+        frontend=True,
+    )
+    tokenizer: str | None = option(None, "tokenizer folder (default: the model's)", frontend=True)
+    skip_tokenizer_init: bool = option(False, "no tokenizer: prompts and outputs are token ids", frontend=True)
+    transport: str = option(
+        "ipc",
+        "how the frontend reaches the engine core: ipc (socket files) or tcp (loopback)",
+        choices=("ipc", "tcp"),
+        frontend=True,
+    )
+
+
+class _EngineConfigChecks(msgspec.Struct, kw_only=True):
+    """EngineConfig's checks; its fields are EngineOptions' (make_engine_config)."""
+
+    def __post_init__(self):
+        _check_block_size(self.block_size)
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        self.kv_cache_dtype = KV_CACHE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        _check_positive(
+            self, ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks", "cpu_threads")
+        )
+        _check_choice("scheduler_policy", self.scheduler_policy, SCHEDULER_POLICIES)
+        _check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        _check_choice("block_placement", self.block_placement, PLACEMENTS)
+        if self.kv_cache_memory < 1:
+            raise InvalidParameter("kv_cache_memory", f"must be > 0 bytes, got {self.kv_cache_memory}")
+        if self.swap_space < 0:
+            raise InvalidParameter("swap_space", f"must be >= 0, got {self.swap_space}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise InvalidParameter("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
+        _check_positive(self, ("tensor_parallel_size", "nnodes"))
+        if self.max_worker_restarts < 0:
+            raise InvalidParameter("max_worker_restarts", f"must be >= 0, got {self.max_worker_restarts}")
+        if self.tensor_parallel_size % self.nnodes:
+            raise InvalidParameter(
+                "nnodes", f"{self.nnodes} nodes cannot share {self.tensor_parallel_size} ranks evenly"
+            )
+        if self.nnodes > 1 and (self.worker_endpoint is None or self.master_port is None):
+            raise InvalidParameter(
+                "worker_endpoint", "several nodes need a tcp:// worker_endpoint and a master_port the others can reach"
+            )
+
+    def ranks_of_node(self, node_rank: int) -> range:
+        per_node = self.tensor_parallel_size // self.nnodes
+        return range(node_rank * per_node, (node_rank + 1) * per_node)
+
+
+def make_engine_config() -> type:
+    """EngineConfig: everything the engine core needs to start, sent to it and to each worker.
+    Its fields are EngineOptions' (their names, defaults and types; the resolved type and
+    default where the frontend resolves what a user gives), but the frontend's own."""
+    hints = typing.get_type_hints(EngineOptions)
+    fields = []
+    for f in dataclasses.fields(EngineOptions):
+        if f.metadata["frontend"]:
+            continue
+        kind, default = f.metadata["resolved"] or (hints[f.name], f.default)
+        fields.append((f.name, kind) if default is REQUIRED else (f.name, kind, default))
+    return msgspec.defstruct("EngineConfig", fields, bases=(_EngineConfigChecks,), kw_only=True, module=__name__)
+
+
+EngineConfig = make_engine_config()

@@ -7,22 +7,18 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, fields
 
 from pagedllm.backends.registry import check_available, device_count, resolve_alias
 from pagedllm.core.config import (
-    BLOCK_SIZES,
-    KV_CACHE_DTYPES,
-    PLACEMENTS,
-    PREEMPTION_MODES,
-    SCHEDULER_POLICIES,
     EngineConfig,
+    EngineOptions,
     parse_size,
     parse_speculative_config,
 )
 from pagedllm.core.errors import InvalidParameter
 from pagedllm.core.model_folder import ModelFolder, model_folder
-from pagedllm.core.quantization import QUANTIZATIONS, resolve_quantization
+from pagedllm.core.quantization import resolve_quantization
 
 from .engine_client import EngineClient
 from .input_processor import InputProcessor
@@ -41,111 +37,32 @@ _ANNOTATION_TYPES = {
 }
 
 
-def option(default, help: str, *, choices=None, cli_type=None):
-    """One engine option: its default, its help text and allowed values. The CLI's flag and
-    its help, `LLM(**kwargs)` and the servers all come from these declarations (add_cli_args);
-    `cli_type` is the flag's type where the field's annotation admits several."""
-    return field(default=default, metadata={"help": help, "choices": choices, "cli_type": cli_type})
-
-
 @dataclass(kw_only=True)
-class EngineArgs:
-    """The engine's options, named as vLLM names them: `LLM(**kwargs)`, `AsyncEngine(**kwargs)`
-    and `pagedllm generate|serve --flag` (`pagedllm generate --help` lists them, with defaults)."""
-
-    model: str | None = option(None, "Hugging Face model folder (default: the built-in demo model)")
-    backend: str = option("cpu", "cpu, cuda (the best CUDA backend here), cuda-triton, cuda-native, or a plugin")
-    dtype: str = option("auto", "auto (the checkpoint's; the backend may choose), float32, bfloat16 or float16")
-    quantization: str | None = option(
-        None,
-        "weight-only quantization at load time (int8, int4, nf4); a GPTQ/AWQ checkpoint is read as saved",
-        choices=QUANTIZATIONS,
-    )
-    block_size: int = option(16, "tokens per KV block", choices=BLOCK_SIZES)
-    kv_cache_dtype: str = option(
-        "auto",
-        "what KV blocks hold: auto (the model's dtype), or 8-bit codes with a scale per token and KV head "
-        "(fp8 = fp8_e4m3, fp8_e5m2, int8): about twice the blocks per GiB of a 16-bit cache",
-        choices=KV_CACHE_DTYPES,
-    )
-    max_num_seqs: int = option(256, "sequences in one step at most")
-    max_num_batched_tokens: int | None = option(
-        None, "tokens in one step at most (default: max_model_len clamped to 2,048-8,192)"
-    )
-    max_model_len: int | None = option(None, "prompt + output tokens of a request (default: the model's)")
-    enable_prefix_caching: bool = option(True, "reuse the KV blocks of equal prompt prefixes")
-    scheduler_policy: str = option("fcfs", "the order requests run in", choices=SCHEDULER_POLICIES)
-    priority_preemption: bool = option(
-        True, "priority policy: a waiting request preempts running ones of lower priority"
-    )
-    block_placement: str = option(
-        "lru",
-        "which free KV block a request gets: the last freed, or from the lowest / smallest run that fits",
-        choices=PLACEMENTS,
-    )
-    preemption_mode: str = option("recompute", "how a request gives its blocks back", choices=PREEMPTION_MODES)
-    async_scheduling: bool = option(True, "plan each decode step while the previous one computes")
-    seed: int = option(0, "the engine's sampling seed (requests without a seed of their own)")
-    kv_cache_memory: int | str = option(
-        "1GiB", "KV pool size per rank, e.g. 512MiB or 4GiB (bytes as an int)", cli_type=str
-    )
-    swap_space: float | str | None = option(
-        None, "GiB of host swap space (default: 1 under preemption_mode swap, else 0)", cli_type=float
-    )
-    tensor_parallel_size: int = option(1, "ranks to split the model over")
-    nnodes: int = option(1, "hosts the ranks split over (the others run `pagedllm worker`)")
-    worker_endpoint: str | None = option(None, "several hosts: where their ranks reach this core (tcp://)")
-    master_addr: str = option("127.0.0.1", "several hosts: this host's address for torch.distributed")
-    master_port: int | None = option(None, "several hosts: torch.distributed's port on this host")
-    num_kv_blocks: int | None = option(None, "KV pool size in blocks (overrides kv_cache_memory)")
-    gpu_memory_utilization: float = option(
-        0.9, "where the backend profiles its memory (GPUs): the fraction for weights, activations and the KV pool"
-    )
-    cpu_threads: int | None = option(
-        None,
-        "threads a worker computes with on host CPUs (default: chosen per step by measurement, "
-        "from 1 to the host's cores shared among its ranks)",
-    )
-    enforce_eager: bool = option(False, "no graph capture of decode steps (GPUs: CUDA graphs)")
-    max_worker_restarts: int = option(3, "workers replaced within 10 minutes before the engine gives up")
-    jump_forward: bool = option(
-        True, "structured outputs: tokens the grammar forces are appended without sampling, computed in one chunk"
-    )
-    speculative_config: dict | str | None = option(  # noqa: RUF009 - the default is None
-        None,
-        'speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_max": 4, "prompt_lookup_min": 1, "disable_by_batch_size": 16}, or a draft model: '
-        '{"model": "DRAFT_FOLDER", "num_speculative_tokens": 4} ("demo-draft": the demo model\'s)',
-        cli_type=str,
-    )
-    max_logprobs: int = option(
-        20,
-        "the most logprobs (top_logprobs) and prompt_logprobs a request may ask for; -1: no limit, and a request's -1 "
-        "then asks for the whole vocabulary",
-    )
-    tokenizer: str | None = option(None, "tokenizer folder (default: the model's)")
-    skip_tokenizer_init: bool = option(False, "no tokenizer: prompts and outputs are token ids")
-    transport: str = option(
-        "ipc", "how the frontend reaches the engine core: ipc (socket files) or tcp (loopback)", choices=("ipc", "tcp")
-    )
+class EngineArgs(EngineOptions):
+    """The engine's options (declared in core/config.py: EngineOptions) as users give them,
+    turned into the core's EngineConfig and CLI flags."""
 
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        """A flag per option (`--block-size`), with its default, help and choices."""
+    def add_cli_args(cls, parser: argparse.ArgumentParser, only=None, defaults: dict | None = None) -> None:
+        """A flag per option (`--block-size`), with its default, help and choices; `only`: these
+        options' alone; `defaults`: defaults of the caller's own (the benchmarks')."""
         group = parser.add_argument_group("engine")
         for f in fields(cls):
+            if only is not None and f.name not in only:
+                continue
             meta = f.metadata
             flag = "--" + f.name.replace("_", "-")
             kind = meta["cli_type"] or _ANNOTATION_TYPES[f.type]
+            default = (defaults or {}).get(f.name, f.default)
             text = (
                 meta["help"]
-                if f.default is None or "default" in meta["help"]
+                if default is None or "default" in meta["help"]
                 else meta["help"] + " (default: %(default)s)"
             )
             if kind is bool:
-                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=meta["help"])
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=meta["help"])
             else:
-                group.add_argument(flag, type=kind, default=f.default, choices=meta["choices"], help=text)
+                group.add_argument(flag, type=kind, default=default, choices=meta["choices"], help=text)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> dict:
@@ -179,14 +96,9 @@ class EngineArgs:
         folder.check_max_model_len(self.max_model_len)
         quantization = resolve_quantization(self.quantization, folder.config)
         self._check_tensor_parallel(folder, backend)
-        fields = {
-            k: v
-            for k, v in asdict(self).items()
-            if k not in ("tokenizer", "skip_tokenizer_init", "transport", "swap_space", "max_logprobs")
-        }
         return EngineConfig(
             **{
-                **fields,
+                **{f.name: getattr(self, f.name) for f in fields(self) if not f.metadata["frontend"]},
                 "model": os.path.abspath(model),
                 "backend": backend,
                 "kv_cache_memory": parse_size(self.kv_cache_memory, "kv_cache_memory"),

@@ -162,23 +162,16 @@ class EngineCore:
         num_blocks = max(num_blocks, 2)
         if cfg.max_model_len is None and not hello.sliding_window:
             max_model_len = min(max_model_len, (num_blocks - 1) * cfg.block_size)
-        cache = CacheConfig(
-            block_size=cfg.block_size,
+        cache = CacheConfig.of(
+            cfg,
             num_blocks=num_blocks,
             num_swap_blocks=cfg.swap_space // (hello.kv_spec.bytes_per_block_slot * cfg.block_size),
-            enable_prefix_caching=cfg.enable_prefix_caching,
-            block_placement=cfg.block_placement,
             sliding_window=hello.sliding_window,
         )
-        sched = SchedulerConfig(
-            max_num_seqs=cfg.max_num_seqs,
+        sched = SchedulerConfig.of(
+            cfg,
             max_num_batched_tokens=cfg.max_num_batched_tokens or default_batched_tokens(max_model_len),
             max_model_len=max_model_len,
-            policy=cfg.scheduler_policy,
-            priority_preemption=cfg.priority_preemption,
-            preemption_mode=cfg.preemption_mode,
-            jump_forward=cfg.jump_forward,
-            speculative=cfg.speculative_config,
         )
         return cache, sched
 
