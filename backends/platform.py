@@ -100,8 +100,11 @@ class Platform:
         """Page-lock the host swap space for faster copies to this device, where that helps."""
 
     def capture_graphs(self, model, kv_caches: torch.Tensor, block_size: int, max_batch: int, max_model_len: int):
-        """An object that replays decode steps (`fits(seqs)`, `run(seqs)` -> hidden states; see
-        backends/gpu/graphs.py), or None: every step runs eagerly. Not asked with --enforce-eager."""
+        """An object that replays steps (`fits(seqs)`; `run(seqs, keep=None)` -> the final hidden
+        states of the step's tokens, or of the rows `keep` indexes; see backends/gpu/graphs.py
+        and backends/cpu/step_replay.py), or None: every step runs eagerly. `keep` is passed only
+        where fits() takes a step of several tokens a request (a decode step's row is its
+        request's). Not asked with --enforce-eager."""
         return None
 
     def synchronize(self) -> None:

@@ -110,7 +110,8 @@ class ModelRunner:
         self.layer_caches = layer_caches(kv_caches, kv_cache_dtype, block_size, model.shards.num_kv_heads, cfg.head_dim)
         self.block_size = block_size
         self.device = device
-        self.decode_graphs = None  # gpu.DecodeGraphs, when CUDA graphs are on
+        # what replays steps (Platform.capture_graphs: gpu.DecodeGraphs, cpu.StepReplay), or None
+        self.replay = None
 
     @torch.inference_mode()
     def execute(self, seqs: list[SeqInput]) -> torch.Tensor:
@@ -134,16 +135,16 @@ class ModelRunner:
         """The final hidden states of each sequence's last token ([len(seqs), hidden]) and of each
         `wanted` sequence's first rows, as execute_with_hidden's: for a caller that computes the
         logits of both in one pass over the LM head (speculative decoding's verification)."""
-        graphs = self.decode_graphs
-        if graphs is not None and graphs.fits(seqs):
+        replay = self.replay
+        if replay is not None and replay.fits(seqs):
             if all(len(s.token_ids) == 1 for s in seqs):  # a decode step: what every replay takes
-                hidden = graphs.run(seqs)
+                hidden = replay.run(seqs)
                 return hidden, ({i: hidden[i : i + 1] for i in wanted} if wanted else {})
-            # several tokens a request (the cpu backend's replay): the rows the eager step keeps
+            # several tokens a request (where fits() takes them): the rows the eager step keeps
             lengths = np.array([len(s.token_ids) for s in seqs])
             starts = np.cumsum(lengths) - lengths
             keep = [starts + lengths - 1, *(np.arange(starts[i], starts[i] + n) for i, n in (wanted or {}).items())]
-            hidden = graphs.run(seqs, np.concatenate(keep))
+            hidden = replay.run(seqs, np.concatenate(keep))
             return hidden[: len(seqs)], self._wanted_rows(hidden, len(seqs), wanted)
         batch = prepare_batch(seqs, self.block_size, self.device)
         keep = batch.logits_indices

@@ -164,7 +164,7 @@ class Worker:
         self.executor.attach(self.runner, make_runner)
         if not cfg.enforce_eager:
             for runner in self.executor.runners():
-                runner.decode_graphs = self.ops.capture_graphs(
+                runner.replay = self.ops.capture_graphs(
                     runner.model, runner.layer_caches, bs, cfg.max_num_seqs, msg.max_model_len
                 )
         return WorkerReady(rank=self.rank)

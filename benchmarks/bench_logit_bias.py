@@ -43,7 +43,7 @@ def decode_step(batch: int, context: int = 128):
     kv = allocate_kv_caches(model, batch * per + 1, block)
     ops = CpuAttentionOps()
     runner = ModelRunner(model, ops, kv, block)
-    runner.decode_graphs = ops.capture_graphs(model, kv, block, batch, 512)
+    runner.replay = ops.capture_graphs(model, kv, block, batch, 512)
     seqs = [SeqInput([7], context, list(range(1 + i * per, 1 + (i + 1) * per))) for i in range(batch)]
     return lambda: runner.execute(seqs), model.config.vocab_size
 

@@ -131,8 +131,7 @@ def own_launcher(monkeypatch):
 def float32_arithmetic(monkeypatch):
     """PAGEDLLM_CPU_BF16_MATMUL=0 in this process: the widening linear kernels and float32
     attention arithmetic, whatever the CPU (the cached choices are cleared on both sides)."""
-    from pagedllm.backends.cpu.ops import bfloat16_dot_products
-    from pagedllm.backends.cpu.packed_linear import BF16_MATMUL_ENV, native_bfloat16_matmul
+    from pagedllm.backends.cpu.packed_linear import BF16_MATMUL_ENV, bfloat16_dot_products, native_bfloat16_matmul
 
     def clear():
         native_bfloat16_matmul.cache_clear()

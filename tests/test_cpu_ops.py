@@ -10,7 +10,7 @@ import torch
 
 from pagedllm.backends.attention import DecodeMetadata
 from pagedllm.backends.cpu import CpuAttentionOps, native
-from pagedllm.backends.cpu.ops import bfloat16_dot_products
+from pagedllm.backends.cpu.packed_linear import bfloat16_dot_products
 from pagedllm.conformance.op_cases import context_lengths, make_case
 
 OPS = CpuAttentionOps()
@@ -296,7 +296,7 @@ def test_fused_residual_add_and_rms_norm_match_torch():
 
 @pytest.mark.skipif(native.unavailable_reason() is not None, reason="compiled kernels unavailable")
 def test_the_bfloat16_replays_kernels_are_the_float32_ones_with_torchs_roundings():
-    """A replayed bfloat16 step (decode_replay._bfloat16_calls) reads GEMM products in bfloat16
+    """A replayed bfloat16 step (step_replay._onednn_calls) reads GEMM products in bfloat16
     and writes the next GEMM's rows in bfloat16: each kernel must give exactly the float32
     kernel's answer on the widened input, rounded as torch rounds it (to nearest, ties to
     even) — on any CPU, whichever steps replay there."""

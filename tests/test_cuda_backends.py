@@ -313,8 +313,8 @@ for n in lens:
 runner.execute([SeqInput(list(range(3, 3 + n)), 0, t) for n, t in zip(lens, tables)])
 decode = [SeqInput([7 + i], n, t) for i, (n, t) in enumerate(zip(lens, tables))]
 eager = runner.execute(decode)
-runner.decode_graphs = DecodeGraphs(model, ops, kv, 16, max_batch=8, max_model_len=600)
-assert runner.decode_graphs.fits(decode)
+runner.replay = DecodeGraphs(model, ops, kv, 16, max_batch=8, max_model_len=600)
+assert runner.replay.fits(decode)
 padded = runner.execute(decode)  # 3 decodes padded to the captured size 4
 err = (eager - padded).abs().max().item()
 assert err < 1e-4, err
@@ -326,7 +326,7 @@ assert big.fits([SeqInput([7], 8191, list(range(1, 513)))])
 assert not big.fits([SeqInput([7], 8192, list(range(1, 514)))])
 # a later step with shorter rows copies only the table columns it uses; the stale ones past
 # each row's context are never read (the padded step above had them from capture-time zeros)
-graphs = runner.decode_graphs
+graphs = runner.replay
 before = graphs.tables.clone()
 assert graphs.stage([SeqInput([9], 1, tables[0][:1])]) == 1
 assert graphs.tables[0, 0] == tables[0][0] and graphs.context_lens[0] == 2

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import functools
 
 import torch
 
@@ -26,10 +25,10 @@ from pagedllm.core.utils import cdiv
 from ..attention import AttentionOps, DecodeMetadata, PrefillMetadata, prefill_token_rows
 from ..kv_cache import dequantize, write_quantized
 from . import native
-from .decode_replay import capture_decode_replay
 from .model_kernels import compute_in_float32, panel_float32_linear, use_fused_kernels, use_panel_linear
-from .packed_linear import bfloat16_arithmetic_allowed, pack_linear_layers
+from .packed_linear import bfloat16_dot_products, pack_linear_layers
 from .quantized_linear import cpu_quantized_linear
+from .step_replay import capture_step_replay
 
 REPLAYED_OPS = ("decode_attention", "write_kv")  # what a replayed decode step calls of this class
 DECODE_GROUPS = 4  # at most this many context-length groups per decode batch
@@ -90,17 +89,6 @@ def keep_freed_memory() -> bool:
     return all(
         (mallopt(m_mmap_threshold, 32 << 20), mallopt(m_trim_threshold, 2**31 - 1), mallopt(m_top_pad, 512 << 20))
     )
-
-
-@functools.cache
-def bfloat16_dot_products() -> bool:
-    """Whether the kernel attends over bfloat16 blocks with AVX-512 BF16's dot products, the
-    query and the probabilities rounded to bfloat16 first as transformers' bfloat16 attention
-    rounds them (1.4-1.6x faster on K/V in cache, docs/bench/README.md): where it was built for
-    them, unless PAGEDLLM_CPU_BF16_MATMUL=0, which keeps float32 arithmetic throughout."""
-    if not bfloat16_arithmetic_allowed() or native.unavailable_reason() is not None:
-        return False
-    return native.bfloat16_dot_products()
 
 
 def _compiled(query, kv_cache, meta, kv_scales=None) -> bool:
@@ -165,7 +153,7 @@ class CpuAttentionOps(AttentionOps):
         # (a port built on this backend, a planted bug) keeps them, in eager steps
         if any(getattr(type(self), op) is not getattr(CpuAttentionOps, op) for op in REPLAYED_OPS):
             return None
-        return capture_decode_replay(model, kv_caches, block_size, max_batch, max_model_len)
+        return capture_step_replay(model, kv_caches, block_size, max_batch, max_model_len)
 
     def argmax(self, scores):
         if (

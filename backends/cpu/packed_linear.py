@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .native import cpu_flags
+from .native import bfloat16_dot_products as native_dot_products
+from .native import cpu_flags, unavailable_reason
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -130,3 +131,14 @@ def pack_linear_layers(model: nn.Module) -> int:
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child))
     return len(targets)
+
+
+@functools.cache
+def bfloat16_dot_products() -> bool:
+    """Whether the kernel attends over bfloat16 blocks with AVX-512 BF16's dot products, the
+    query and the probabilities rounded to bfloat16 first as transformers' bfloat16 attention
+    rounds them (1.4-1.6x faster on K/V in cache, docs/bench/README.md): where it was built for
+    them, unless PAGEDLLM_CPU_BF16_MATMUL=0, which keeps float32 arithmetic throughout."""
+    if not bfloat16_arithmetic_allowed() or unavailable_reason() is not None:
+        return False
+    return native_dot_products()

@@ -77,14 +77,17 @@ class DecodeGraphs:
         )
 
     @torch.inference_mode()
-    def run(self, seqs: list[SeqInput]) -> torch.Tensor:
-        """Hidden states [len(seqs), hidden] of a decode-only step."""
+    def run(self, seqs: list[SeqInput], keep: np.ndarray | None = None) -> torch.Tensor:
+        """Hidden states [len(seqs), hidden] of a decode-only step (the rows `keep` indexes,
+        in that order, where given: the signature every replay has, Platform.capture_graphs)."""
         n, size = len(seqs), self.stage(seqs)
         graph = self.graphs.get(size)
         if graph is None:  # not captured (the CPU test of this padding): the same forward, eagerly
-            return self._forward(size)[:n]
-        graph.replay()
-        return self.outputs[size][:n]
+            hidden = self._forward(size)[:n]
+        else:
+            graph.replay()
+            hidden = self.outputs[size][:n]
+        return hidden if keep is None else hidden[torch.from_numpy(np.asarray(keep, dtype=np.int64)).to(hidden.device)]
 
     def stage(self, seqs: list[SeqInput]) -> int:
         """Fill the static input buffers for this step; returns the captured size it runs at."""

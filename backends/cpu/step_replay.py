@@ -1,5 +1,6 @@
-"""Decode steps replayed as a fixed list of compiled-kernel calls: the CPU's counterpart of
-CUDA graphs (Platform.capture_graphs; --enforce-eager turns it off).
+"""Steps replayed as a fixed list of compiled-kernel calls: the CPU's counterpart of CUDA
+graphs (Platform.capture_graphs; --enforce-eager turns it off), with the same
+`fits(seqs)` / `run(seqs, keep=None)` as backends/gpu/graphs.py.
 
 A decode step of a small model is mostly per-op Python: the demo model's forward pass for one
 request ran ~40 compiled kernels in ~1.8 ms, and the modules, shape checks, views and
@@ -33,7 +34,7 @@ from pagedllm.core.utils import cdiv
 from ..models.decoder import CausalLM
 from . import native
 from .model_kernels import Bfloat16Linear, FusedRMSNorm, PanelLinear
-from .packed_linear import PackedLinear, packed_linear, padded_rows
+from .packed_linear import PackedLinear, bfloat16_dot_products, packed_linear, padded_rows
 
 
 def _ptr(t: torch.Tensor, offset_elements: int = 0) -> int:
@@ -73,8 +74,8 @@ def replayable(model: CausalLM, kv_caches: torch.Tensor) -> bool:
     return isinstance(model.norm, FusedRMSNorm)
 
 
-class DecodeReplay:
-    """`fits(seqs)` / `run(seqs)` as the runner asks of decode graphs (backends/runner.py)."""
+class StepReplay:
+    """`fits(seqs)` / `run(seqs, keep=None)` as the runner asks of every replay (Platform.capture_graphs)."""
 
     def __init__(self, model: CausalLM, kv_caches: torch.Tensor, block_size: int, max_batch: int, max_model_len: int):
         self.model, self.kv_caches, self.block_size, self.max_batch = model, kv_caches, block_size, max_batch
@@ -120,7 +121,7 @@ class DecodeReplay:
         self.num_slots = kv_caches.shape[2] * self.block_size
         lib = native._library()
         attention = getattr(lib, f"pagedllm_paged_attention_{native.ATTENTION_SUFFIX[cache_dtype]}")
-        dot_products = int(_bfloat16_dot_products())  # as the eager decode passes it
+        dot_products = int(bfloat16_dot_products())  # as the eager decode passes it
         row_bytes = kv_heads * d * kv_caches.element_size()
         if self.products_in_place is not None:
             self.calls = self._onednn_calls(model, lib, attention, dot_products, row_bytes, self.products_in_place)
@@ -429,14 +430,8 @@ class OneDnnCall:
         return product
 
 
-def _bfloat16_dot_products() -> bool:
-    from .ops import bfloat16_dot_products
-
-    return bfloat16_dot_products()
-
-
-def capture_decode_replay(model, kv_caches, block_size: int, max_batch: int, max_model_len: int):
-    """A DecodeReplay for this model and cache, or None where a step is not all compiled kernels."""
+def capture_step_replay(model, kv_caches, block_size: int, max_batch: int, max_model_len: int):
+    """A StepReplay for this model and cache, or None where a step is not all compiled kernels."""
     if not replayable(model, kv_caches):
         return None
-    return DecodeReplay(model, kv_caches, block_size, max_batch, max_model_len)
+    return StepReplay(model, kv_caches, block_size, max_batch, max_model_len)

@@ -1,4 +1,4 @@
-"""The cpu backend's replayed decode steps (backends/cpu/decode_replay.py) must compute what the
+"""The cpu backend's replayed decode steps (backends/cpu/step_replay.py) must compute what the
 eager step computes, bit for bit — logits and the K/V written — in float32 and 16-bit, and be
 left out where a step is not all compiled kernels."""
 
@@ -7,7 +7,7 @@ import torch
 
 from pagedllm.backends.attention import DecodeMetadata
 from pagedllm.backends.cpu import CpuAttentionOps
-from pagedllm.backends.cpu.decode_replay import DecodeReplay
+from pagedllm.backends.cpu.step_replay import StepReplay
 from pagedllm.backends.models.loader import load_model
 from pagedllm.backends.runner import ModelRunner, SeqInput, allocate_kv_caches
 from pagedllm.entrypoints.default_model import shipped_model_dir
@@ -44,7 +44,7 @@ def test_a_replayed_decode_step_equals_the_eager_one(dtype, window, float32_line
     runner, replay = runner_and_replay(dtype, window=window)
     kinds = {type(layer.qkv_proj).__name__ for layer in runner.model.layers}
     assert float32_linears is None or kinds == {"PanelLinear" if float32_linears == "panel" else "PackedLinear"}
-    assert isinstance(replay, DecodeReplay)
+    assert isinstance(replay, StepReplay)
     # on oneDNN's GEMMs the kernels after each read its product in place (in bfloat16 on CPUs that
     # multiply bfloat16: the step stays in bfloat16 between them)
     on_onednn = {"Bfloat16Linear": torch.bfloat16, "PackedLinear": torch.float32}
@@ -56,11 +56,11 @@ def test_a_replayed_decode_step_equals_the_eager_one(dtype, window, float32_line
     for batch in ([0, 1, 2, 3], [3], [2, 0]):  # one set of buffers serves every batch size
         seqs = [SeqInput([5 + i], len(prompts[i]), tables[i]) for i in batch]
         runner.kv_caches.copy_(before)
-        runner.decode_graphs = None
+        runner.replay = None
         eager = runner.execute(seqs)
         eager_kv = runner.kv_caches.clone()
         runner.kv_caches.copy_(before)
-        runner.decode_graphs = replay
+        runner.replay = replay
         assert replay.fits(seqs)
         assert torch.equal(runner.execute(seqs), eager)
         assert torch.equal(runner.kv_caches, eager_kv)
@@ -83,7 +83,7 @@ def test_replayed_chunks_equal_eager_ones_and_give_every_rows_hidden_state(dtype
     results = {}
     for graphs in (None, replay):
         runner.kv_caches.copy_(before)
-        runner.decode_graphs = graphs
+        runner.replay = graphs
         outs = [runner.execute(steps[0]), runner.execute_with_hidden(steps[1], {0: 7, 1: 1})]
         outs.append(runner.execute_with_hidden(steps[2], {0: 20}))
         results[graphs is None] = (outs, runner.kv_caches.clone())
@@ -151,7 +151,7 @@ def test_onednn_sees_row_counts_padded_to_a_multiple_of_8_and_the_padding_is_cut
     it, eager and replayed, run at most 32 counts up to 256 rows; larger ones as they are."""
     from torch import nn
 
-    from pagedllm.backends.cpu import decode_replay, packed_linear
+    from pagedllm.backends.cpu import packed_linear, step_replay
     from pagedllm.backends.cpu.model_kernels import Bfloat16Linear
 
     seen, gemm = [], packed_linear.packed_linear
@@ -181,7 +181,7 @@ def test_onednn_sees_row_counts_padded_to_a_multiple_of_8_and_the_padding_is_cut
         return
     runner, replay = runner_and_replay("bfloat16", max_batch=12)
     runner.execute([SeqInput([3, 4, 5], 0, [1]), SeqInput([8, 9], 0, [2])])
-    monkeypatch.setattr(decode_replay, "packed_linear", recording)
+    monkeypatch.setattr(step_replay, "packed_linear", recording)
     seen.clear()
     replay.run([SeqInput([6], 3, [1]), SeqInput([7], 2, [2])])
     assert len(seen) == 4 * len(runner.model.layers) and set(seen) == {8}
@@ -224,7 +224,7 @@ def test_a_replay_keeps_rows_for_any_mix_of_decodes_verifications_chunks_and_pro
         results = []
         for graphs in (None, replay):
             runner.kv_caches.copy_(before)
-            runner.decode_graphs = graphs
+            runner.replay = graphs
             assert graphs is None or graphs.fits(seqs)
             logits, rows = runner.execute_with_hidden(seqs, wanted)
             results.append((logits, rows, runner.kv_caches.clone()))
