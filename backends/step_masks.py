@@ -18,6 +18,14 @@ from pagedllm.core.outputs import SchedulerOutput
 from pagedllm.core.protocol import StepMasks
 
 
+def step_masks(plan: SchedulerOutput, is_first: bool, expect: Callable) -> StepMasksFuture | None:
+    """The future of the plan's masks on rank 0 where the plan has constrained requests that
+    sample (`expect(kind)`: the worker's next message, of that kind), else None."""
+    if not plan.structured_request_ids or not is_first:
+        return None
+    return StepMasksFuture(plan, lambda: expect(StepMasks))
+
+
 class StepMasksFuture:
     def __init__(self, plan: SchedulerOutput, receive: Callable[[], StepMasks]):
         self.plan, self._receive = plan, receive

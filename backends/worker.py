@@ -42,7 +42,6 @@ from pagedllm.core.protocol import (
     InitCache,
     Shutdown,
     Step,
-    StepMasks,
     StepResult,
     ToWorker,
     WorkerFailed,
@@ -59,7 +58,7 @@ from .models.parallel import SINGLE, TensorParallel
 from .registry import load_backend, unsupported
 from .runner import ModelRunner
 from .step_executor import executor_for
-from .step_masks import StepMasksFuture
+from .step_masks import step_masks
 
 logger = logging.getLogger("pagedllm.backends")
 POLL_MS = 100
@@ -242,9 +241,7 @@ def serve(worker: Worker, link: CoreLink, parent: int) -> None:
         msg = link.recv(parent)
         if isinstance(msg, Step):
             plan = msg.plan
-            masks = None
-            if plan.structured_request_ids and worker.tp.is_first:  # the core sends rank 0 them after the step
-                masks = StepMasksFuture(plan, lambda: link.expect(StepMasks, parent))
+            masks = step_masks(plan, worker.tp.is_first, lambda kind: link.expect(kind, parent))
             result = worker.execute(plan, masks)
             if masks is not None:
                 masks.result()  # taken even where nothing sampled, so the next step's message is its own
