@@ -143,7 +143,9 @@ class SchedulerStats(msgspec.Struct):
     num_preemptions: int
     peak_blocks_used: int
     num_blocks: int
-    fragmentation: Fragmentation | None = None  # refreshed at most once a second (it walks every table)
+    # refreshed at most once a second (it walks every table), while requests run: an idle engine
+    # reports the last sample; None before any request ran
+    fragmentation: Fragmentation | None = None
     spec_decode: SpecStats | None = None  # speculative decoding's counts, where it is on
 
 

@@ -652,7 +652,8 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         pool = self.kv.pool
         now = time.monotonic()
-        if now - self._fragmentation_at >= 1.0:
+        # of the live tables: sampled while requests run (an idle engine keeps the last sample)
+        if self.running and now - self._fragmentation_at >= 1.0:
             self._fragmentation, self._fragmentation_at = self.fragmentation(), now
         return SchedulerStats(
             num_running=len(self.running),
