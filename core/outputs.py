@@ -43,7 +43,8 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     # bitmasks follow in a StepMasks message (core/protocol.py)
     structured_request_ids: list[str] = []
     # speculative decoding: proposed tokens that follow a request's last one in this step's chunk
-    # (appended for this step only; the worker keeps those the model confirms)
+    # (appended for this step only; the worker keeps those the model confirms); empty where the
+    # worker's draft model proposes them, as many as the chunk computes past the last known token
     draft_token_ids: dict[str, list[int]] = {}
 
     @property
