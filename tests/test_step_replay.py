@@ -7,10 +7,12 @@ import torch
 
 from pagedllm.backends.attention import DecodeMetadata
 from pagedllm.backends.cpu import CpuAttentionOps
+from pagedllm.backends.cpu.forward_recorder import record_forward
 from pagedllm.backends.cpu.step_replay import StepReplay
 from pagedllm.backends.models.loader import load_model
 from pagedllm.backends.runner import ModelRunner, SeqInput, allocate_kv_caches
 from pagedllm.entrypoints.default_model import shipped_model_dir
+from pagedllm.fixtures.tiny_models import ARCHITECTURES, MORE_ARCHITECTURES, make_model_dir
 
 BLOCK = 16
 
@@ -104,6 +106,50 @@ def test_what_a_replay_does_not_take():
     assert not replay.fits([SeqInput([1], 512, table)])  # past the captured context
     _, quantized = runner_and_replay("float32", quantization="int8")
     assert quantized is None  # its linear layers are not on the panel kernel: eager steps
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES + MORE_ARCHITECTURES)
+def test_the_replay_is_the_eager_pass_recorded_or_none(arch, tmp_path_factory):
+    """The replay's steps are recorded from the eager forward pass (forward_recorder.py): a model
+    whose pass computes outside the steps the replay binds (a q/k norm, sandwich norms, soft
+    caps, experts, a scaled embedding, a second rotary table) runs eagerly; every other one
+    replays bit for bit."""
+    path = make_model_dir(str(tmp_path_factory.mktemp(arch)), arch)
+    model = load_model(path, dtype="float32")
+    kv = allocate_kv_caches(model, 40, BLOCK)
+    ops = CpuAttentionOps()
+    runner = ModelRunner(model, ops, kv, BLOCK)
+    replay = ops.capture_graphs(model, runner.layer_caches, BLOCK, 4, 256)
+    expected_eager = {"qwen3", "gemma2", "gemma3", "mixtral", "qwen3-moe"}
+    assert (replay is None) == (arch in expected_eager), arch
+    if replay is None:
+        return
+    steps = record_forward(model, runner.layer_caches)
+    assert [s.kind for s in steps[:10]] == [
+        "norm",
+        "linear",
+        "rotate",
+        "write_kv",
+        "attend",
+        "linear",
+        "norm",
+        "linear",
+        "act",
+        "linear",
+    ]
+    assert len(steps) == 10 * len(model.layers) + 1 and steps[-1].kind == "norm"
+    prompts = [list(range(10, 10 + n)) for n in (1, 17, 40)]
+    tables = [list(range(1 + 10 * i, 11 + 10 * i)) for i in range(len(prompts))]
+    seqs = [SeqInput(p, 0, t) for p, t in zip(prompts, tables)]
+    before = runner.kv_caches.clone()
+    outs = []
+    for graphs in (None, replay):
+        runner.kv_caches.copy_(before)
+        runner.replay = graphs
+        first = runner.execute(seqs)
+        decode = runner.execute([SeqInput([5], len(p), t) for p, t in zip(prompts, tables)])
+        outs.append((first, decode, runner.kv_caches.clone()))
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
 
 
 def test_a_backend_built_on_the_cpu_one_keeps_its_own_decode_ops():

@@ -4,13 +4,18 @@ graphs (Platform.capture_graphs; --enforce-eager turns it off), with the same
 
 A decode step of a small model is mostly per-op Python: the demo model's forward pass for one
 request ran ~40 compiled kernels in ~1.8 ms, and the modules, shape checks, views and
-temporaries around them took as long again. Here the step's buffers are allocated once (rows
-for the largest batch) and every kernel call of every layer is bound once to its pointers
-and sizes; a step fills the inputs (token ids, positions, slots, block tables, context
-lengths), looks up the embedding and the rotary rows with two torch calls, and runs the list
-with the step's row count and thread count. The calls are the eager path's own kernels on the
-same data in the same order (the query and key rotations are two calls instead of one over
-both, the same arithmetic per head), so logits are bit-identical to the eager step's.
+temporaries around them took as long again. Here the eager pass is recorded
+once (forward_recorder.py: its norms, linear layers, rotations, K/V writes, attention and
+activations, in the order the model runs them), the step's buffers are allocated once (rows
+for the largest batch), and each recorded step is bound to its kernel, its pointers and sizes,
+reading where the step before it wrote (`_bind`); a step fills the inputs (token ids,
+positions, slots, block tables, context lengths), looks up the embedding and the rotary rows
+with two torch calls, and runs the list with the step's row count and thread count. The calls
+are the eager path's own kernels on the same data in the same order (the query and key
+rotations are two calls instead of one over both, the same arithmetic per head), so logits are
+bit-identical to the eager step's. There is no second model here: the layers' order comes from
+the eager pass, and a pass with a step this module does not bind, or with arithmetic outside
+its steps, is not replayed.
 
 A row is a token: steps with several tokens a request (prefills, chunks after a cached prefix,
 speculative decoding's verification) replay too, every row at its own position with its
@@ -19,12 +24,14 @@ REPLAY_BUFFER_BYTES); the last layer past its attention runs on the rows the eag
 In the eager bfloat16 step torch's float32/bfloat16 copies around the GEMMs took more time than
 the GEMMs (docs/bench): a 2,040-token prefill step replayed takes 16 instead of 35 ms.
 
-Captured only where the eager path is all compiled kernels: float32 or 16-bit weights on the
-panel kernel (or on oneDNN's packed GEMM, called through torch), fused norms
-and activation, one rank, no q/k norms; else None (eager steps).
+Captured only where the eager pass is all compiled kernels: float32 or 16-bit weights on the
+panel kernel (or on oneDNN's packed GEMM, called through torch), fused norms and activation,
+one rank; else None (eager steps).
 """
 
 from __future__ import annotations
+
+import logging
 
 import numpy as np
 import torch
@@ -33,6 +40,7 @@ from pagedllm.core.utils import cdiv
 
 from ..models.decoder import CausalLM
 from . import native
+from .forward_recorder import record_forward
 from .model_kernels import Bfloat16Linear, FusedRMSNorm, PanelLinear
 from .packed_linear import PackedLinear, bfloat16_dot_products, packed_linear, padded_rows
 
@@ -40,6 +48,8 @@ from .packed_linear import PackedLinear, bfloat16_dot_products, packed_linear, p
 def _ptr(t: torch.Tensor, offset_elements: int = 0) -> int:
     return t.data_ptr() + offset_elements * t.element_size()
 
+
+logger = logging.getLogger("pagedllm.backends")
 
 # the panel kernel, called here by pointer; oneDNN's packed GEMMs (bfloat16 on CPUs that multiply
 # bfloat16, float32 where the panel kernel is not used), called through torch on views of the
@@ -52,37 +62,33 @@ MAX_REPLAY_ROWS, REPLAY_BUFFER_BYTES = 4096, 64 << 20
 
 
 def replayable(model: CausalLM, kv_caches: torch.Tensor) -> bool:
-    """Whether every op of a decode step runs on a compiled kernel this module can call."""
+    """Whether this model and cache can be replayed at all: the compiled kernels, one rank, a
+    16/32-bit cache as one tensor. Which steps the pass has is the recording's business
+    (capture_step_replay), and each binder checks the module it binds."""
     if not isinstance(kv_caches, torch.Tensor):  # an 8-bit cache's per-layer views: eager steps
         return False
     if native.unavailable_reason() is not None or model.tp.size != 1 or not kv_caches.is_contiguous():
         return False
-    cfg = model.config
-    if kv_caches.dtype not in native.ATTENTION_SUFFIX or type(model) is not CausalLM:
-        return False
-    if cfg.embed_scale or cfg.sandwich_norms or cfg.attn_soft_cap or model.local_rope is not None:
-        return False  # steps the replay does not have
-    for layer in model.layers:
-        linears = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
-        norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        if not all(isinstance(m, REPLAYED_LINEARS) for m in linears):
-            return False
-        if not all(isinstance(n, FusedRMSNorm) for n in norms):
-            return False
-        if layer.q_norm is not None or layer.act is not native.silu_and_mul or layer.rotate is not native.rotate:
-            return False
-    return isinstance(model.norm, FusedRMSNorm)
+    return kv_caches.dtype in native.ATTENTION_SUFFIX and type(model) is CausalLM
+
+
+def _check(ok: bool, what: str) -> None:
+    if not ok:
+        raise NotReplayable(what)
 
 
 class StepReplay:
     """`fits(seqs)` / `run(seqs, keep=None)` as the runner asks of every replay (Platform.capture_graphs)."""
 
-    def __init__(self, model: CausalLM, kv_caches: torch.Tensor, block_size: int, max_batch: int, max_model_len: int):
+    def __init__(
+        self, model: CausalLM, kv_caches: torch.Tensor, block_size: int, max_batch: int, max_model_len: int, steps
+    ):
         self.model, self.kv_caches, self.block_size, self.max_batch = model, kv_caches, block_size, max_batch
         self.max_blocks = cdiv(max_model_len, block_size)
         # prefill steps replay too, their buffers grown on first need up to REPLAY_BUFFER_BYTES
         self.row_cap = max(max_batch, min(MAX_REPLAY_ROWS, REPLAY_BUFFER_BYTES // self._bytes_per_row()))
         self.products_in_place = self._onednn_throughout(model, kv_caches.dtype)
+        self.steps = steps  # the eager pass's, recorded (forward_recorder.py)
         self._build(max_batch)
 
     def _bytes_per_row(self) -> int:
@@ -142,53 +148,86 @@ class StepReplay:
         self.v_half = torch.empty(n, kv_heads, d, dtype=kv_caches.dtype) if kv_caches.dtype != f32 else None
         self.v_view = self.qkv[:, q_size + kv_size :].view(n, kv_heads, d)
         panel = lib.pagedllm_panel_linear
-
+        rp = _ptr(self.residual)
+        # a linear layer writes where the step after it reads
+        linear_out = {"rotate": self.qkv, "norm": self.out, "act": self.gate_up}
         bfloat16_inputs: dict[int, torch.Tensor] = {}  # in_features -> the rounded rows, shared by the layers
 
-        def linear(module: PanelLinear | PackedLinear, x: torch.Tensor, out: torch.Tensor):
+        def linear(step, x: torch.Tensor, after: str | None):
+            module, out = step.module, linear_out.get(after)
+            _check(out is not None, f"a linear layer followed by {after}")
+            _check(isinstance(module, REPLAYED_LINEARS), f"a {type(module).__name__} layer")
             if isinstance(module, Bfloat16Linear):
                 k_in = module.in_features
                 if k_in not in bfloat16_inputs:
                     bfloat16_inputs[k_in] = torch.zeros(n, k_in, dtype=torch.bfloat16)
-                return OneDnnCall(module, x, bfloat16_inputs[k_in], out)
+                return [OneDnnCall(module, x, bfloat16_inputs[k_in], out)], out
             if isinstance(module, PackedLinear):
-                return OneDnnCall(module, x, None, out)
+                return [OneDnnCall(module, x, None, out)], out
             kind, w = native.PANEL_KINDS[module.packed.dtype], _ptr(module.packed)
             bias = None if module.bias is None else _ptr(module.bias)
             n_out, k_in, xp, op = module.out_features, module.in_features, _ptr(x), _ptr(out)
-            return lambda rows, threads: panel(kind, xp, rows, w, n_out, k_in, bias, op, threads)
+            return [lambda rows, threads: panel(kind, xp, rows, w, n_out, k_in, bias, op, threads)], out
 
-        def add_norm(norm: FusedRMSNorm, x: torch.Tensor, out: torch.Tensor):
-            xp, rp, wp, op, eps = _ptr(x), _ptr(self.residual), _ptr(norm.weight), _ptr(out), norm.eps
-            return lambda rows, threads: lib.pagedllm_add_rms_norm_f32(xp, rp, wp, eps, op, rows, hidden, threads)
+        def norm(step, x: torch.Tensor, after: str | None):
+            _check_norm(step, x, self.residual)
+            out = self.hidden_out if after is None else self.normed
+            wp, eps, op = _ptr(step.module.weight), step.module.eps, _ptr(out)
+            if not step.residual:  # the first layer's: the embedding is the residual stream
+
+                def first(rows, threads):
+                    lib.pagedllm_rms_norm_f32(rp, wp, eps, op, rows, hidden, threads)
+
+                return [first], out
+            xp = _ptr(x)
+
+            def add_norm(rows, threads):
+                lib.pagedllm_add_rms_norm_f32(xp, rp, wp, eps, op, rows, hidden, threads)
+
+            return [add_norm], out
 
         gp, ap = _ptr(self.gate_up), _ptr(self.act)
 
-        def activation(rows, threads):
-            lib.pagedllm_silu_and_mul_f32(gp, ap, rows, inter, threads)
+        def rotate(step, x, after):
+            _check(step.layer.rotate is native.rotate and x is self.qkv, "a rotation but the fused one of qkv")
+            return self._rotations(lib, width, heads, kv_heads, d, q_size), x
 
-        calls = []
-        first = layer0.input_layernorm
-        rp, wp, np_ = _ptr(self.residual), _ptr(first.weight), _ptr(self.normed)
-        calls.append(lambda rows, threads: lib.pagedllm_rms_norm_f32(rp, wp, first.eps, np_, rows, hidden, threads))
-        shape = (heads, kv_heads, d, self.block_size)
-        for i, layer in enumerate(model.layers):
-            if i:  # the previous layer's output joins the residual stream in this layer's norm
-                calls.append(add_norm(layer.input_layernorm, self.out, self.normed))
-            calls.append(linear(layer.qkv_proj, self.normed, self.qkv))
-            calls += self._rotations(lib, width, heads, kv_heads, d, q_size)
-            calls.append(self._write_kv(lib, i, row_bytes))
-            calls.append(
-                self._attend(attention, kv_caches[i], (*shape, layer.scale, layer.window or 0, 0.0), dot_products)
-            )
-            self.prune_at = len(calls)  # after the last layer's attention: see run()
-            calls.append(linear(layer.o_proj, self.attn, self.out))
-            calls.append(add_norm(layer.post_attention_layernorm, self.out, self.normed))
-            calls.append(linear(layer.gate_up_proj, self.normed, self.gate_up))
-            calls.append(activation)
-            calls.append(linear(layer.down_proj, self.act, self.out))
-        calls.append(add_norm(model.norm, self.out, self.hidden_out))
+        def act(step, x, after):
+            _check(step.layer.act is native.silu_and_mul and x is self.gate_up, "an activation but the fused SiLU")
+            return [lambda rows, threads: lib.pagedllm_silu_and_mul_f32(gp, ap, rows, inter, threads)], self.act
+
+        return self._bind(
+            {
+                "norm": norm,
+                "linear": linear,
+                "rotate": rotate,
+                "write_kv": lambda step, x, after: ([self._write_kv(lib, step.index, row_bytes)], x),
+                "attend": lambda step, x, after: ([self._attend_step(attention, step, dot_products)], self.attn),
+                "act": act,
+            }
+        )
+
+    def _bind(self, binders: dict) -> list:
+        """The recorded steps' calls, each bound by its kind's binder, `(step, what the step before
+        wrote, the next step's kind) -> (calls, what this one writes)`: a step reads what the
+        one before it wrote and writes where the one after it reads."""
+        calls, value = [], self.residual  # the embedding, looked up in run()
+        kinds = [s.kind for s in self.steps] + [None]
+        for step, after in zip(self.steps, kinds[1:]):
+            new, value = binders[step.kind](step, value, after)
+            calls += new
+            if step.kind == "attend":
+                self.prune_at = len(calls)  # after the last layer's attention: see run()
+        if value is not self.hidden_out:
+            raise NotReplayable("the pass does not end with the final norm")
         return calls
+
+    def _attend_step(self, attention, step, dot_products: int):
+        layer = step.layer
+        shape = (layer.num_heads, layer.num_kv_heads, self.model.config.head_dim, self.block_size)
+        return self._attend(
+            attention, self.kv_caches[step.index], (*shape, layer.scale, layer.window or 0, 0.0), dot_products
+        )
 
     @staticmethod
     def _onednn_throughout(model: CausalLM, cache_dtype: torch.dtype) -> torch.dtype | None:
@@ -221,49 +260,64 @@ class StepReplay:
             x16, out16 = native.MIXED_X_BF16, native.MIXED_OUT_BF16
         else:
             normed, act, attn_rounded, x16, out16 = self.normed, self.act, None, 0, 0
-        rp, np_, ap = _ptr(self.residual), _ptr(normed), _ptr(act)
+        rp, np_, ap, hp = _ptr(self.residual), _ptr(normed), _ptr(act), _ptr(self.hidden_out)
 
-        def add_norm(norm: FusedRMSNorm, product: OneDnnCall, out: int, formats: int):
-            wp, eps = _ptr(norm.weight), norm.eps
+        def norm(step, product, after):
+            _check_norm(step, product, self.residual)
+            wp, eps = _ptr(step.module.weight), step.module.eps
+            out, formats = (hp, x16) if after is None else (np_, x16 | out16)
+            if not step.residual:  # the first layer's: the embedding is the residual stream
+
+                def first(rows, threads):
+                    lib.pagedllm_rms_norm_mixed(rp, wp, eps, np_, rows, hidden, out16, threads)
+
+                return [first], normed
+            _check(isinstance(product, OneDnnCall), "a norm that does not follow a linear layer")
 
             def call(rows, threads):
                 x = product.take()
                 lib.pagedllm_add_rms_norm_mixed(x.data_ptr(), rp, wp, eps, out, rows, hidden, formats, threads)
 
-            return call
+            return [call], (self.hidden_out if after is None else normed)
 
-        def activation(gate_up: OneDnnCall):
+        def linear(step, x, after):
+            _check(isinstance(x, torch.Tensor), "a linear layer that reads another's product")
+            _check(isinstance(step.module, (Bfloat16Linear, PackedLinear)), f"a {type(step.module).__name__} layer")
+            product = OneDnnCall(step.module, x, attn_rounded if x is self.attn else None, None)
+            return [product], product
+
+        pending = []  # the qkv product whose rotation is done with its K/V write
+
+        def rotate(step, qkv, after):
+            _check(isinstance(qkv, OneDnnCall) and after == "write_kv", "a rotation but of qkv, before its K/V write")
+            _check(step.layer.rotate is native.rotate, "a rotation but the fused one")
+            pending.append(qkv)
+            return [], qkv
+
+        def write_kv(step, value, after):
+            cache = self.kv_caches[step.index]
+            return [self._rotate_and_write(lib, pending.pop(), cache, (heads, kv_heads, d), row_bytes, dtype)], value
+
+        def activation(step, gate_up, after):
+            _check(isinstance(gate_up, OneDnnCall), "an activation that does not follow a linear layer")
+            _check(step.layer.act is native.silu_and_mul, "an activation but the fused SiLU")
+
             def call(rows, threads):
                 x = gate_up.take()
                 lib.pagedllm_silu_and_mul_mixed(x.data_ptr(), ap, rows, inter, x16 | out16, threads)
 
-            return call
+            return [call], act
 
-        first = layer0.input_layernorm
-        wp, eps = _ptr(first.weight), first.eps
-        calls = [lambda rows, threads: lib.pagedllm_rms_norm_mixed(rp, wp, eps, np_, rows, hidden, out16, threads)]
-        down = None
-        shape = (heads, kv_heads, d, self.block_size)
-        for i, layer in enumerate(model.layers):
-            if down is not None:
-                calls.append(add_norm(layer.input_layernorm, down, np_, x16 | out16))
-            qkv = OneDnnCall(layer.qkv_proj, normed, None, None)
-            calls.append(qkv)
-            calls.append(self._rotate_and_write(lib, qkv, self.kv_caches[i], (heads, kv_heads, d), row_bytes, dtype))
-            calls.append(
-                self._attend(attention, self.kv_caches[i], (*shape, layer.scale, layer.window or 0, 0.0), dot_products)
-            )
-            self.prune_at = len(calls)  # after the last layer's attention: see run()
-            o_proj = OneDnnCall(layer.o_proj, self.attn, attn_rounded, None)
-            calls.append(o_proj)
-            calls.append(add_norm(layer.post_attention_layernorm, o_proj, np_, x16 | out16))
-            gate_up = OneDnnCall(layer.gate_up_proj, normed, None, None)
-            calls.append(gate_up)
-            calls.append(activation(gate_up))
-            down = OneDnnCall(layer.down_proj, act, None, None)
-            calls.append(down)
-        calls.append(add_norm(model.norm, down, _ptr(self.hidden_out), x16))
-        return calls
+        return self._bind(
+            {
+                "norm": norm,
+                "linear": linear,
+                "rotate": rotate,
+                "write_kv": write_kv,
+                "attend": lambda step, x, after: ([self._attend_step(attention, step, dot_products)], self.attn),
+                "act": activation,
+            }
+        )
 
     def _rotate_and_write(self, lib, qkv: OneDnnCall, cache: torch.Tensor, dims: tuple, row_bytes: int, dtype):
         """The rotations read straight from the qkv GEMM's product (of `dtype`), the keys
@@ -430,8 +484,26 @@ class OneDnnCall:
         return product
 
 
+class NotReplayable(Exception):
+    """The recorded pass has a step, or an order of steps, the replay does not bind."""
+
+
+def _check_norm(step, x, embedding) -> None:
+    """A fused norm that adds the residual stream, or the first one, over the embedding."""
+    _check(isinstance(step.module, FusedRMSNorm), f"a {type(step.module).__name__} norm")
+    _check(step.residual or x is embedding, "a norm without the residual stream but the first layer's")
+
+
 def capture_step_replay(model, kv_caches, block_size: int, max_batch: int, max_model_len: int):
-    """A StepReplay for this model and cache, or None where a step is not all compiled kernels."""
+    """A StepReplay of the model's eager pass (recorded), or None where a step of it is not one
+    of the compiled kernels the replay binds (or the pass computes outside them)."""
     if not replayable(model, kv_caches):
         return None
-    return StepReplay(model, kv_caches, block_size, max_batch, max_model_len)
+    steps = record_forward(model, kv_caches)
+    if steps is None or any(set(s.options) - {"window"} for s in steps):  # soft caps, KV scales: eager
+        return None
+    try:
+        return StepReplay(model, kv_caches, block_size, max_batch, max_model_len, steps)
+    except NotReplayable as e:
+        logger.info("steps run eagerly: %s", e)
+        return None
