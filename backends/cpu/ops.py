@@ -24,6 +24,7 @@ from pagedllm.core.utils import cdiv
 
 from ..attention import AttentionOps, DecodeMetadata, PrefillMetadata, prefill_token_rows
 from ..kv_cache import dequantize, write_quantized
+from ..models.moe import ExpertsMLP
 from . import native
 from .model_kernels import compute_in_float32, panel_float32_linear, use_fused_kernels, use_panel_linear
 from .packed_linear import bfloat16_dot_products, pack_linear_layers
@@ -137,6 +138,9 @@ class CpuAttentionOps(AttentionOps):
         return cpu_quantized_linear(layer)
 
     def prepare_model(self, model) -> None:
+        for module in model.modules():
+            if isinstance(module, ExpertsMLP):  # experts onto the same kernels as dense layers
+                module.as_linear_layers()
         if native.unavailable_reason() is not None:
             pack_linear_layers(model)
         elif model.config.dtype == torch.float32:

@@ -25,7 +25,8 @@ class ExpertsMLP(nn.Module):
         self.router = nn.Linear(hidden, num, bias=False)
         self.w13 = nn.Parameter(torch.empty(num, 2 * intermediate_size, hidden))  # gate and up, fused
         self.w2 = nn.Parameter(torch.empty(num, hidden, intermediate_size))
-        # quantized (--quantization): each expert's two projections, in place of w13 and w2
+        # each expert's two projections, in place of w13 and w2: quantized (--quantization), or
+        # as linear layers for a backend's kernels (as_linear_layers)
         self.gate_up: nn.ModuleList | None = None
         self.down: nn.ModuleList | None = None
 
@@ -45,6 +46,18 @@ class ExpertsMLP(nn.Module):
         self.down = nn.ModuleList(downs)
         self.w13 = self.w2 = None
         return 2 * experts
+
+    def as_linear_layers(self) -> None:
+        """Each expert's gate/up and down projections as nn.Linear layers (views of the stacks,
+        which are then dropped), so that a backend puts its own kernels in for them as for the
+        dense layers' (the `cpu` backend's: the panel kernel, whose rows never depend on how
+        many others share the GEMM: a token's output is then the same whatever the routing of
+        the batch around it). Quantized experts are left as they are."""
+        if self.w13 is None:
+            return
+        self.gate_up = nn.ModuleList(_linear(w) for w in self.w13.detach())
+        self.down = nn.ModuleList(_linear(w) for w in self.w2.detach())
+        self.w13 = self.w2 = None
 
     def expert(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Expert `index`'s MLP on the rows routed to it."""
@@ -82,3 +95,9 @@ class ExpertsMLP(nn.Module):
             out.index_add_(0, rows, (h * weight_of[start : start + n, None]).to(x.dtype))
             start += n
         return out
+
+
+def _linear(weight: torch.Tensor) -> nn.Linear:
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    return layer
