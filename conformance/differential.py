@@ -19,7 +19,9 @@ import sys
 import time
 from dataclasses import dataclass
 
-from pagedllm.core.sampling_params import SamplingParams
+import msgspec
+
+from pagedllm.core.sampling_params import SamplingParams, StructuredOutputsParams
 
 # what both engines share: the engine's shape, which may change a request's numbers (a block
 # size changes how a windowed prefill walks its blocks); the rest must not
@@ -33,6 +35,11 @@ TOGETHER = {
 }
 ALONE = {"enable_prefix_caching": False}
 STOP_STRINGS = ("e", "o", "th", " a", "in")  # text the fixtures' byte-level tokenizers make often
+CONSTRAINTS = (
+    StructuredOutputsParams(regex="[a-z]{2,6}( [a-z]{2,6}){1,3}"),
+    StructuredOutputsParams(choice=["paged attention", "continuous batching", "a block table"]),
+    StructuredOutputsParams(json={"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}),
+)
 
 
 @dataclass
@@ -43,8 +50,9 @@ class Request:
 
 def random_workload(seed: int, count: int, vocab: int = 390, with_stops: bool = True) -> list[Request]:
     """Mixed lengths, shared prefixes, follow-up turns (an earlier prompt and more), repeats
-    (speculation's proposals), n > 1, seeded sampling, stop tokens with min_tokens, logprobs
-    and prompt logprobs."""
+    (speculation's proposals), n > 1, seeded sampling, stop tokens, and where the model has a
+    tokenizer (`with_stops`) stop strings and structured outputs (jump-forward on); min_tokens,
+    logprobs and prompt logprobs."""
     rng = random.Random(seed)
     prefixes = [[rng.randrange(3, vocab) for _ in range(rng.randrange(8, 40))] for _ in range(3)]
     out = []
@@ -70,6 +78,9 @@ def random_workload(seed: int, count: int, vocab: int = 390, with_stops: bool = 
             logprobs=rng.choice([None, 0, 3]),
             prompt_logprobs=1 if rng.random() < 0.15 else None,
         )
+        if with_stops and rng.random() < 0.12:  # constrained: its mask, jump-forward's forced tokens
+            constraint = rng.choice(CONSTRAINTS)
+            params = msgspec.structs.replace(params, min_tokens=0, structured_outputs=constraint)
         out.append(Request(prompt[:200], params))
     return out
 
