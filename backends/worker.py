@@ -7,8 +7,8 @@ a KV pool of its own heads; rank 0 samples and answers each step.
 
 This module is the process's shell: the link to the core, the group join, the model and the
 pool; each step's chunks go to the step executor chosen for the configuration
-(step_executor.py: propose, forward, choose; speculation/ overrides two of them), with the
-future of the step's structured-output masks (step_masks.py).
+(step_executor.py: propose, forward, choose; a feature's executor overrides the hooks it
+changes), with the future of the step's token masks (step_masks.py).
 `python -m pagedllm.backends.worker --head ENDPOINT --rank R` (started by the engine core, or
 on another host by `pagedllm worker`): it joins the core and is sent its configuration.
 """
@@ -170,7 +170,7 @@ class Worker:
 
     def execute(self, plan: SchedulerOutput, masks=None) -> StepResult | None:
         """Run a step; rank 0 answers, the other ranks answer nothing. `masks`: the future of
-        the step's structured-output masks (step_masks.py), where it has constrained requests."""
+        the step's token masks (step_masks.py), where it has any."""
         chunks = self.state.apply(plan)
         self.executor.forget(plan)
         kv = self.runner.kv_caches

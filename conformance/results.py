@@ -7,10 +7,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from pagedllm.backends.attention import ATTENTION_FEATURES, list_sizes
+from pagedllm.backends.models.config import DTYPE_NAMES
 
 # |got - want| <= atol + rtol * |want|, per dtype (in the spirit of torch.testing's defaults)
 TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 1.6e-2), torch.float16: (5e-3, 5e-3)}
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def tolerance_text(dtypes) -> str:

@@ -19,6 +19,12 @@ from torch.overrides import TorchFunctionMode
 
 from ..attention import AttentionMetadata, DecodeMetadata
 from ..models.decoder import CausalLM, DecoderLayer
+from .model_kernels import FusedRMSNorm, PanelLinear
+from .packed_linear import PackedLinear
+
+# the linear layers recorded as steps: the panel kernel's, and oneDNN's packed GEMMs (bfloat16
+# on CPUs that multiply bfloat16, float32 where the panel kernel is not used)
+RECORDED_LINEARS = (PanelLinear, PackedLinear)
 
 # torch calls the eager pass makes between its steps that move no number: shapes and views
 VIEW_CALLS = frozenset(
@@ -105,15 +111,12 @@ def record_forward(model: CausalLM, kv_caches) -> list[Step] | None:
 
         return hook
 
-    from .model_kernels import FusedRMSNorm
-    from .step_replay import REPLAYED_LINEARS
-
     handles, saved = [], []
     try:
         for module in model.modules():
             if isinstance(module, FusedRMSNorm):
                 kind = "norm"
-            elif isinstance(module, REPLAYED_LINEARS):
+            elif isinstance(module, RECORDED_LINEARS):
                 kind = "linear"
             elif module is model.embed_tokens:
                 kind = None  # the replay looks the embedding up itself

@@ -40,8 +40,8 @@ from pagedllm.core.utils import cdiv
 
 from ..models.decoder import CausalLM
 from . import native
-from .forward_recorder import record_forward
-from .model_kernels import Bfloat16Linear, FusedRMSNorm, PanelLinear
+from .forward_recorder import RECORDED_LINEARS, record_forward
+from .model_kernels import Bfloat16Linear, FusedRMSNorm
 from .packed_linear import PackedLinear, bfloat16_dot_products, packed_linear, padded_rows
 
 
@@ -51,10 +51,6 @@ def _ptr(t: torch.Tensor, offset_elements: int = 0) -> int:
 
 logger = logging.getLogger("pagedllm.backends")
 
-# the panel kernel, called here by pointer; oneDNN's packed GEMMs (bfloat16 on CPUs that multiply
-# bfloat16, float32 where the panel kernel is not used), called through torch on views of the
-# step's buffers (OneDnnCall)
-REPLAYED_LINEARS = (PanelLinear, PackedLinear)
 
 # A prefill step replays as a row per token: buffers for up to MAX_REPLAY_ROWS rows (the default
 # token budget is 2,048) where they take at most REPLAY_BUFFER_BYTES, else max_batch rows.
@@ -87,8 +83,8 @@ class StepReplay:
         self.max_blocks = cdiv(max_model_len, block_size)
         # prefill steps replay too, their buffers grown on first need up to REPLAY_BUFFER_BYTES
         self.row_cap = max(max_batch, min(MAX_REPLAY_ROWS, REPLAY_BUFFER_BYTES // self._bytes_per_row()))
-        self.products_in_place = self._onednn_throughout(model, kv_caches.dtype)
         self.steps = steps  # the eager pass's, recorded (forward_recorder.py)
+        self.products_in_place = self._onednn_throughout(steps, kv_caches.dtype)
         self._build(max_batch)
 
     def _bytes_per_row(self) -> int:
@@ -156,7 +152,7 @@ class StepReplay:
         def linear(step, x: torch.Tensor, after: str | None):
             module, out = step.module, linear_out.get(after)
             _check(out is not None, f"a linear layer followed by {after}")
-            _check(isinstance(module, REPLAYED_LINEARS), f"a {type(module).__name__} layer")
+            _check(isinstance(module, RECORDED_LINEARS), f"a {type(module).__name__} layer")
             if isinstance(module, Bfloat16Linear):
                 k_in = module.in_features
                 if k_in not in bfloat16_inputs:
@@ -230,13 +226,11 @@ class StepReplay:
         )
 
     @staticmethod
-    def _onednn_throughout(model: CausalLM, cache_dtype: torch.dtype) -> torch.dtype | None:
-        """bfloat16 where every linear layer is on oneDNN's bfloat16 GEMM over a bfloat16 cache,
-        float32 where every one is on its float32 GEMM over a float32 cache: the steps that read
-        each GEMM's product where it lies (_onednn_calls); else None."""
-        linears = [
-            m for layer in model.layers for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
-        ]
+    def _onednn_throughout(steps, cache_dtype: torch.dtype) -> torch.dtype | None:
+        """bfloat16 where every recorded linear layer is on oneDNN's bfloat16 GEMM over a bfloat16
+        cache, float32 where every one is on its float32 GEMM over a float32 cache: the steps that
+        read each GEMM's product where it lies (_onednn_calls); else None."""
+        linears = [s.module for s in steps if s.kind == "linear"]
         if cache_dtype == torch.bfloat16 and all(isinstance(m, Bfloat16Linear) for m in linears):
             return torch.bfloat16
         if cache_dtype == torch.float32 and all(type(m) is PackedLinear for m in linears):
