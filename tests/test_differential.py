@@ -1,25 +1,27 @@
 """The differential test (conformance/differential.py): requests run together, with chunked
-prefills, preemption, prefix hits and speculation, give what each gives alone on an idle
-engine; a difference is shrunk to the fewest requests that still show it."""
+prefills, preemption, prefix hits, speculation, jump-forward and a worker killed, give what
+each gives alone on an idle, plain engine; a difference is shrunk to the fewest requests that
+still show it. `python -m pagedllm.conformance.differential` is the long version."""
 
 from __future__ import annotations
 
-from pagedllm import LLM
+import pytest
+
 from pagedllm.conformance import differential
-from pagedllm.conformance.differential import ALONE, SHAPE, TOGETHER, differing, random_workload
+from pagedllm.conformance.differential import QUICK, SETTINGS, random_workload, run_setting
 
 
-def test_requests_run_together_give_what_each_gives_alone(tiny_model):
-    model = tiny_model("llama")
-    common = {"dtype": "float32", **SHAPE}
-    with LLM(model, **common, **TOGETHER) as together, LLM(model, **common, **ALONE) as alone:
-        for seed in (0, 1):
-            requests = random_workload(seed, 16)
-            together_out = differential.run_together(together, requests)
-            assert differing(together_out, differential.run_alone(alone, requests)) == []
-        stats = together.last_stats.scheduler
+@pytest.mark.parametrize("name", QUICK)
+def test_requests_run_together_give_what_each_gives_alone(name):
+    printed = []
+    counts = run_setting(name, SETTINGS[name], workloads=2, requests=16, seed=0, out=printed.append)
+    assert (counts["failures"], counts["hang"], counts["died"]) == (0, None, None), "\n".join(printed)
     # the features were on: a difference they made would have shown
-    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0 and stats.spec_decode.num_drafts > 0
+    assert counts["preemptions"] > 0 and counts["prefix_hits"] > 0 and counts["proposals"] > 0
+    if SETTINGS[name].kills:
+        assert counts["kills"] > 0
+    if SETTINGS[name].model is not None:  # a trained model: runs of proposed tokens were confirmed
+        assert counts["accepted"] > 0
 
 
 def test_a_difference_is_shrunk_to_the_requests_that_make_it(monkeypatch):

@@ -252,6 +252,8 @@ class EngineCore:
                 else:  # idle, or a second empty plan in a row: nothing runs until a message (or a grammar) comes
                     wait_ms = COMPILE_POLL_MS if self.structured.compiling else POLL_MS
                 self._take_frontend_messages(wait_ms)
+                if busy and wait_ms:  # nothing could be planned: do not outlive a frontend that is gone
+                    self._check_peers()
                 if not busy:
                     self._flush_outputs()  # e.g. aborts that emptied the engine, with fresh stats
                     self._check_peers()
