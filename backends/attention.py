@@ -100,6 +100,11 @@ class AttentionOps(Platform):
     # fp8_e5m2, int8; kv_cache.py) reach write_kv and both attention kernels as a cache of codes
     # with the keyword `kv_scales`. Another is refused at start-up.
     supported_kv_cache_dtypes: tuple[str, ...] = ("auto",)
+    # batch invariance (contract v6): True promises that a request's tokens and logprobs are the
+    # same bits whatever runs beside it (batch size and order, prefill chunking, prefix hits,
+    # forks, preemption, speculative verification, threads). The conformance suite's invariance
+    # rows must then all pass bit for bit; without it they are shown as information.
+    batch_invariant: bool = False
 
     def unsupported_kv_cache_dtype(self, kv_cache_dtype: str, head_size: int) -> str | None:
         """Why these ops cannot hold a cache of `kv_cache_dtype`, or None. Like the attention

@@ -25,8 +25,8 @@ from .thread_governor import ThreadGovernor
 #    kernels); 2: the platform face below; 3: compute_threads. An older backend runs on the
 #    defaults of what it does not define. 4: sliding windows and soft-capping (supports_* and
 #    the kernels' window / soft_cap keywords), which an older backend does not declare.
-CONTRACT_VERSION = 5
-SUPPORTED_CONTRACT_VERSIONS = (1, 2, 3, 4, 5)
+CONTRACT_VERSION = 6
+SUPPORTED_CONTRACT_VERSIONS = (1, 2, 3, 4, 5, 6)
 
 
 class Platform:

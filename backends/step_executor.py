@@ -61,6 +61,7 @@ class StepExecutor:
     def forget(self, plan: SchedulerOutput) -> None:
         """Called with every plan before its chunks run: what ended, and block tables replaced."""
 
+    @torch.inference_mode()  # the prompt-logprob rows too: a port's weights may still ask for gradients
     def run(self, plan: SchedulerOutput, chunks: list[ScheduledChunk], masks=None) -> StepResult | None:
         """The step's result on rank 0 (None on the other ranks). `masks`: the structured-output
         masks' future (step_masks.py), for a step with constrained requests."""

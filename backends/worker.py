@@ -113,6 +113,7 @@ class Worker:
             sliding_window=cfg.uniform_window,
             kv_in_shared_memory=self.ops.kv_in_shared_memory,
             num_device_blocks=self._profile_num_blocks(kv_spec.pool_bytes_per_slot),
+            batch_invariant=bool(self.ops.batch_invariant),
         )
 
     def _profile_num_blocks(self, slot_bytes: int) -> int | None:

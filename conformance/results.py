@@ -36,10 +36,19 @@ class CheckResult:
     worst_error: float = 0.0
     failures: list[str] = field(default_factory=list)
     skipped: str | None = None
+    informational: bool = False  # shown, never held against the backend (it promised nothing here)
 
     @property
     def ok(self) -> bool:
-        return self.skipped is not None or (self.cases > 0 and self.passed == self.cases)
+        return self.skipped is not None or self.informational or (self.cases > 0 and self.passed == self.cases)
+
+    @property
+    def status(self) -> str:
+        if self.skipped:
+            return "skip"
+        if self.informational:
+            return "info"
+        return "PASS" if self.ok else "FAIL"
 
     def record(self, ok: bool, error: float = 0.0, failure: str | None = None) -> None:
         self.cases += 1
@@ -77,9 +86,8 @@ def format_table(backend: str, results: list[CheckResult], support: str | None =
     header = f"{'check':36} {'cases':>6} {'passed':>7} {'worst error':>12}  {'status':6}  tolerance"
     lines += [header, "-" * len(header)]
     for r in results:
-        status = "skip" if r.skipped else ("PASS" if r.ok else "FAIL")
         err = "" if r.skipped else f"{r.worst_error:.3g}"
-        lines.append(f"{r.check:36} {r.cases:>6} {r.passed:>7} {err:>12}  {status:6}  {r.skipped or r.tolerance}")
+        lines.append(f"{r.check:36} {r.cases:>6} {r.passed:>7} {err:>12}  {r.status:6}  {r.skipped or r.tolerance}")
     failed = [r for r in results if not r.ok]
     lines.append("")
     lines.append(

@@ -25,10 +25,20 @@ from .results import CheckResult, declared_support, format_table
 
 
 @functools.lru_cache(maxsize=1)
-def tiny_model_dirs() -> dict[str, str]:
+def _models_root() -> str:
     root = tempfile.mkdtemp(prefix="pagedllm-conformance-")
     atexit.register(shutil.rmtree, root, ignore_errors=True)
-    return {arch: make_model_dir(os.path.join(root, arch), arch) for arch in ARCHITECTURES}
+    return root
+
+
+@functools.cache
+def tiny_model_dir(arch: str) -> str:
+    """A random-weight model folder of a fixture architecture, made once per run."""
+    return make_model_dir(os.path.join(_models_root(), arch), arch)
+
+
+def tiny_model_dirs() -> dict[str, str]:
+    return {arch: tiny_model_dir(arch) for arch in ARCHITECTURES}
 
 
 def _guarded(name: str, fn) -> list[CheckResult]:
@@ -68,6 +78,7 @@ def run_suite(
         check_engine_behaviour,
         check_windowed_end_to_end,
     )
+    from .invariance_checks import check_invariance
     from .op_checks import op_checks
 
     ops = load_backend(backend)
@@ -81,6 +92,7 @@ def run_suite(
         lambda: check_engine_behaviour(backend, models["llama"], quick, tensor_parallel_size, block_placement),
     )
     results += run("end_to_end_vs_transformers", lambda: check_end_to_end(backend, models, quick))
+    results += run("invariance", lambda: check_invariance(backend, ops, tiny_model_dir, quick))
     root = os.path.dirname(models["llama"])
     results += run("windowed_end_to_end", lambda: check_windowed_end_to_end(backend, ops, root, quick))
     return results
@@ -99,8 +111,7 @@ def main(args) -> int:
 
     def progress(rows) -> None:
         for r in rows:
-            status = "skip" if r.skipped else ("PASS" if r.ok else "FAIL")
-            print(f"  {r.check}: {status} ({time.perf_counter() - t0:.0f} s)", flush=True)
+            print(f"  {r.check}: {r.status} ({time.perf_counter() - t0:.0f} s)", flush=True)
 
     results = run_suite(
         args.backend,

@@ -63,6 +63,8 @@ class EngineReady(msgspec.Struct, tag="ready"):
     # this host's worker launcher, whose children the local workers are: the core's own child, or
     # a launcher server's (core/process/local_workers.py)
     launcher_pid: int | None = None
+    # every rank's backend promises a request the same bits whatever runs beside it
+    batch_invariant: bool = False
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs"):
@@ -160,6 +162,7 @@ class WorkerHello(FromWorkerMessage, tag="hello", kw_only=True):
     sliding_window: int | None  # every layer's window, where all have one: blocks out of it are freed
     kv_in_shared_memory: bool  # the backend keeps its KV pool in host shared memory
     num_device_blocks: int | None  # GPU backends: blocks that fit after profiling
+    batch_invariant: bool = False  # the backend promises the same bits whatever the batch
 
 
 class InitCache(msgspec.Struct, tag="init_cache"):

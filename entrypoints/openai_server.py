@@ -240,7 +240,8 @@ class OpenAIServer:
         return JSONResponse({"server_load": self.server_load})
 
     async def version(self, request: Request) -> Response:
-        return JSONResponse({"version": VERSION})
+        ready = self.engine.engine.ready  # what the backend declares, as the engine started it
+        return JSONResponse({"version": VERSION, "backend": ready.backend, "batch_invariant": ready.batch_invariant})
 
     async def models(self, request: Request) -> Response:
         if (denied := self._check_key(request)) is not None:

@@ -1,35 +1,35 @@
 """A request's tokens and logprobs on the `cpu` backend do not depend on what runs beside it:
-the same bits alone on an idle engine and inside a batch of others (their prefills and decodes
-in its steps), dense and mixture-of-experts models, float32 and bfloat16."""
+the conformance suite's invariance tier, every row, bit for bit — a reference engine and each
+row's busy engine started separately — and the tier catches a backend whose reduction order
+depends on the batch size while it declares invariance, and shows (without failing) one that
+says it is not invariant."""
 
 from __future__ import annotations
 
-import random
-
-import pytest
-
-from pagedllm import LLM, SamplingParams
-
-PROBE = [5 + (7 * i) % 300 for i in range(41)]
+from pagedllm.backends.registry import load_backend
+from pagedllm.conformance.invariance_checks import CASES, VARIANTS, check_invariance
+from pagedllm.conformance.results import format_table
+from pagedllm.conformance.suite import tiny_model_dir
 
 
-def others(count: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 390) for _ in range(rng.randrange(4, 90))] for _ in range(count)]
+def test_the_cpu_backend_gives_a_request_the_same_bits_in_every_invariance_row():
+    rows = check_invariance("cpu", load_backend("cpu"), tiny_model_dir, quick=False)
+    assert len(rows) == len(CASES) + len(VARIANTS)  # every row ran: the cpu backend declares them all
+    assert all(r.ok and not r.informational and r.cases == r.passed for r in rows), format_table("cpu", rows)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3-moe", "mixtral"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_requests_tokens_and_logprobs_are_the_same_bits_alone_and_in_a_batch(tiny_model, arch, dtype):
-    """The experts' GEMMs see as many rows as the batch routes to them: on a kernel whose
-    result depended on the row count, a token's logprobs would move with its neighbours."""
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3, prompt_logprobs=2)
-    with LLM(tiny_model(arch), dtype=dtype, kv_cache_memory="64MiB", skip_tokenizer_init=True) as llm:
-        (alone,) = llm.generate([PROBE], params, use_tqdm=False)
-        batch = others(12, seed=1)
-        outs = llm.generate(batch[:5] + [PROBE] + batch[5:], params, use_tqdm=False)
-        beside = outs[5]
-    got, want = beside.outputs[0], alone.outputs[0]
-    assert got.token_ids == want.token_ids
-    assert got.logprobs == want.logprobs  # every entry's float, bit for bit
-    assert beside.prompt_logprobs == alone.prompt_logprobs
+def test_a_batch_size_dependent_backend_is_caught_and_an_honest_one_is_shown(plugins_installed):
+    caught = check_invariance(
+        "batch-size-dependent",
+        load_backend("batch-size-dependent"),
+        tiny_model_dir,
+        False,
+        cases=("batch", "one_thread"),
+        variants=False,
+    )
+    assert [r.check for r in caught if not r.ok] == ["invariance batch"], format_table("planted", caught)
+    assert "logprobs differ" in caught[0].failures[0] or "tokens part" in caught[0].failures[0]
+    honest = load_backend("batch-size-dependent-undeclared")
+    shown = check_invariance(honest.name, honest, tiny_model_dir, False, cases=("batch",), variants=False)
+    assert shown[0].ok and shown[0].informational and shown[0].passed == 0 and shown[0].worst_error > 0
+    assert " info " in format_table(honest.name, shown)

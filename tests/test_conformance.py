@@ -160,11 +160,11 @@ def test_cli_exits_nonzero_on_failure_and_writes_json(plugins_installed, tmp_pat
     )
     assert proc.returncode == 1
     assert "FAIL" in proc.stdout and "decode_attention float32" in proc.stdout
-    assert "contract version 5;" in proc.stdout  # the table's header says what it was written for
+    assert "contract version 6;" in proc.stdout  # the table's header says what it was written for
     assert '"ok": false' in out.read_text()
     # the support matrix beside it: what it declares, and per dtype what passed
     matrix = (tmp_path / "r.md").read_text()
-    assert "## broken-no-softmax-scale" in matrix and "contract version 5" in matrix
+    assert "## broken-no-softmax-scale" in matrix and "contract version 6" in matrix
     decode = next(line for line in matrix.splitlines() if line.startswith("| decode_attention |"))
     assert decode.count("FAIL") == 3, decode  # float32, bfloat16 and float16 all fail
     assert "| write_kv | pass" in matrix

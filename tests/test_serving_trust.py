@@ -348,7 +348,10 @@ def test_min_tokens_holds_back_stop_strings(server, model):
 
 def test_version(server):
     status, body = server.get("/version")
-    assert status == 200 and json.loads(body)["version"]
+    reply = json.loads(body)
+    assert status == 200 and reply["version"]
+    # the cpu backend promises a request the same bits whatever runs beside it (its invariance rows)
+    assert reply["backend"] == "cpu" and reply["batch_invariant"] is True
 
 
 def test_zmq_prompt_logprobs_and_cached_tokens(server):

@@ -130,6 +130,9 @@ class CpuAttentionOps(AttentionOps):
     supports_sliding_window = True
     supports_soft_cap = True
     supported_kv_cache_dtypes = ("auto", "fp8_e4m3", "fp8_e5m2", "int8")
+    # each row's reductions run in an order fixed by its own length alone (the kernels split
+    # work across rows, never within one; experts run on the dense kernels): the invariance rows
+    batch_invariant = True
 
     def prepare_process(self) -> None:
         keep_freed_memory()

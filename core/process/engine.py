@@ -116,6 +116,7 @@ class EngineCore:
                 backend=self.config.backend,
                 kv_segments=kv_segments,
                 launcher_pid=self.workers.launcher_pid(),
+                batch_invariant=all(h.batch_invariant for h in hellos),
             )
         )
 

@@ -264,3 +264,41 @@ class OneQueryPerDecodeRow(CpuAttentionOps):
                 full = torch.full((q_len,), ctx, dtype=torch.int32)
                 out[rows] = super().decode_attention(query[rows], kv_cache, DecodeMetadata(tables, full, ctx), scale)
         return out
+
+
+class BatchSizeDependentSplitK(CpuAttentionOps):
+    """Decodes a small batch (two requests or fewer) in two partitions per context, combined
+    with the right rescale — as GPU kernels split the keys to fill the device when few requests
+    run — and a larger batch in one pass. Within tolerance either way, but a request's bits
+    depend on how many run beside it; it declares batch invariance all the same."""
+
+    name = "batch-size-dependent"
+    batch_invariant = True
+
+    def decode_attention(self, query, kv_cache, meta, scale):
+        if query.shape[0] > 2:
+            return super().decode_attention(query, kv_cache, meta, scale)
+        out = torch.empty_like(query)
+        for i, ctx in enumerate(meta.context_lens.tolist()):
+            k, v = _gathered(query, kv_cache, meta.block_tables[i], ctx)
+            q = query[i].float()
+            parts = []
+            for keys in (slice(0, (ctx + 1) // 2), slice((ctx + 1) // 2, ctx)):
+                if keys.start == keys.stop:
+                    continue
+                scores = torch.einsum("hd,shd->hs", q, k[keys]) * scale
+                top = scores.max(-1, keepdim=True).values
+                p = (scores - top).exp()
+                parts.append((top, p.sum(-1, keepdim=True), torch.einsum("hs,shd->hd", p, v[keys])))
+            top = torch.stack([t for t, _, _ in parts]).max(0).values
+            weighted = sum((t - top).exp() * w for t, _, w in parts)
+            sums = sum((t - top).exp() * s for t, s, _ in parts)
+            out[i] = (weighted / sums).to(query.dtype)
+        return out
+
+
+class BatchSizeDependentUndeclared(BatchSizeDependentSplitK):
+    """The same kernels, honestly declared: not batch invariant."""
+
+    name = "batch-size-dependent-undeclared"
+    batch_invariant = False
