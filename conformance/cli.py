@@ -7,7 +7,7 @@ def add_parser(sub) -> None:
     from pagedllm.core.config import PLACEMENTS
 
     conf = sub.add_parser("conformance", help="run the backend conformance suite")
-    conf.add_argument("--backend", required=True)
+    conf.add_argument("--backend", help="the backend to check (required unless --support)")
     conf.add_argument("--quick", action="store_true", help="a smaller grid (about 2 minutes on CPU)")
     conf.add_argument("--ops-only", action="store_true", help="op numerics and cache writes only")
     conf.add_argument("--json", help="also write the results as JSON here, and the support matrix beside it (.md)")
@@ -21,6 +21,18 @@ def add_parser(sub) -> None:
         "--tensor-parallel-size", type=int, default=1, help="run the engine rows with this many ranks, against one"
     )
     conf.add_argument("--block-placement", default="lru", choices=PLACEMENTS, help="for the engine rows")
+    conf.add_argument(
+        "--perf",
+        action="store_true",
+        help="also the speed tier: decode attention against the measured memory bandwidth, prefill "
+        "attention against the measured GEMM rate (information, never a pass or a fail)",
+    )
+    conf.add_argument(
+        "--support",
+        action="store_true",
+        help="print what every installed backend supports, feature by feature, as CSV (runs no check)",
+    )
+    conf.add_argument("--csv", help="with --support: write the CSV here")
     conf.set_defaults(func=run)
 
 

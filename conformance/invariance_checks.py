@@ -116,15 +116,16 @@ EXERCISED = {
     "speculative_verification": (lambda s: s.spec_decode and s.spec_decode.num_drafts, "no proposal was verified"),
 }
 QUICK_CASES = ("batch", "chunked_prefill", "prefix_hit", "preemption_recompute", "speculative_verification")
-# variants of the model and cache: (row suffix, model arch, engine options), each run on the batch row
+# variants of the model and cache: (row suffix, model arch, engine options), each run on the batch
+# row (a suffix never ends in a dtype's name: the support matrix reads those as kernel rows)
 VARIANTS = (
-    ("bfloat16", "llama", {"dtype": "bfloat16"}),
-    ("moe", "qwen3-moe", {}),
-    ("moe bfloat16", "qwen3-moe", {"dtype": "bfloat16"}),
+    ("bfloat16 model", "llama", {"dtype": "bfloat16"}),
+    ("MoE model", "qwen3-moe", {}),
+    ("MoE bfloat16 model", "qwen3-moe", {"dtype": "bfloat16"}),
     ("int8 weights", "llama", {"quantization": "int8"}),
     ("int4 weights", "llama", {"quantization": "int4"}),
-    ("int8 kv", "llama", {"kv_cache_dtype": "int8"}),
-    ("fp8 kv", "llama", {"kv_cache_dtype": "fp8_e4m3"}),
+    ("int8 KV cache", "llama", {"kv_cache_dtype": "int8"}),
+    ("fp8_e4m3 KV cache", "llama", {"kv_cache_dtype": "fp8_e4m3"}),
 )
 
 
@@ -182,5 +183,5 @@ def check_invariance(backend: str, ops, model_dir, quick: bool, cases=None, vari
         with engine(arch, **options) as llm:
             want = llm.generate([PROBE], PROBE_PARAMS, use_tqdm=False)[0]
             got = _case_runs(llm, "batch", PROBE_PARAMS)
-        rows.append(row(f"batch {name}", got, want))
+        rows.append(row(f"batch, {name}", got, want))
     return rows

@@ -66,9 +66,40 @@ def _declared_lines(d: dict) -> list[str]:
     ]
 
 
-def backend_section(name: str, declared: dict, run: dict | None) -> str:
+def _support_lines(support: list[dict] | None) -> list[str]:
+    if not support:
+        return []
+    lines = ["", "| feature | supported | how |", "|---|---|---|"]
+    lines += [f"| {r['feature']} | {r['supported']} | {r['how']} |" for r in support]
+    return lines
+
+
+def _speed_lines(run: dict) -> list[str]:
+    if not run.get("speed"):
+        return []
+    machine = run.get("machine") or {}
+    lines = [
+        "",
+        f"Speed tier (information; `--perf`{' --quick' if run.get('quick') else ''}), "
+        f"{machine.get('cpu', 'machine not recorded')} ({' '.join(machine.get('vector_flags', []))}), "
+        f"{machine.get('cores', '?')} cores, "
+        f"load {machine.get('load', '?')}:",
+        "",
+        "| kernel | dtype | KV cache | requests x tokens | ms | rate | of the machine | measured peak |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in run["speed"]:
+        lines.append(
+            f"| {r['kernel']} | {r['dtype']} | {r['kv_cache_dtype']} | {r['shape']} | {r['ms']:.2f} | "
+            f"{r['rate']} | {r['fraction']:.0%} | {r['of']} |"
+        )
+    return lines
+
+
+def backend_section(name: str, declared: dict, run: dict | None, support: list[dict] | None = None) -> str:
     lines = [f"## {name}", ""]
     lines += _declared_lines(declared)
+    lines += _support_lines(support if run is None else run.get("support", support))
     if run is None:
         lines += ["", "Not yet run here (no device for it on the machine that made this page).", ""]
         return "\n".join(lines)
@@ -83,9 +114,10 @@ def backend_section(name: str, declared: dict, run: dict | None) -> str:
         "",
     ]
     ops: dict[str, dict[str, str]] = {}
+    lines += [*_speed_lines(run), ""]
     engine = []
     for c in run["checks"]:
-        mark = "skip" if c.get("skipped") else ("pass" if c["ok"] else "FAIL")
+        mark = "skip" if c.get("skipped") else ("info" if c.get("informational") else ("pass" if c["ok"] else "FAIL"))
         base, _, dtype = c["check"].rpartition(" ")
         if dtype in DTYPES and base:
             ops.setdefault(base, {})[dtype] = f"{mark} ({c['passed']}/{c['cases']})"
@@ -117,22 +149,26 @@ def matrix(runs: list[dict], others: dict[str, dict] | None = None) -> str:
     for run in runs:
         parts.append(backend_section(run["backend"], run["declared"], run))
         seen.add(run["backend"])
-    for name, declared in (others or {}).items():
+    for name, (declared, support) in (others or {}).items():
         if name not in seen:
-            parts.append(backend_section(name, declared, None))
+            parts.append(backend_section(name, declared, None, support))
     return "\n".join(parts).rstrip() + "\n"
 
 
-def installed_declarations() -> dict[str, dict]:
-    """Every backend this install knows whose class can be imported here, by name."""
+def installed_declarations() -> dict[str, tuple[dict, list[dict]]]:
+    """Every built-in backend whose class can be imported here, by name: (its declarations, its
+    support probe's rows)."""
     from pagedllm.backends.registry import available_backends, backend_class
+
+    from .support import support_rows
 
     out = {}
     for name, spec in available_backends().items():
         if not spec.builtin:
             continue
         try:
-            out[name] = declarations(backend_class(name))
+            cls = backend_class(name)
+            out[name] = (declarations(cls), support_rows(name, cls))
         except Exception:  # noqa: BLE001 - a backend whose module cannot import here is left out
             continue
     return out

@@ -43,11 +43,15 @@ class Case:
     share_prefix_blocks: int = 0
     window: int | None = None
     soft_cap: float | None = None
+    kv_heads: int = NUM_KV_HEADS
+    model: str = ""  # the real model whose attention shape this is
 
     def label(self, dtype) -> str:
         scale = "" if self.scale is None else f" scale={self.scale:.4g}"
         limits = "".join(f" {k}={v}" for k, v in (("window", self.window), ("soft_cap", self.soft_cap)) if v)
         shape = f"block_size={self.block_size} head_size={self.head_size} gqa={self.group}:1"
+        if self.model:
+            shape = f"{self.model} ({self.kv_heads * self.group} heads, {self.kv_heads} KV) {shape}"
         return f"{self.what}: {shape}{scale}{limits} {DTYPE_NAMES[dtype]}"
 
     def build(self, dtype, device):
@@ -56,7 +60,7 @@ class Case:
             list(self.context_lens),
             self.block_size,
             self.head_size,
-            NUM_KV_HEADS,
+            self.kv_heads,
             self.group,
             dtype,
             share_prefix_blocks=self.share_prefix_blocks,
@@ -256,6 +260,50 @@ def check_attention(ops, quick: bool, phase: str, dtypes) -> list[CheckResult]:
     return list(rows.values())
 
 
+# attention shapes of real models, from their config.json: (name, query heads, KV heads, head
+# size, sliding window or None, attention soft cap or None)
+MODEL_SHAPES = (
+    ("Llama 3 8B", 32, 8, 128, None, None),
+    ("Llama 3 70B", 64, 8, 128, None, None),
+    ("Qwen3 8B", 32, 8, 128, None, None),
+    ("Qwen3 0.6B", 16, 8, 128, None, None),
+    ("Gemma 2 9B", 16, 8, 256, 4096, 50.0),
+    ("Gemma 3 4B", 8, 4, 256, 1024, None),
+    ("Mixtral 8x7B", 32, 8, 128, None, None),
+    ("Phi-3 mini", 32, 32, 96, 2047, None),
+)
+
+
+def model_shape_cases(ops, quick: bool) -> list[Case]:
+    """Decode and (chunked) prefill at each real model's heads, GQA ratio and head size, with
+    its window and soft cap where it has them (windowed contexts run past the window in the
+    full suite). Shapes the backend does not declare are left out."""
+    bs = _supported((16, 32, 8), ops.supported_block_sizes)[0]
+    cases = []
+    for i, (model, heads, kv_heads, head, window, cap) in enumerate(MODEL_SHAPES[:3] if quick else MODEL_SHAPES):
+        if ops.supported_head_sizes is not None and head not in ops.supported_head_sizes:
+            continue
+        window = window if window and ops.supports("sliding_window") else None
+        cap = cap if cap and ops.supports("soft_cap") else None
+        long = window + 40 if window and not quick else 2 * bs + 5
+        shape = dict(kv_heads=kv_heads, model=model, window=window, soft_cap=cap)
+        group = heads // kv_heads
+        cases.append(Case("decode", (1, 1, 1), (1, bs + 1, long), bs, head, group, seed=700 + i, **shape))
+        cases.append(Case("prefill", (bs + 3, 7), (bs + 3, long), bs, head, group, seed=720 + i, **shape))
+    return cases
+
+
+def check_model_shapes(ops, quick: bool, dtypes) -> list[CheckResult]:
+    rows = _rows("model_shapes", dtypes)
+    cases = model_shape_cases(ops, quick)
+    for row in rows.values() if not cases else ():
+        row.skipped = "no real model's head size is among the declared ones"
+    for spec in cases:
+        for dt in dtypes:
+            _check(rows[dt], ops, spec, spec.what, dt, ops.device)
+    return list(rows.values())
+
+
 def check_large_scores(ops, quick: bool, dtypes) -> list[CheckResult]:
     rows = _rows("large_scores", dtypes)
     for spec in large_score_cases(ops, quick):
@@ -436,6 +484,7 @@ def op_checks(ops, quick: bool = False, only_dtypes=None) -> list[tuple[str, obj
         ("prefill_attention", lambda: check_attention(ops, quick, "prefill", dtypes)),
         ("chunked_prefill_attention", lambda: check_attention(ops, quick, "chunked", dtypes)),
         ("large_scores", lambda: check_large_scores(ops, quick, dtypes)),
+        ("model_shapes", lambda: check_model_shapes(ops, quick, dtypes)),
         ("sliding_window", lambda: check_limits(ops, quick, dtypes, "sliding_window")),
         ("soft_cap", lambda: check_limits(ops, quick, dtypes, "soft_cap")),
         ("kv_cache", lambda: check_kv_cache_dtypes(ops, quick, dtypes, _long_point(ops))),

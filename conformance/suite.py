@@ -79,6 +79,7 @@ def run_suite(
         check_windowed_end_to_end,
     )
     from .invariance_checks import check_invariance
+    from .memory_checks import check_memory
     from .op_checks import op_checks
 
     ops = load_backend(backend)
@@ -87,6 +88,7 @@ def run_suite(
         return results
     models = tiny_model_dirs()
     results += run("cache_placement", lambda: check_cache_placement(backend, models["llama"]))
+    results += run("memory", lambda: check_memory(backend, models["llama"], quick))
     results += run(
         "engine behaviour",
         lambda: check_engine_behaviour(backend, models["llama"], quick, tensor_parallel_size, block_placement),
@@ -103,6 +105,19 @@ def main(args) -> int:
     from pagedllm.backends.models.config import DTYPES
     from pagedllm.backends.registry import check_available, resolve_alias
 
+    if args.support:
+        from .support import all_support_rows, to_csv
+
+        text = to_csv(all_support_rows())
+        if args.csv:
+            with open(args.csv, "w") as f:
+                f.write(text)
+            print(f"wrote {args.csv}")
+        else:
+            print(text, end="")
+        return 0
+    if not args.backend:
+        raise SystemExit("pagedllm conformance: --backend is required (or --support)")
     args.backend, picked = resolve_alias(args.backend)
     if picked:
         print(f"pagedllm: {picked}")
@@ -126,11 +141,24 @@ def main(args) -> int:
     from pagedllm.backends.registry import backend_class
 
     from .matrix import backend_section, declarations
+    from .support import support_rows
 
     cls = backend_class(args.backend)
     support = declared_support(cls)
     print(format_table(args.backend, results, support))
     print(f"\n({'quick' if args.quick else 'full'}{', ops only' if args.ops_only else ''} suite, {elapsed:.0f} s)")
+    speed, machine = None, None
+    if args.perf:
+        from pagedllm.backends.registry import load_backend
+        from pagedllm.benchmarks.machine import cpu_info
+
+        from .perf import format_speed, speed_rows
+
+        machine = {**cpu_info(), "load": round(os.getloadavg()[0], 2)}
+        speed = speed_rows(load_backend(args.backend), args.quick)
+        print("\n" + format_speed(args.backend, speed))
+        flags = " ".join(machine["vector_flags"])
+        print(f"(machine: {machine['cpu']} ({flags}), {machine['cores']} cores, load {machine['load']})")
     if args.json:
         run = {
             "backend": args.backend,
@@ -143,6 +171,9 @@ def main(args) -> int:
             "declared_support": support,
             "declared": declarations(cls),
             "checks": [r.to_dict() for r in results],
+            "support": support_rows(args.backend, cls),
+            "speed": speed,
+            "machine": machine,
         }
         with open(args.json, "w") as f:
             json.dump(run, f, indent=2)

@@ -1,9 +1,11 @@
 """The conformance suite on the cpu backend, on a third-party backend installed through its entry
 point, and on deliberately broken backends, each of which must fail the right row."""
 
+import csv
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -21,7 +23,7 @@ def test_cpu_backend_passes_the_quick_op_checks_and_prints_rows_as_they_finish(t
     short by a timeout (the GPU check's steps have them) has still shown what it did. The
     engine rows run below on an independent port (`example`); on the cpu backend the rest of
     the suite checks the same behaviour against transformers directly."""
-    cmd = [sys.executable, "-m", "pagedllm.cli", "conformance", "--backend", "cpu", "--quick", "--ops-only"]
+    cmd = [sys.executable, "-m", "pagedllm.cli", "conformance", "--backend", "cpu", "--quick", "--ops-only", "--perf"]
     proc = subprocess.run([*cmd, "--json", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=600)
     report = json.loads((tmp_path / "r.json").read_text())
     assert proc.returncode == 0 and report["ok"], proc.stdout
@@ -36,6 +38,14 @@ def test_cpu_backend_passes_the_quick_op_checks_and_prints_rows_as_they_finish(t
     table_at = proc.stdout.index("pagedllm conformance — backend cpu")
     for name in names:
         assert 0 <= proc.stdout.find(f"  {name}: PASS (") < table_at, f"{name} was not printed as it finished"
+    # the speed tier, beside the rows: decode attention per dtype and 8-bit KV cache, prefill
+    # attention per dtype, each against what the machine measured in the same run
+    speed = {(r["kernel"], r["dtype"], r["kv_cache_dtype"]): r for r in report["speed"]}
+    assert ("decode attention", "bfloat16", "int8") in speed and ("prefill attention", "float32", "auto") in speed
+    assert all(r["fraction"] > 0 and r["ms"] > 0 for r in speed.values())
+    assert "speed tier — backend cpu (information, not a pass/fail)" in proc.stdout
+    matrix = (tmp_path / "r.md").read_text()
+    assert "| decode attention | float32 | auto |" in matrix and "| batch invariance | yes |" in matrix
 
 
 def test_plugin_backend_is_found_and_passes(plugins_installed):
@@ -178,6 +188,41 @@ def test_the_support_matrix_shows_backends_not_run_from_their_declarations():
     for name in ("cuda-triton", "cuda-native"):  # importable here, never run: declarations only
         section = page.split(f"## {name}")[1].split("## ")[0]
         assert "Not yet run here" in section and "its own device memory" in section and "nccl" in section
+
+
+def test_the_support_probe_writes_every_backends_features_as_csv(tmp_path):
+    out = tmp_path / "support.csv"
+    cmd = [sys.executable, "-m", "pagedllm.cli", "conformance", "--support", "--csv", str(out)]
+    assert subprocess.run(cmd, capture_output=True, text=True, timeout=120).returncode == 0
+    rows = {(r["backend"], r["feature"]): r for r in csv.DictReader(out.open())}
+    assert rows["cpu", "batch invariance"]["supported"] == "yes"
+    assert rows["cuda-triton", "batch invariance"]["supported"] == "no"  # promised only where the rows hold it
+    assert rows["cpu", "kv cache int8"]["supported"] == "yes" and rows["cpu", "sliding window"]["supported"] == "yes"
+    assert rows["cuda-native", "int4 weights"]["how"].startswith("base class")
+
+
+def test_docs_backends_md_is_made_from_the_committed_cpu_run():
+    """docs/backends.md is what the matrix makes of docs/bench/conformance-cpu.json (regenerate
+    both with the commands the page names after changing a check or a declaration)."""
+    from pagedllm.conformance.matrix import installed_declarations, matrix
+
+    root = Path(__file__).resolve().parent.parent
+    run = json.loads((root / "docs" / "bench" / "conformance-cpu.json").read_text())
+    assert run["ok"] and run["speed"] and not run["quick"]
+    assert matrix([run], installed_declarations()) == (root / "docs" / "backends.md").read_text()
+
+
+def test_the_memory_tier_passes_on_cpu(tiny_model):
+    from pagedllm.conformance.memory_checks import check_memory
+
+    rows = check_memory("cpu", tiny_model("llama"), quick=False)
+    assert [r.check for r in rows] == [
+        "memory_pool_sized",
+        "memory_every_block_used",
+        "memory_nothing_left",
+        "memory_worker_restart",
+    ]
+    assert all(r.ok and r.cases == 1 for r in rows), format_table("cpu", rows)
 
 
 def test_unknown_backend_lists_known_ones():
