@@ -1,6 +1,6 @@
 """The support matrix: for each backend, what it declares (its platform and the ops' declared
 support) and what a conformance run passed, as Markdown — in the spirit of llama.cpp's
-test-backend-ops table. `pagedllm conformance --json RUN.json` writes RUN.md beside it;
+test-backend-ops table. `pagedllm conformance --perf --json RUN.json` writes RUN.md beside it;
 docs/backends.md is made from the runs at hand, and shows every other installed backend from
 its declarations alone, marked as not run:
 
@@ -71,7 +71,7 @@ def _support_lines(support: list[dict] | None) -> list[str]:
         return []
     lines = ["", "| feature | supported | how |", "|---|---|---|"]
     lines += [f"| {r['feature']} | {r['supported']} | {r['how']} |" for r in support]
-    return lines
+    return [*lines, ""]
 
 
 def _speed_lines(run: dict) -> list[str]:
@@ -79,7 +79,6 @@ def _speed_lines(run: dict) -> list[str]:
         return []
     machine = run.get("machine") or {}
     lines = [
-        "",
         f"Speed tier (information; `--perf`{' --quick' if run.get('quick') else ''}), "
         f"{machine.get('cpu', 'machine not recorded')} ({' '.join(machine.get('vector_flags', []))}), "
         f"{machine.get('cores', '?')} cores, "
@@ -93,7 +92,7 @@ def _speed_lines(run: dict) -> list[str]:
             f"| {r['kernel']} | {r['dtype']} | {r['kv_cache_dtype']} | {r['shape']} | {r['ms']:.2f} | "
             f"{r['rate']} | {r['fraction']:.0%} | {r['of']} |"
         )
-    return lines
+    return [*lines, ""]
 
 
 def backend_section(name: str, declared: dict, run: dict | None, support: list[dict] | None = None) -> str:
@@ -101,7 +100,7 @@ def backend_section(name: str, declared: dict, run: dict | None, support: list[d
     lines += _declared_lines(declared)
     lines += _support_lines(support if run is None else run.get("support", support))
     if run is None:
-        lines += ["", "Not yet run here (no device for it on the machine that made this page).", ""]
+        lines += ["Not yet run here (no device for it on the machine that made this page).", ""]
         return "\n".join(lines)
     suite = ("quick" if run.get("quick") else "full") + (" ops-only" if run.get("ops_only") else "")
     tp = run.get("tensor_parallel_size", 1)
@@ -114,7 +113,7 @@ def backend_section(name: str, declared: dict, run: dict | None, support: list[d
         "",
     ]
     ops: dict[str, dict[str, str]] = {}
-    lines += [*_speed_lines(run), ""]
+    lines += _speed_lines(run)
     engine = []
     for c in run["checks"]:
         mark = "skip" if c.get("skipped") else ("info" if c.get("informational") else ("pass" if c["ok"] else "FAIL"))
@@ -141,8 +140,10 @@ def matrix(runs: list[dict], others: dict[str, dict] | None = None) -> str:
     parts = [
         "# Backends: what each declares and what passed",
         "",
-        "Made by `python -m pagedllm.conformance.matrix RUN.json ...` from `pagedllm conformance --json` runs; "
-        "cells are (cases passed / cases).",
+        "Made by `python -m pagedllm.conformance.matrix RUN.json ...` from `pagedllm conformance --perf --json` "
+        "runs; each feature table is the support probe's (`pagedllm conformance --support`). Cells are "
+        "(cases passed / cases); `info` marks a row shown as information (the backend does not promise what "
+        "it checks, e.g. batch invariance).",
         "",
     ]
     seen = set()
