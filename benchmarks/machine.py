@@ -10,32 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import platform
 import subprocess
 import sys
 import time
 
-# flags that decide how fast the CPU kernels run
-VECTOR_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "asimd", "sve")
+from pagedllm.backends.host import cpu_info
+
 PROBE_BYTES = 64 << 20  # larger than the last-level cache of most hosts
 GEMM_SIZE = 512
-
-
-def cpu_info() -> dict:
-    fields: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
-    flags = set((fields.get("flags") or fields.get("Features") or "").split())
-    return {
-        "cpu": fields.get("model name") or platform.processor() or platform.machine(),
-        "vector_flags": [f for f in VECTOR_FLAGS if f in flags],
-        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-    }
 
 
 def time_steps(fn, steps: int) -> list[float]:

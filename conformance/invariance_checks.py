@@ -143,10 +143,14 @@ def _supported_variants(ops) -> list[tuple[str, str, dict]]:
     return out
 
 
-def check_invariance(backend: str, ops, model_dir, quick: bool, cases=None, variants: bool = True) -> list[CheckResult]:
+def check_invariance(
+    backend: str, ops, model_dir, quick: bool, cases=None, variants: bool = True, tensor_parallel_size: int = 1
+) -> list[CheckResult]:
     """The invariance rows. `ops`: the backend's ops (what it declares); model_dir(arch): a
     fixture model's folder; cases: these rows of CASES only (default: all, QUICK_CASES when
-    quick); variants: also the batch row on each model and cache variant (not when quick)."""
+    quick); variants: also the batch row on each model and cache variant (not when quick).
+    Every engine runs with `tensor_parallel_size` ranks: the rows hold within one size (a size
+    changes the order of the reductions the ranks split, so not across sizes)."""
     from pagedllm.entrypoints.llm import LLM
 
     declared = bool(getattr(ops, "batch_invariant", False))
@@ -154,6 +158,7 @@ def check_invariance(backend: str, ops, model_dir, quick: bool, cases=None, vari
 
     def engine(arch: str, **options):
         base = {"dtype": "float32", "num_kv_blocks": 256, "enable_prefix_caching": False, **SHAPE}
+        base["tensor_parallel_size"] = tensor_parallel_size
         return LLM(model_dir(arch), backend=backend, skip_tokenizer_init=True, **{**base, **options})
 
     def row(name: str, got: list, want) -> CheckResult:

@@ -3,8 +3,8 @@ to what the machine can do, measured in the same run — information, never a pa
 
 - decode attention: bytes of K/V (and 8-bit scales) read per second at a batch of 64 requests of
   2,048 tokens each (Llama 3 8B's heads: 32 query heads, 8 KV heads of 128; blocks of 16
-  scattered through the pool), as a fraction of the memory bandwidth a probe measures (on the
-  CPU: summing a 256 MiB buffer with every thread; on a device: a copy, bytes read + written);
+  scattered through the pool), as a fraction of the memory bandwidth a probe measures (summing
+  a 256 MiB buffer on the device, with every thread on a CPU);
 - prefill attention: the FLOP/s of its two products (Q·Kᵀ and P·V, causal: half the square)
   for 4 prompts of 512 tokens, as a fraction of a square GEMM's rate in the same dtype (or in
   float32, where that is faster).
@@ -33,11 +33,11 @@ QUICK_SHAPE = (8, 512)
 
 
 def _timed(fn, sync, min_seconds: float = 0.3) -> float:
-    """Seconds per call: the best of repeated calls after a warm-up."""
+    """Seconds per call: the best of calls repeated for min_seconds (one at least), after a warm-up."""
     fn()
     sync()
     best, spent = float("inf"), 0.0
-    while spent < min_seconds:
+    while best == float("inf") or spent < min_seconds:
         t0 = time.perf_counter()
         fn()
         sync()
@@ -47,19 +47,21 @@ def _timed(fn, sync, min_seconds: float = 0.3) -> float:
 
 
 def machine_peaks(device: torch.device, dtypes, sync) -> dict:
-    """The measured memory bandwidth (bytes/s) and GEMM rate per dtype (FLOP/s)."""
+    """The measured memory bandwidth (bytes/s: a sum reads 256 MiB, more than a last-level cache
+    holds) and GEMM rate per dtype (FLOP/s: square products, grown until one takes 20 ms)."""
     size = 256 << 20
-    if device.type == "cpu":
-        buf = torch.ones(size // 4)
-        bandwidth = size / _timed(buf.sum, sync)
-    else:
-        src = torch.empty(size, dtype=torch.uint8, device=device)
-        dst = torch.empty_like(src)
-        bandwidth = 2 * size / _timed(lambda: dst.copy_(src), sync)
-    n = 1024 if device.type == "cpu" else 8192
+    buf = torch.ones(size // 4, device=device)
+    bandwidth = size / _timed(buf.sum, sync)
+    del buf
     gemm = {}
     for dtype in {torch.float32, *dtypes}:
-        a, b = torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
+        n = 256
+        while True:
+            a, b = torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
+            seconds = _timed(lambda a=a, b=b: a @ b, sync, min_seconds=0.0)
+            if seconds > 0.02 or n >= 8192:
+                break
+            n *= 2
         gemm[dtype] = 2 * n**3 / _timed(lambda a=a, b=b: a @ b, sync)
     # a kernel may always compute in float32: where torch's GEMM in a dtype is slower (float16
     # on most CPUs), the float32 rate is the reference

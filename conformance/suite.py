@@ -94,7 +94,10 @@ def run_suite(
         lambda: check_engine_behaviour(backend, models["llama"], quick, tensor_parallel_size, block_placement),
     )
     results += run("end_to_end_vs_transformers", lambda: check_end_to_end(backend, models, quick))
-    results += run("invariance", lambda: check_invariance(backend, ops, tiny_model_dir, quick))
+    results += run(
+        "invariance",
+        lambda: check_invariance(backend, ops, tiny_model_dir, quick, tensor_parallel_size=tensor_parallel_size),
+    )
     root = os.path.dirname(models["llama"])
     results += run("windowed_end_to_end", lambda: check_windowed_end_to_end(backend, ops, root, quick))
     return results
@@ -149,8 +152,8 @@ def main(args) -> int:
     print(f"\n({'quick' if args.quick else 'full'}{', ops only' if args.ops_only else ''} suite, {elapsed:.0f} s)")
     speed, machine = None, None
     if args.perf:
+        from pagedllm.backends.host import cpu_info
         from pagedllm.backends.registry import load_backend
-        from pagedllm.benchmarks.machine import cpu_info
 
         from .perf import format_speed, speed_rows
 

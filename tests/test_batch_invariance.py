@@ -33,3 +33,19 @@ def test_a_batch_size_dependent_backend_is_caught_and_an_honest_one_is_shown(plu
     shown = check_invariance(honest.name, honest, tiny_model_dir, False, cases=("batch",), variants=False)
     assert shown[0].ok and shown[0].informational and shown[0].passed == 0 and shown[0].worst_error > 0
     assert " info " in format_table(honest.name, shown)
+
+
+def test_under_tensor_parallelism_the_bits_hold_within_a_size():
+    """Two ranks split each row-parallel product's reduction and sum the halves: the order is
+    fixed by the size, not by the batch, so the rows hold at 2 ranks as at 1 (across sizes the
+    logprobs may differ in their last bits; docs/tensor-parallel.md)."""
+    rows = check_invariance(
+        "cpu",
+        load_backend("cpu"),
+        tiny_model_dir,
+        False,
+        cases=("batch", "chunked_prefill"),
+        variants=False,
+        tensor_parallel_size=2,
+    )
+    assert all(r.ok and r.cases == r.passed for r in rows), format_table("cpu, 2 ranks", rows)

@@ -22,6 +22,7 @@ import tempfile
 
 import torch
 
+from pagedllm.backends.host import cpuinfo_fields
 from pagedllm.core.cache_dir import cache_root
 
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
@@ -61,16 +62,7 @@ def cpu_flags() -> set[str]:
 
 def cpu_vendor_family() -> tuple[str, int]:
     """This CPU's vendor_id and family number (/proc/cpuinfo); ("", 0) where they cannot be read."""
-    info: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                info.setdefault(key.strip(), value.strip())
-                if "vendor_id" in info and "cpu family" in info:
-                    break
-    except OSError:
-        pass
+    info = cpuinfo_fields()
     family = info.get("cpu family", "0")
     return info.get("vendor_id", ""), int(family) if family.isdigit() else 0
 
