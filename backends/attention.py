@@ -105,6 +105,15 @@ class AttentionOps(Platform):
     # forks, preemption, speculative verification, threads). The conformance suite's invariance
     # rows must then all pass bit for bit; without it they are shown as information.
     batch_invariant: bool = False
+    # --batch-invariant (v6): set by the worker before it asks for quantized layers and prepares
+    # the model. A backend whose fast paths are not invariant everywhere takes its invariant
+    # ones where it is set, and says where the promise holds in batch_invariant_for.
+    batch_invariant_mode: bool = False
+
+    def batch_invariant_for(self, quantized: bool) -> bool:
+        """Whether `batch_invariant` holds for a model with quantized layers (`quantized`) or
+        without, under batch_invariant_mode; the engine reports this answer."""
+        return self.batch_invariant
 
     def unsupported_kv_cache_dtype(self, kv_cache_dtype: str, head_size: int) -> str | None:
         """Why these ops cannot hold a cache of `kv_cache_dtype`, or None. Like the attention

@@ -24,7 +24,9 @@ from .thread_governor import ThreadGovernor
 # 1: AttentionOps alone (device, kv_in_shared_memory, device_count, prepare_process and the
 #    kernels); 2: the platform face below; 3: compute_threads. An older backend runs on the
 #    defaults of what it does not define. 4: sliding windows and soft-capping (supports_* and
-#    the kernels' window / soft_cap keywords), which an older backend does not declare.
+#    the kernels' window / soft_cap keywords), which an older backend does not declare. 5: 8-bit
+#    KV caches (supported_kv_cache_dtypes, kv_scales). 6: batch_invariant, the promise the
+#    conformance suite's invariance rows hold.
 CONTRACT_VERSION = 6
 SUPPORTED_CONTRACT_VERSIONS = (1, 2, 3, 4, 5, 6)
 

@@ -55,6 +55,7 @@ from .kv_cache import allocate_pool, kv_spec_of, pool_dtype, pool_shape
 from .models.config import ModelConfig
 from .models.loader import load_model
 from .models.parallel import SINGLE, TensorParallel
+from .models.quantized import QuantizedLinear
 from .registry import load_backend, unsupported
 from .runner import ModelRunner
 from .step_executor import executor_for
@@ -72,6 +73,7 @@ class Worker:
         self.config = config
         self.rank = rank
         self.ops = load_backend(config.backend)  # the kernels, and the platform the worker asks
+        self.ops.batch_invariant_mode = config.batch_invariant
         self.ops.prepare_process()
         self.ops.seed(config.seed)
         self.tp = join_group(
@@ -98,6 +100,8 @@ class Worker:
             quantization=config.quantization,
         )
         self.model_config = self.model.config
+        # before the backend's kernels replace them (ModelRunner)
+        self.quantized = any(isinstance(m, QuantizedLinear) for m in self.model.modules())
         self.state = WorkerState()
         self.executor = executor_for(config, self.model, self.ops, self.tp, threads, self.state)
         self._mappings = []
@@ -113,7 +117,7 @@ class Worker:
             sliding_window=cfg.uniform_window,
             kv_in_shared_memory=self.ops.kv_in_shared_memory,
             num_device_blocks=self._profile_num_blocks(kv_spec.pool_bytes_per_slot),
-            batch_invariant=bool(self.ops.batch_invariant),
+            batch_invariant=bool(self.ops.batch_invariant_for(quantized=self.quantized)),
         )
 
     def _profile_num_blocks(self, slot_bytes: int) -> int | None:

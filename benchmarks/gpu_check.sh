@@ -83,8 +83,12 @@ else
   tail -3 "$OUT/build-native.log"
   step ops-cuda-native 30 env CUDA_LAUNCH_BLOCKING=1 $PY -m pagedllm.cli conformance \
     --backend cuda-native --ops-only --quick --json "$OUT/ops-cuda-native.json"
+  for backend in cuda-triton cuda-native; do  # the speed tier at its full shapes: decode against the bandwidth
+    step "perf-$backend" 30 $PY -m pagedllm.cli conformance --backend "$backend" --perf-only \
+      --json "$OUT/perf-$backend.json"
+  done
   for backend in cuda-triton cuda-native; do
-    step "engine-$backend" 45 env PAGEDLLM_STRICT_GRAPHS=1 PAGEDLLM_LOG_LEVEL=INFO $PY -m pagedllm.cli \
+    step "engine-$backend" 60 env PAGEDLLM_STRICT_GRAPHS=1 PAGEDLLM_LOG_LEVEL=INFO $PY -m pagedllm.cli \
       conformance --backend "$backend" --quick --json "$OUT/engine-$backend.json"
   done
   step bandwidth 60 $PY -m pagedllm.benchmarks.gpu_decode_bandwidth  # cuda-triton: six decode configs

@@ -27,6 +27,7 @@ def add_parser(sub) -> None:
         help="also the speed tier: decode attention against the measured memory bandwidth, prefill "
         "attention against the measured GEMM rate (information, never a pass or a fail)",
     )
+    conf.add_argument("--perf-only", action="store_true", help="the speed tier alone (no checks)")
     conf.add_argument(
         "--support",
         action="store_true",

@@ -2,14 +2,15 @@
 (a small step budget, so prefills are chunked; a small pool, so requests are preempted; prefix
 caching and async scheduling; speculation; jump-forward), and every request's tokens, logprobs
 and prompt logprobs must equal those of its own run alone on an idle, plain engine (no prefix
-caching, no async scheduling, no speculation, no jump-forward). Seeded; a failing workload is
+caching, no async scheduling, no speculation, no jump-forward, one compute thread). Seeded; a failing workload is
 shrunk to the fewest requests that still show the difference; a workload that does not finish
 in time is reported as a hang.
 
     python -m pagedllm.conformance.differential [--setting NAME ...] [--workloads 20]
         [--requests 24] [--seed 0]
 
-Each setting fixes what both engines share (the model, its dtype, windows, the KV cache dtype)
+Each setting fixes what both engines share (the model, its dtype, windows, the KV cache dtype,
+weight quantization with --batch-invariant)
 and what only the busy one does (preemption by swap, a worker killed mid-run, a draft model).
 A request's output on the `cpu` backend is the same bits whatever runs beside it; a feature
 that breaks that shows up here as a difference or a hang.
@@ -41,7 +42,8 @@ TOGETHER = {
     "num_kv_blocks": 40,
     "speculative_config": {"method": "ngram", "num_speculative_tokens": 3},
 }
-ALONE = {"enable_prefix_caching": False, "async_scheduling": False, "jump_forward": False}
+# the reference: an idle, plain engine on one compute thread
+ALONE = {"enable_prefix_caching": False, "async_scheduling": False, "jump_forward": False, "cpu_threads": 1}
 STOP_STRINGS = ("e", "o", "th", " a", "in")  # text the fixtures' byte-level tokenizers make often
 CONSTRAINTS = (
     StructuredOutputsParams(regex="[a-z]{2,6}( [a-z]{2,6}){1,3}"),
@@ -61,6 +63,8 @@ class Setting:
     dtype: str = "float32"
     window: int | None = None
     kv_cache_dtype: str = "auto"
+    quantization: str | None = None
+    batch_invariant: bool = False  # --batch-invariant (quantized layers need it)
     model: str | None = None  # a folder instead of a fixture
     together: dict = field(default_factory=dict)
     kills: int = 0
@@ -72,6 +76,10 @@ SETTINGS = {
     "moe": Setting(arch="qwen3-moe", together={"num_kv_blocks": 48}),
     "windows": Setting(arch="mistral", window=12, together={"num_kv_blocks": 10}),
     "int8-kv": Setting(kv_cache_dtype="int8"),
+    "int4-weights": Setting(quantization="int4", batch_invariant=True),
+    "moe-bfloat16-fp8-kv": Setting(
+        arch="qwen3-moe", dtype="bfloat16", kv_cache_dtype="fp8_e4m3", together={"num_kv_blocks": 48}
+    ),
     "swap": Setting(together={"preemption_mode": "swap"}),
     "worker-killed": Setting(kills=1, together={"max_worker_restarts": 100}),
     "windows-worker-killed": Setting(
@@ -255,6 +263,7 @@ def engines(setting: Setting, extra: dict | None = None):
 
     model = model_folder(setting)
     common = {"dtype": setting.dtype, "kv_cache_dtype": setting.kv_cache_dtype, **SHAPE}
+    common.update(quantization=setting.quantization, batch_invariant=setting.batch_invariant)
     together = LLM(model, **common, **{**TOGETHER, **setting.together, **(extra or {})})
     try:
         return together, LLM(model, **common, **ALONE)

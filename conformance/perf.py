@@ -17,6 +17,7 @@ Per dtype the backend declares, and per 8-bit KV cache dtype (at the model dtype
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -32,7 +33,7 @@ PREFILL_SHAPE = (4, 512)
 QUICK_SHAPE = (8, 512)
 
 
-def _timed(fn, sync, min_seconds: float = 0.3) -> float:
+def _timed(fn, sync, min_seconds: float) -> float:
     """Seconds per call: the best of calls repeated for min_seconds (one at least), after a warm-up."""
     fn()
     sync()
@@ -46,23 +47,23 @@ def _timed(fn, sync, min_seconds: float = 0.3) -> float:
     return best
 
 
-def machine_peaks(device: torch.device, dtypes, sync) -> dict:
+def machine_peaks(device: torch.device, dtypes, timed) -> dict:
     """The measured memory bandwidth (bytes/s: a sum reads 256 MiB, more than a last-level cache
     holds) and GEMM rate per dtype (FLOP/s: square products, grown until one takes 20 ms)."""
     size = 256 << 20
     buf = torch.ones(size // 4, device=device)
-    bandwidth = size / _timed(buf.sum, sync)
+    bandwidth = size / timed(buf.sum)
     del buf
     gemm = {}
     for dtype in {torch.float32, *dtypes}:
         n = 256
         while True:
             a, b = torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
-            seconds = _timed(lambda a=a, b=b: a @ b, sync, min_seconds=0.0)
+            seconds = timed(lambda a=a, b=b: a @ b, min_seconds=0.0)
             if seconds > 0.02 or n >= 8192:
                 break
             n *= 2
-        gemm[dtype] = 2 * n**3 / _timed(lambda a=a, b=b: a @ b, sync)
+        gemm[dtype] = 2 * n**3 / timed(lambda a=a, b=b: a @ b)
     # a kernel may always compute in float32: where torch's GEMM in a dtype is slower (float16
     # on most CPUs), the float32 rate is the reference
     return {"bandwidth": bandwidth, "gemm": {d: max(rate, gemm[torch.float32]) for d, rate in gemm.items()}}
@@ -85,14 +86,14 @@ def _pool(ops, kv_dtype: str, dtype, requests: int, tokens: int, device, gen):
     return tensor, extra, tables
 
 
-def decode_row(ops, dtype, kv_dtype: str, shape, peaks, device, sync) -> dict:
+def decode_row(ops, dtype, kv_dtype: str, shape, peaks, device, timed) -> dict:
     requests, tokens = shape
     gen = torch.Generator().manual_seed(0)
     cache, extra, tables = _pool(ops, kv_dtype, dtype, requests, tokens, device, gen)
     lens = torch.full((requests,), tokens, dtype=torch.int32, device=device)
     meta = DecodeMetadata(tables, lens, tokens)
     query = torch.randn(requests, HEADS, HEAD_SIZE, generator=gen).to(dtype).to(device)
-    seconds = _timed(lambda: ops.decode_attention(query, cache, meta, HEAD_SIZE**-0.5, **extra), sync)
+    seconds = timed(lambda: ops.decode_attention(query, cache, meta, HEAD_SIZE**-0.5, **extra))
     moved = 2 * requests * tokens * KV_HEADS * HEAD_SIZE * cache.element_size()
     if extra:
         moved += 2 * requests * tokens * KV_HEADS * 4  # a float32 scale per (token, head)
@@ -109,7 +110,7 @@ def decode_row(ops, dtype, kv_dtype: str, shape, peaks, device, sync) -> dict:
     }
 
 
-def prefill_row(ops, dtype, shape, peaks, device, sync) -> dict:
+def prefill_row(ops, dtype, shape, peaks, device, timed) -> dict:
     requests, tokens = shape
     gen = torch.Generator().manual_seed(1)
     cache, _, tables = _pool(ops, "auto", dtype, requests, tokens, device, gen)
@@ -117,7 +118,7 @@ def prefill_row(ops, dtype, shape, peaks, device, sync) -> dict:
     lens = torch.full((requests,), tokens, dtype=torch.int32, device=device)
     meta = PrefillMetadata(tables, starts, lens, [tokens] * requests, [tokens] * requests, tokens, tokens)
     query = torch.randn(requests * tokens, HEADS, HEAD_SIZE, generator=gen).to(dtype).to(device)
-    seconds = _timed(lambda: ops.prefill_attention(query, cache, meta, HEAD_SIZE**-0.5), sync)
+    seconds = timed(lambda: ops.prefill_attention(query, cache, meta, HEAD_SIZE**-0.5))
     flops = 2 * 2 * requests * HEADS * HEAD_SIZE * tokens * (tokens + 1) / 2  # two products, causal
     rate = flops / seconds
     return {
@@ -145,17 +146,18 @@ def speed_rows(ops, quick: bool = False) -> list[dict]:
 
 def _speed_rows(ops, quick: bool) -> list[dict]:
     device = torch.device(ops.device)
-    sync = ops.synchronize
+    # best of 0.3 s of calls (--quick: 0.05 s)
+    timed = functools.partial(_timed, sync=ops.synchronize, min_seconds=0.05 if quick else 0.3)
     dtypes = [d for d in (torch.float32, torch.bfloat16, torch.float16) if d in ops.supported_dtypes]
-    peaks = machine_peaks(device, dtypes, sync)
+    peaks = machine_peaks(device, dtypes, timed)
     decode_shape = QUICK_SHAPE if quick else DECODE_SHAPE
-    rows = [decode_row(ops, d, "auto", decode_shape, peaks, device, sync) for d in dtypes]
+    rows = [decode_row(ops, d, "auto", decode_shape, peaks, device, timed) for d in dtypes]
     model_dtype = torch.bfloat16 if torch.bfloat16 in dtypes else dtypes[0]
     for kv_dtype in ops.supported_kv_cache_dtypes:
         if kv_dtype != "auto" and not ops.unsupported_kv_cache_dtype(kv_dtype, HEAD_SIZE):
-            rows.append(decode_row(ops, model_dtype, kv_dtype, decode_shape, peaks, device, sync))
-    prefill_shape = QUICK_SHAPE if quick else PREFILL_SHAPE
-    rows += [prefill_row(ops, d, prefill_shape, peaks, device, sync) for d in dtypes]
+            rows.append(decode_row(ops, model_dtype, kv_dtype, decode_shape, peaks, device, timed))
+    prefill_shape = (2, 256) if quick else PREFILL_SHAPE
+    rows += [prefill_row(ops, d, prefill_shape, peaks, device, timed) for d in dtypes]
     return rows
 
 

@@ -131,15 +131,17 @@ def main(args) -> int:
         for r in rows:
             print(f"  {r.check}: {r.status} ({time.perf_counter() - t0:.0f} s)", flush=True)
 
-    results = run_suite(
-        args.backend,
-        args.quick,
-        args.ops_only,
-        args.tensor_parallel_size,
-        args.block_placement,
-        progress=progress,
-        dtypes=tuple(DTYPES[d] for d in args.dtype) if args.dtype else None,
-    )
+    results = []
+    if not args.perf_only:
+        results = run_suite(
+            args.backend,
+            args.quick,
+            args.ops_only,
+            args.tensor_parallel_size,
+            args.block_placement,
+            progress=progress,
+            dtypes=tuple(DTYPES[d] for d in args.dtype) if args.dtype else None,
+        )
     elapsed = time.perf_counter() - t0
     from pagedllm.backends.registry import backend_class
 
@@ -148,10 +150,11 @@ def main(args) -> int:
 
     cls = backend_class(args.backend)
     support = declared_support(cls)
-    print(format_table(args.backend, results, support))
-    print(f"\n({'quick' if args.quick else 'full'}{', ops only' if args.ops_only else ''} suite, {elapsed:.0f} s)")
+    if not args.perf_only:
+        print(format_table(args.backend, results, support))
+        print(f"\n({'quick' if args.quick else 'full'}{', ops only' if args.ops_only else ''} suite, {elapsed:.0f} s)")
     speed, machine = None, None
-    if args.perf:
+    if args.perf or args.perf_only:
         from pagedllm.backends.host import cpu_info
         from pagedllm.backends.registry import load_backend
 

@@ -297,6 +297,12 @@ class EngineOptions:
     jump_forward: bool = option(
         True, "structured outputs: tokens the grammar forces are appended without sampling, computed in one chunk"
     )
+    batch_invariant: bool = option(
+        False,
+        "a request's tokens and logprobs the same bits whatever runs beside it where that costs speed: on the "
+        "cpu backend, quantized layers then take one kernel at every batch size (dense models are invariant "
+        "without it)",
+    )
     speculative_config: dict | str | None = option(  # noqa: RUF009 - the default is None
         None,
         'speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '

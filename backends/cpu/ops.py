@@ -131,14 +131,19 @@ class CpuAttentionOps(AttentionOps):
     supports_soft_cap = True
     supported_kv_cache_dtypes = ("auto", "fp8_e4m3", "fp8_e5m2", "int8")
     # each row's reductions run in an order fixed by its own length alone (the kernels split
-    # work across rows, never within one; experts run on the dense kernels): the invariance rows
+    # work across rows, never within one; experts run on the dense kernels); the conformance
+    # suite's invariance rows check it
     batch_invariant = True
 
     def prepare_process(self) -> None:
         keep_freed_memory()
 
+    def batch_invariant_for(self, quantized: bool) -> bool:
+        # a quantized layer's small-batch kernel sums in another order than its large-batch one
+        return self.batch_invariant and (not quantized or self.batch_invariant_mode)
+
     def quantized_linear(self, layer):
-        return cpu_quantized_linear(layer)
+        return cpu_quantized_linear(layer, one_kernel=self.batch_invariant_mode)
 
     def prepare_model(self, model) -> None:
         for module in model.modules():

@@ -43,7 +43,9 @@ def padded_rows(rows: int) -> int:
 
 def linear_rows(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
     """packed_linear of 2-D `rows` cast to `dtype`, padded with zero rows to padded_rows and the
-    padding's output cut off (a row's result does not depend on the others)."""
+    padding's output cut off (a row's result does not depend on the others). `packed` may be a
+    plain [N, K] weight too (the op takes one as fast when it sees it once: quantized layers
+    decode theirs on every call)."""
     count, width = rows.shape
     padded = padded_rows(count)
     if padded == count:
@@ -51,11 +53,6 @@ def linear_rows(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     x = torch.zeros(padded, width, dtype=dtype)
     x[:count] = rows
     return packed_linear(x, packed, bias)[:count]
-
-
-# the same op takes a plain [N, K] weight too, as fast for a weight it sees once (quantized
-# layers decode theirs on every call) as for a packed one
-plain_linear_pointwise = packed_linear
 
 
 @functools.cache

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..models.quantized import NF4_CODEBOOK, QuantizedLinear
 from . import native
-from .packed_linear import packing_available, plain_linear_pointwise
+from .packed_linear import linear_rows, packing_available
 
 GEMV_MAX_ROWS = 16  # where decoding once and oneDNN's GEMM overtake, measured here (docs/bench/README.md)
 
@@ -30,15 +30,17 @@ def pack_nibbles(codes: torch.Tensor, group: int) -> torch.Tensor:
 
 def float32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """oneDNN's GEMM where it checks out (about twice torch's default here for a weight it has
-    not seen before), else F.linear."""
+    not seen before), at the padded row counts of the dense layers (a row's result then does
+    not depend on how many share the call), else F.linear."""
     if packing_available(torch.float32):
-        return plain_linear_pointwise(x, weight, bias)
+        return linear_rows(x, weight, bias, torch.float32)
     return F.linear(x, weight, bias)
 
 
 class CpuQuantizedLinear(nn.Module):
-    def __init__(self, layer: QuantizedLinear):
+    def __init__(self, layer: QuantizedLinear, gemv_max_rows: int = GEMV_MAX_ROWS):
         super().__init__()
+        self.gemv_max_rows = gemv_max_rows
         w = layer.weight
         self.kind, self.in_features, self.out_features = w.kind, layer.in_features, layer.out_features
         self.group = w.group_size
@@ -63,7 +65,7 @@ class CpuQuantizedLinear(nn.Module):
             rows = rows.index_select(1, self.perm)
         rows = rows.float().contiguous()
         args = (self.kind, self.codes, self.scales, self.zeros, self.lut)
-        if rows.shape[0] <= GEMV_MAX_ROWS:
+        if rows.shape[0] <= self.gemv_max_rows:
             out = native.quantized_gemv(rows, *args, self.bias, self.in_features, self.group)
         else:
             out = float32_linear(rows, native.dequantize(*args, self.in_features, self.group), self.bias)
@@ -73,9 +75,10 @@ class CpuQuantizedLinear(nn.Module):
         return f"{self.kind}, in_features={self.in_features}, out_features={self.out_features}, group={self.group}"
 
 
-def cpu_quantized_linear(layer: QuantizedLinear) -> nn.Module:
+def cpu_quantized_linear(layer: QuantizedLinear, one_kernel: bool = False) -> nn.Module:
     """The compiled layer where the kernels build and the shape fits them (groups of an even
-    size), else the reference layer."""
+    size), else the reference layer. one_kernel (--batch-invariant): every row count takes the
+    decoded weight and oneDNN's GEMM, whose result for a row does not depend on the others."""
     if native.unavailable_reason() is not None or layer.group_size % 2:
         return layer
-    return CpuQuantizedLinear(layer)
+    return CpuQuantizedLinear(layer, gemv_max_rows=0 if one_kernel else GEMV_MAX_ROWS)
