@@ -50,13 +50,11 @@ def support_rows(name: str, cls) -> list[dict]:
     rows.append(row("multi-token verification (speculation)", True, "the prefill kernel, one row per request"))
     quantized = "own kernel" if _own(cls, "quantized_linear") else "base class (dequantize, then torch)"
     rows += [row(f"{bits} weights", True, quantized) for bits in ("int8", "int4")]
-    rows.append(
-        row(
-            "batch invariance",
-            bool(getattr(cls, "batch_invariant", False)),
-            "declared (batch_invariant): the invariance rows hold it" if cls.batch_invariant else "not declared",
-        )
-    )
+    invariant = bool(getattr(cls, "batch_invariant", False))
+    how = "declared (batch_invariant): the invariance rows hold it" if invariant else "not declared"
+    if invariant and hasattr(cls, "batch_invariant_for") and not bare.batch_invariant_for(quantized=True):
+        how += "; quantized weights with --batch-invariant"
+    rows.append(row("batch invariance", invariant, how))
     rows.append(row("graph replay of decode steps", _own(cls, "capture_graphs"), "capture_graphs"))
     rows.append(row("KV pool survives a worker restart", bool(bare.kv_in_shared_memory), "kv_in_shared_memory"))
     return rows
