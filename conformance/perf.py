@@ -151,8 +151,8 @@ def speed_rows(ops, quick: bool = False) -> list[dict]:
 
 def _speed_rows(ops, quick: bool) -> list[dict]:
     device = torch.device(ops.device)
-    # best of 0.3 s of calls (--quick: 0.05 s)
-    timed = functools.partial(_timed, sync=ops.synchronize, min_seconds=0.05 if quick else 0.3)
+    # best of 1 s of calls (--quick: 0.05 s)
+    timed = functools.partial(_timed, sync=ops.synchronize, min_seconds=0.05 if quick else 1.0)
     dtypes = [d for d in (torch.float32, torch.bfloat16, torch.float16) if d in ops.supported_dtypes]
     peaks = machine_peaks(device, dtypes, timed)
     decode_shape = QUICK_SHAPE if quick else DECODE_SHAPE
