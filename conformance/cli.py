@@ -29,6 +29,13 @@ def add_parser(sub) -> None:
     )
     conf.add_argument("--perf-only", action="store_true", help="the speed tier alone (no checks)")
     conf.add_argument(
+        "--only",
+        action="append",
+        metavar="CHECK",
+        help="run this check alone (repeatable): an op check (decode_attention, kv_cache, ...) or an "
+        "engine one (memory, invariance, ...); a wrong name lists them",
+    )
+    conf.add_argument(
         "--support",
         action="store_true",
         help="print what every installed backend supports, feature by feature, as CSV (runs no check)",

@@ -185,22 +185,28 @@ def check_invariance(
             result.record(why is None, 0.0 if why is None else worst, why)
         return result
 
-    rows = []
+    def measured(llm, case: str, alone) -> CheckResult:
+        got = _case_runs(llm, case, CASE_PARAMS.get(case, PROBE_PARAMS))
+        happened, missing = EXERCISED.get(case, (lambda s: True, ""))
+        if not happened(llm.last_stats.scheduler):
+            result = CheckResult(f"invariance {case}")
+            result.record(False, math.inf, f"{missing}: nothing was tested")
+            return result
+        return row(case, got, alone, {})
+
     cases = cases or (QUICK_CASES if quick else tuple(CASES))
+    measured_rows = {}
     with engine("llama") as reference:
         alone = {
             case: reference.generate([PROBE], CASE_PARAMS.get(case, PROBE_PARAMS), use_tqdm=False)[0] for case in cases
         }
-    for case in cases:
+        # a case that needs no option of its own runs here, once every probe has run alone
+        for case in [c for c in cases if not CASES[c]]:
+            measured_rows[case] = measured(reference, case, alone[case])
+    for case in [c for c in cases if CASES[c]]:
         with engine("llama", **CASES[case]) as llm:
-            got = _case_runs(llm, case, CASE_PARAMS.get(case, PROBE_PARAMS))
-            happened, missing = EXERCISED.get(case, (lambda s: True, ""))
-            if not happened(llm.last_stats.scheduler):
-                result = CheckResult(f"invariance {case}")
-                result.record(False, math.inf, f"{missing}: nothing was tested")
-                rows.append(result)
-                continue
-        rows.append(row(case, got, alone[case], {}))
+            measured_rows[case] = measured(llm, case, alone[case])
+    rows = [measured_rows[case] for case in cases]
     for name, arch, options in _supported_variants(ops) if variants and not quick else []:
         with engine(arch, **options) as llm:
             want = llm.generate([PROBE], PROBE_PARAMS, use_tqdm=False)[0]

@@ -52,6 +52,17 @@ def _guarded(name: str, fn) -> list[CheckResult]:
         return [row]
 
 
+# the checks that start engines, after the op checks (op_checks.OP_CHECKS)
+ENGINE_CHECKS = (
+    "cache_placement",
+    "memory",
+    "engine behaviour",
+    "end_to_end_vs_transformers",
+    "invariance",
+    "windowed_end_to_end",
+)
+
+
 def run_suite(
     backend: str,
     quick: bool = False,
@@ -60,13 +71,16 @@ def run_suite(
     block_placement: str = "lru",
     progress=None,
     dtypes: tuple | None = None,
+    only: tuple | None = None,
 ) -> list[CheckResult]:
     """Every row; `progress(rows)` is called as each check finishes (a run cut short by a
     timeout has still shown what it did). dtypes: the op rows' dtypes (default: all the
-    backend supports)."""
+    backend supports). only: these checks alone (CHECK_NAMES)."""
     from pagedllm.backends.registry import load_backend
 
     def run(name, make) -> list[CheckResult]:
+        if only and name not in only:
+            return []
         rows = _guarded(name, make)
         if progress is not None:
             progress(rows)
@@ -84,7 +98,7 @@ def run_suite(
 
     ops = load_backend(backend)
     results = [row for name, make in op_checks(ops, quick, dtypes) for row in run(name, make)]
-    if ops_only:
+    if ops_only or (only and not set(only) & set(ENGINE_CHECKS)):
         return results
     models = tiny_model_dirs()
     results += run("cache_placement", lambda: check_cache_placement(backend, models["llama"]))
@@ -125,6 +139,15 @@ def main(args) -> int:
     if picked:
         print(f"pagedllm: {picked}")
     check_available(args.backend)
+    if args.only:
+        from pagedllm.backends.registry import load_backend
+
+        from .op_checks import op_checks
+
+        known = [name for name, _ in op_checks(load_backend(args.backend), True)] + list(ENGINE_CHECKS)
+        unknown = [name for name in args.only if name not in known]
+        if unknown:
+            raise SystemExit(f"pagedllm conformance: no check {', '.join(unknown)}; the checks: {', '.join(known)}")
     t0 = time.perf_counter()
 
     def progress(rows) -> None:
@@ -141,6 +164,7 @@ def main(args) -> int:
             args.block_placement,
             progress=progress,
             dtypes=tuple(DTYPES[d] for d in args.dtype) if args.dtype else None,
+            only=tuple(args.only) if args.only else None,
         )
     elapsed = time.perf_counter() - t0
     from pagedllm.backends.registry import backend_class

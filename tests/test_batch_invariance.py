@@ -1,7 +1,7 @@
 """A request's tokens and logprobs on the `cpu` backend do not depend on what runs beside it
 (with quantized weights, under --batch-invariant): the conformance suite's invariance tier,
-every row, bit for bit — a reference engine and each
-row's busy engine started separately — and the tier catches a backend whose reduction order
+every row, bit for bit — a reference engine, and a busy
+engine started separately for each row with options of its own — and the tier catches a backend whose reduction order
 depends on the batch size while it declares invariance, and shows (without failing) one that
 says it is not invariant."""
 
