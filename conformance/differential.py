@@ -102,11 +102,22 @@ class Request:
     wave: int = 0  # a follow-up turn may come in a second wave, after the first has finished
 
 
-def random_workload(seed: int, count: int, vocab: int = 390, with_stops: bool = True) -> list[Request]:
+def choice_tokens(tokenizer) -> list[list[int]]:
+    """Each choice of the choice constraint as tokens: once its first is sampled, jump-forward
+    appends the rest unsampled."""
+    choices = next(c.choice for c in CONSTRAINTS if c.choice)
+    return [tokenizer.encode(text, add_special_tokens=False) for text in choices]
+
+
+def random_workload(
+    seed: int, count: int, vocab: int = 390, with_stops: bool = True, choices: list[list[int]] | None = None
+) -> list[Request]:
     """Mixed lengths, shared prefixes, follow-up turns (an earlier prompt and more), repeats
     (speculation's proposals), n > 1, beams, seeded sampling, stop tokens, and where the model
-    has a tokenizer (`with_stops`) stop strings and structured outputs (jump-forward on);
-    min_tokens, logprobs and prompt logprobs."""
+    has a tokenizer (`with_stops`) stop strings and structured outputs (jump-forward on; half
+    of them a choice stopped by the first or second token of one of `choices`: a sampled stop
+    token that forced tokens follow, or a forced one); min_tokens, logprobs and prompt
+    logprobs."""
     rng = random.Random(seed)
     prefixes = [[rng.randrange(3, vocab) for _ in range(rng.randrange(8, 40))] for _ in range(3)]
     out = []
@@ -135,9 +146,13 @@ def random_workload(seed: int, count: int, vocab: int = 390, with_stops: bool = 
             prompt_logprobs=1 if rng.random() < 0.15 else None,
         )
         roll = rng.random()
-        if with_stops and roll < 0.12:  # constrained: its mask, jump-forward's forced tokens
+        if with_stops and roll < (0.2 if choices else 0.12):  # constrained: its mask, jump-forward's forced tokens
             constraint = rng.choice(CONSTRAINTS)
             params = msgspec.structs.replace(params, min_tokens=0, structured_outputs=constraint)
+            if choices and rng.random() < 0.5:
+                choice = next(c for c in CONSTRAINTS if c.choice)
+                stop = rng.choice(rng.choice(choices)[:2])
+                params = msgspec.structs.replace(params, structured_outputs=choice, stop_token_ids=[stop])
         elif roll > 0.94:  # beam search: forked sequences sharing blocks, preempted as a group
             params = SamplingParams(beam_width=2, n=2, temperature=0.0, max_tokens=min(max_tokens, 16))
             prompt = prompt[:16]  # the beams fit the smallest pool a setting runs
@@ -263,7 +278,8 @@ def engines(setting: Setting, extra: dict | None = None):
 
     model = model_folder(setting)
     common = {"dtype": setting.dtype, "kv_cache_dtype": setting.kv_cache_dtype, **SHAPE}
-    common.update(quantization=setting.quantization, batch_invariant=setting.batch_invariant)
+    if setting.quantization:
+        common.update(quantization=setting.quantization, batch_invariant=setting.batch_invariant)
     together = LLM(model, **common, **{**TOGETHER, **setting.together, **(extra or {})})
     try:
         return together, LLM(model, **common, **ALONE)
@@ -282,9 +298,10 @@ def run_setting(
     together_llm, alone_llm = engines(setting, extra)
     try:
         with_stops = together_llm.tokenizer is not None
+        choices = choice_tokens(together_llm.tokenizer) if with_stops else None
         vocab = 390 if setting.model is None else 2000
         for w in range(workloads):
-            batch = random_workload(seed + w, requests, vocab=vocab, with_stops=with_stops)
+            batch = random_workload(seed + w, requests, vocab=vocab, with_stops=with_stops, choices=choices)
             alone_started = time.monotonic()
             alone = run_alone(alone_llm, batch)
             deadline_s = 30 + 10 * (time.monotonic() - alone_started)  # a busy engine is not 10x slower
