@@ -4,6 +4,7 @@ the full conformance suite runs for both."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -34,8 +35,53 @@ def conformance(backend: str, *flags: str, env: dict | None = None, json_path=No
     return subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, **(env or {})})
 
 
+def _nvcc_usage():
+    from pagedllm.backends.cuda_native.build import find_nvcc
+    from pagedllm.benchmarks.kernel_registers import native_usage
+
+    return None if find_nvcc() is None else native_usage("sm_90")
+
+
+def _build_binding(folder):
+    """binding.cpp compiled and linked against torch, the kernels stubbed: (the library, or None
+    without a C++ compiler; the compiler's run)."""
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    cxx = os.environ.get("CXX", "g++")
+    if subprocess.run(["which", cxx], capture_output=True).returncode != 0:
+        return None, None
+    (folder / "stubs.cpp").write_text(LAUNCHER_STUBS)
+    lib = folder / "binding.so"
+    flags = [f"-I{p}" for p in include_paths()] + [f"-I{CSRC}"] + [f"-L{p}" for p in library_paths()]
+    build = [cxx, "-std=c++17", "-O0", "-shared", "-fPIC", *flags, os.path.join(CSRC, "binding.cpp")]
+    build += [str(folder / "stubs.cpp"), "-o", str(lib), "-lc10", "-ltorch_cpu"]
+    return lib, subprocess.run(build, capture_output=True, text=True, timeout=300)
+
+
+GPU_CHECK = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu_check.sh")
+
+
+def _gpu_check_smoke(out):
+    bindir = os.path.dirname(sys.executable)  # the script calls python3: this environment's
+    env = {**os.environ, "OUT": str(out), "PATH": bindir + os.pathsep + os.environ["PATH"]}
+    return subprocess.run(["bash", GPU_CHECK, "--smoke"], capture_output=True, text=True, timeout=400, env=env)
+
+
+@pytest.fixture(scope="module")
+def background_runs(tmp_path_factory):
+    """This module's long single-threaded runs — nvcc's kernels, g++'s torch binding,
+    gpu_check.sh --smoke — started together in the background while the interpreter test runs
+    (on 2 cores they overlap; each test then waits for its own)."""
+    pool = concurrent.futures.ThreadPoolExecutor(3)
+    runs = {"nvcc": pool.submit(_nvcc_usage), "binding": pool.submit(_build_binding, tmp_path_factory.mktemp("bind"))}
+    smoke_out = tmp_path_factory.mktemp("gpu-check")
+    runs["gpu_check"] = pool.submit(lambda: (smoke_out, _gpu_check_smoke(smoke_out)))
+    yield runs
+    pool.shutdown(wait=True)
+
+
 @pytest.mark.skipif(not _has_triton(), reason="triton is not installed")
-def test_triton_kernels_pass_the_op_checks_under_the_interpreter(tmp_path):
+def test_triton_kernels_pass_the_op_checks_under_the_interpreter(tmp_path, background_runs):
     """The quick grid in float32 (long contexts and a batch of 96 included); the interpreter
     takes ~30 s a dtype here, so the 16-bit rows, chunked prefill (the prefill kernel after a
     cached prefix: multi_token_decode's long contexts check it here) and the real models'
@@ -65,15 +111,13 @@ def test_triton_kernels_pass_the_op_checks_under_the_interpreter(tmp_path):
 # tests/test_worker_recovery.py::test_a_pool_in_device_memory_recovers_by_recompute.
 
 
-def test_cuda_kernels_compile_with_nvcc_and_keep_the_attention_accumulators_in_registers():
+def test_cuda_kernels_compile_with_nvcc_and_keep_the_attention_accumulators_in_registers(background_runs):
     """nvcc for sm_90 with ptxas' report: no warnings, and no paged-attention kernel (each dtype
     and GQA bound) has a stack frame or spills, which would put its inner loop in local memory."""
-    from pagedllm.backends.cuda_native.build import find_nvcc
-    from pagedllm.benchmarks.kernel_registers import native_usage
-
-    if find_nvcc() is None:
+    result = background_runs["nvcc"].result()
+    if result is None:
         pytest.skip("nvcc is not installed: the CUDA C++ kernels cannot be compile-checked here")
-    usages, warnings = native_usage("sm_90")
+    usages, warnings = result
     assert not warnings, warnings
     attention = [u for u in usages if u.kernel.startswith("paged_attention_kernel")]
     assert len(attention) == 15, [u.kernel for u in usages]  # 3 dtypes x GQA bounds 1, 2, 4, 8, 16
@@ -133,20 +177,12 @@ except RuntimeError as e:
 """
 
 
-def test_torch_binding_builds_registers_its_operators_and_checks_devices(tmp_path):
+def test_torch_binding_builds_registers_its_operators_and_checks_devices(background_runs):
     """binding.cpp compiled and linked against torch (the kernels stubbed: no CUDA here), loaded
     as torch does it for cuda-native, its operators called with CPU tensors."""
-    from torch.utils.cpp_extension import include_paths, library_paths
-
-    cxx = os.environ.get("CXX", "g++")
-    if subprocess.run(["which", cxx], capture_output=True).returncode != 0:
-        pytest.skip(f"no C++ compiler ({cxx})")
-    (tmp_path / "stubs.cpp").write_text(LAUNCHER_STUBS)
-    lib = tmp_path / "binding.so"
-    flags = [f"-I{p}" for p in include_paths()] + [f"-I{CSRC}"] + [f"-L{p}" for p in library_paths()]
-    build = [cxx, "-std=c++17", "-O0", "-shared", "-fPIC", *flags, os.path.join(CSRC, "binding.cpp")]
-    build += [str(tmp_path / "stubs.cpp"), "-o", str(lib), "-lc10", "-ltorch_cpu"]
-    proc = subprocess.run(build, capture_output=True, text=True, timeout=300)
+    lib, proc = background_runs["binding"].result()
+    if lib is None:
+        pytest.skip(f"no C++ compiler ({os.environ.get('CXX', 'g++')})")
     assert proc.returncode == 0, proc.stderr[-3000:]
     proc = subprocess.run([sys.executable, "-c", LOAD_AND_CALL, str(lib)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -186,14 +222,11 @@ def test_cuda_alias_picks_a_backend_and_says_which():
     assert name in ("cuda-triton", "cuda-native") and name in picked
 
 
-def test_gpu_check_runs_its_cpu_parts_in_smoke_mode(tmp_path):
+def test_gpu_check_runs_its_cpu_parts_in_smoke_mode(background_runs):
     """gpu_check.sh --smoke: the preflight and both benchmark scripts on tiny shapes on the CPU,
     one STEP line each and a summary, so a GPU session does not spend its minutes on a typo."""
-    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu_check.sh")
-    assert subprocess.run(["bash", "-n", script]).returncode == 0
-    bindir = os.path.dirname(sys.executable)  # the script calls python3: this environment's
-    env = {**os.environ, "OUT": str(tmp_path), "PATH": bindir + os.pathsep + os.environ["PATH"]}
-    proc = subprocess.run(["bash", script, "--smoke"], capture_output=True, text=True, timeout=400, env=env)
+    assert subprocess.run(["bash", "-n", GPU_CHECK]).returncode == 0
+    tmp_path, proc = background_runs["gpu_check"].result()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     steps = (tmp_path / "steps.txt").read_text().splitlines()
     assert [line.split(":")[0] for line in steps] == ["STEP preflight", "STEP bandwidth", "STEP end-to-end"]
