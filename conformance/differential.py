@@ -32,6 +32,8 @@ import msgspec
 
 from pagedllm.core.sampling_params import SamplingParams, StructuredOutputsParams
 
+from .processes import worker_pids
+
 # what both engines share: the engine's shape, which may change a request's numbers (a block
 # size changes how a windowed prefill walks its blocks); the rest must not
 SHAPE = {"block_size": 8, "max_model_len": 256}
@@ -232,13 +234,13 @@ class WorkerKiller(threading.Thread):
         """max_delay_s: the longest wait before a kill (a workload computes for about a second)."""
         super().__init__(daemon=True)
         self.max_delay_s = max_delay_s
-        self.launcher = llm.engine.ready.launcher_pid or _children(llm.engine.pid)[0]
+        self.llm = llm
         self.times, self.rng, self.killed = times, random.Random(seed), []
         self.stop = threading.Event()
 
     def run(self) -> None:
         while len(self.killed) < self.times and not self.stop.is_set():
-            workers = [p for p in _children(self.launcher) if p not in self.killed]
+            workers = [p for p in worker_pids(self.llm) if p not in self.killed]
             if not workers:
                 time.sleep(0.02)
                 continue
@@ -249,14 +251,6 @@ class WorkerKiller(threading.Thread):
                 self.killed.append(workers[0])
             except ProcessLookupError:
                 pass
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(p) for p in f.read().split()]
-    except OSError:
-        return []
 
 
 def model_folder(setting: Setting) -> str:

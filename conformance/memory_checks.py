@@ -22,6 +22,7 @@ import time
 from pagedllm.core.process import shm
 from pagedllm.core.sampling_params import SamplingParams
 
+from .processes import worker_pids
 from .results import CheckResult
 
 SMALL_POOL = 49  # blocks of 16 tokens, the null block included: 48 usable, 12 requests of 4
@@ -46,15 +47,6 @@ def _idle(stats) -> str | None:
         held = round(s.kv_cache_usage * (s.num_blocks - 1))
         return f"{held} of {s.num_blocks - 1} blocks still held after every request ended"
     return None
-
-
-def _workers(llm) -> list[int]:
-    launcher = llm.engine.ready.launcher_pid
-    try:
-        with open(f"/proc/{launcher}/task/{launcher}/children") as f:
-            return [int(p) for p in f.read().split()]
-    except (OSError, TypeError):
-        return []
 
 
 def check_memory(backend: str, model: str, quick: bool) -> list[CheckResult]:
@@ -115,7 +107,7 @@ def check_memory(backend: str, model: str, quick: bool) -> list[CheckResult]:
         rows["memory_nothing_left"].record(problem is None, failure=problem)
 
         blocks = llm.last_stats.scheduler.num_blocks
-        victims = _workers(llm)
+        victims = worker_pids(llm)
         problem = None
         if not victims:
             problem = "no local worker process to stop"
@@ -128,7 +120,7 @@ def check_memory(backend: str, model: str, quick: bool) -> list[CheckResult]:
                 problem = f"{stats.num_blocks} blocks after the worker was replaced, {blocks} before"
             else:
                 problem = _idle(llm.last_stats)
-            if problem is None and _workers(llm) == victims:
+            if problem is None and worker_pids(llm) == victims:
                 problem = "the worker was not replaced"
         rows["memory_worker_restart"].record(problem is None, failure=problem)
     return list(rows.values())

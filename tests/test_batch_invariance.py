@@ -35,6 +35,7 @@ def test_a_batch_size_dependent_backend_is_caught_and_an_honest_one_is_shown(plu
         cases=("batch", "one_thread"),
         variants=False,
     )
+    # caught where the batch changes, and only there
     assert [r.check for r in caught if not r.ok] == ["invariance batch"], format_table("planted", caught)
     assert "logprobs differ" in caught[0].failures[0] or "tokens part" in caught[0].failures[0]
     honest = load_backend("batch-size-dependent-undeclared")

@@ -41,7 +41,7 @@ def test_cpu_backend_passes_the_quick_op_checks_and_prints_rows_as_they_finish(t
     # the speed tier, beside the rows: decode attention per dtype and 8-bit KV cache, prefill
     # attention per dtype, each against what the machine measured in the same run
     speed = {(r["kernel"], r["dtype"], r["kv_cache_dtype"]): r for r in report["speed"]}
-    assert ("decode attention", "bfloat16", "int8") in speed and ("prefill attention", "float32", "auto") in speed
+    assert ("decode attention", "bfloat16", "fp8_e4m3") in speed and ("prefill attention", "float32", "auto") in speed
     assert all(r["fraction"] > 0 and r["ms"] > 0 for r in speed.values())
     assert "speed tier — backend cpu (information, not a pass/fail)" in proc.stdout
     matrix = (tmp_path / "r.md").read_text()
