@@ -90,7 +90,8 @@ def _pool(ops, kv_dtype: str, dtype, requests: int, tokens: int, device, gen):
     return tensor, extra, tables
 
 
-def decode_row(ops, dtype, kv_dtype: str, shape, peaks, device, timed) -> dict:
+def decode_row(ops, dtype, kv_dtype: str, shape, device, timed) -> dict:
+    """The row without its fraction: _speed_rows sets it once the bandwidth probe ran again."""
     requests, tokens = shape
     gen = torch.Generator().manual_seed(0)
     cache, extra, tables = _pool(ops, kv_dtype, dtype, requests, tokens, device, gen)
@@ -110,8 +111,6 @@ def decode_row(ops, dtype, kv_dtype: str, shape, peaks, device, timed) -> dict:
         "shape": f"{requests} x {tokens}",
         "ms": seconds * 1e3,
         "rate": f"{rate / 1e9:.1f} GB/s",
-        "fraction": rate / peaks["bandwidth"],
-        "of": f"{peaks['bandwidth'] / 1e9:.1f} GB/s measured",
     }
 
 
@@ -156,11 +155,11 @@ def _speed_rows(ops, quick: bool) -> list[dict]:
     dtypes = [d for d in (torch.float32, torch.bfloat16, torch.float16) if d in ops.supported_dtypes]
     peaks = machine_peaks(device, dtypes, timed)
     decode_shape = QUICK_SHAPE if quick else DECODE_SHAPE
-    rows = [decode_row(ops, d, "auto", decode_shape, peaks, device, timed) for d in dtypes]
+    rows = [decode_row(ops, d, "auto", decode_shape, device, timed) for d in dtypes]
     model_dtype = torch.bfloat16 if torch.bfloat16 in dtypes else dtypes[0]
     kv_dtypes = [k for k in ops.supported_kv_cache_dtypes if not ops.unsupported_kv_cache_dtype(k, HEAD_SIZE)]
     for kv_dtype in [k for k in kv_dtypes if k != "auto"][: 1 if quick else None]:
-        rows.append(decode_row(ops, model_dtype, kv_dtype, decode_shape, peaks, device, timed))
+        rows.append(decode_row(ops, model_dtype, kv_dtype, decode_shape, device, timed))
     prefill_shape = (2, 256) if quick else PREFILL_SHAPE
     rows += [prefill_row(ops, d, prefill_shape, peaks, device, timed) for d in dtypes[: 1 if quick else None]]
     # the probe again: a host's bandwidth wanders (other tenants); the best it showed is the roof
