@@ -21,7 +21,8 @@ from .op_cases import slots_of
 from .results import CheckResult, compare, tolerance_text
 
 
-def _prompts(n: int, seed: int, lo: int = 1, hi: int = 120, vocab: int = 400) -> list[list[int]]:
+def random_prompts(n: int, seed: int, lo: int = 1, hi: int = 120, vocab: int = 400) -> list[list[int]]:
+    """n prompts of lo..hi random token ids below vocab (above the special ids 0-2)."""
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
@@ -67,7 +68,7 @@ def check_engine_behaviour(
 ) -> list[CheckResult]:
     """The engine rows, every engine with `tensor_parallel_size` ranks and `block_placement`;
     above 1 rank, each row is also held against one rank's tokens (tensor_parallel_equivalence)."""
-    prompts = _prompts(12 if quick else 24, seed=1)
+    prompts = random_prompts(12 if quick else 24, seed=1)
     params = [_greedy(8 + (i * 5) % 17) for i in range(len(prompts))]
     names = [
         "batching_invariance",
@@ -91,7 +92,7 @@ def check_engine_behaviour(
             one_rank = _generate(llm, prompts, params)
 
     # a batch as wide as the default max_num_seqs (256; 64 in --quick) of short prompts
-    wide = _prompts(64 if quick else 256, seed=5, lo=1, hi=12)
+    wide = random_prompts(64 if quick else 256, seed=5, lo=1, hi=12)
     with engine(enable_prefix_caching=False) as llm:
         alone = [_generate(llm, [p], [sp])[0] for p, sp in zip(prompts, params)]
         batched = _generate(llm, prompts, params)
@@ -185,7 +186,7 @@ def check_cache_placement(backend: str, model: str) -> CheckResult:
             SchedulerConfig(max_num_batched_tokens=40, max_model_len=512),
             CacheConfig(block_size=bs, num_blocks=num_blocks, enable_prefix_caching=False),
         )
-        for i, p in enumerate(_prompts(6, seed=3, lo=1, hi=70)):
+        for i, p in enumerate(random_prompts(6, seed=3, lo=1, hi=70)):
             sched.add_request(EngineRequest(request_id=f"r{i}", prompt_token_ids=p, sampling_params=_greedy(6)))
         _run_placement_steps(res, sched, worker, ref, read_pool, bs)
     finally:
@@ -251,7 +252,7 @@ def check_end_to_end(backend: str, model_dirs: dict[str, str], quick: bool) -> C
     res = CheckResult("end_to_end_vs_transformers")
     archs = ("llama", "qwen3") if quick else ARCHITECTURES
     for arch in archs:
-        bad = greedy_differences(backend, arch, model_dirs[arch], _prompts(3, seed=7, lo=1, hi=60), 12)
+        bad = greedy_differences(backend, arch, model_dirs[arch], random_prompts(3, seed=7, lo=1, hi=60), 12)
         res.record(not bad, failure="; ".join(bad) or None)
     return res
 
@@ -277,7 +278,7 @@ def check_windowed_end_to_end(backend: str, ops, root: str, quick: bool) -> Chec
     if not quick and ops.supports("soft_cap"):
         models["gemma2, soft caps"] = make_model_dir(os.path.join(root, "gemma2"), "gemma2")
     for name, path in models.items():
-        prompts, new = _prompts(3 if quick else 4, seed=11, lo=1, hi=60), 32 if quick else 40
+        prompts, new = random_prompts(3 if quick else 4, seed=11, lo=1, hi=60), 32 if quick else 40
         bad = greedy_differences(backend, name, path, prompts, new, num_kv_blocks=64, max_num_batched_tokens=64)
         res.record(not bad, failure="; ".join(bad) or None)
     return res

@@ -20,6 +20,7 @@ import msgspec
 
 from pagedllm.core.sampling_params import SamplingParams
 
+from .engine_checks import random_prompts
 from .results import CheckResult
 
 # many distinct tokens, then a passage again: n-gram speculation finds proposals to verify
@@ -31,11 +32,6 @@ PROBE_PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, log
 CASE_PARAMS = {"prefix_hit": msgspec.structs.replace(PROBE_PARAMS, prompt_logprobs=None)}
 # the engine's shape, the same for every run of a row (a block size may change a request's numbers)
 SHAPE = {"block_size": 16, "max_model_len": 256}
-
-
-def _others(count: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 390) for _ in range(rng.randrange(4, 90))] for _ in range(count)]
 
 
 def _difference(got, want) -> tuple[float, str | None]:
@@ -69,7 +65,7 @@ def _case_runs(llm, case: str, probe_params: SamplingParams):
         llm.generate([PROBE[:70] + [7, 8, 9]], _with(params, max_tokens=1), use_tqdm=False)
         return [llm.generate([PROBE], params, use_tqdm=False)[0]]
     if case in ("batch", "batch_order", "preemption_recompute", "preemption_swap"):
-        others = _others(24, seed=1)  # steps of more than 16 rows, where kernels may change
+        others = random_prompts(24, seed=1, lo=4, hi=89)  # steps of more than 16 rows, where kernels may change
         batch = others[:5] + [PROBE] + others[5:]
         if case == "batch_order":
             batch = batch[::-1]

@@ -15,23 +15,18 @@
 from __future__ import annotations
 
 import os
-import random
 import signal
 import time
 
 from pagedllm.core.process import shm
 from pagedllm.core.sampling_params import SamplingParams
 
+from .engine_checks import random_prompts
 from .processes import worker_pids
 from .results import CheckResult
 
 SMALL_POOL = 49  # blocks of 16 tokens, the null block included: 48 usable, 12 requests of 4
 SHAPE = {"block_size": 16, "max_model_len": 256, "dtype": "float32"}
-
-
-def _prompts(count: int, seed: int, lo: int, hi: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 390) for _ in range(rng.randint(lo, hi))] for _ in range(count)]
 
 
 def _outputs(results) -> list:
@@ -60,7 +55,7 @@ def check_memory(backend: str, model: str, quick: bool) -> list[CheckResult]:
     sizing = {"kv_cache_memory": "64MiB"} if quick else {}
     with LLM(model, backend=backend, skip_tokenizer_init=True, **SHAPE, **sizing) as llm:
         ready = llm.engine.ready
-        llm.generate([_prompts(1, 0, 40, 40)[0]], greedy, use_tqdm=False)
+        llm.generate([random_prompts(1, 0, 40, 40)[0]], greedy, use_tqdm=False)
         problem = _idle(llm.last_stats) or (None if ready.num_blocks > 1 else f"a pool of {ready.num_blocks} blocks")
         for name in filter(None, ready.kv_segments):
             size = os.stat(os.path.join(shm.SHM_DIR, name)).st_size if os.path.isdir(shm.SHM_DIR) else None
@@ -75,7 +70,7 @@ def check_memory(backend: str, model: str, quick: bool) -> list[CheckResult]:
         # every usable block at once: three blocks of prompt each, and a fourth for its tokens
         per_request = 4  # blocks: 3 of prompt, 1 for the tokens it makes
         count = usable // per_request
-        prompts = _prompts(count, 1, 48, 48)
+        prompts = random_prompts(count, 1, 48, 48)
         first = llm.generate(prompts, greedy, use_tqdm=False)
         peak = llm.last_stats.scheduler.peak_blocks_used
         hits_before = llm.last_stats.scheduler.prefix_cache_hits
@@ -91,7 +86,7 @@ def check_memory(backend: str, model: str, quick: bool) -> list[CheckResult]:
         rows["memory_every_block_used"].record(problem is None, failure=problem)
 
         # mixed lengths, forks (n = 2, beams) and preemption in the small pool
-        mixed = _prompts(12 if quick else 32, 2, 1, 150)
+        mixed = random_prompts(12 if quick else 32, 2, 1, 150)
         params = [
             SamplingParams(temperature=0, max_tokens=8 + i % 20, ignore_eos=True, n=1 + (i % 4 == 0))
             if i % 7
