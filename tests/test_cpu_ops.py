@@ -3,7 +3,6 @@
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -229,16 +228,19 @@ def test_copy_and_swap_blocks():
     assert not host[:, :, 1].any()
 
 
-def test_compiled_kernels_build_here_and_can_be_turned_off(tmp_path):
-    """The machines this project runs on have g++: the kernels must build there (else the
-    cpu backend silently loses its fast path). Off with PAGEDLLM_CPU_KERNELS=0; a compiler that
-    fails leaves the torch path and a reason naming the source. The build itself is the one this
-    process made or found (the cache is keyed by source, compiler and flags, so a cold cache, as
-    in CI, builds here): a second build into a fresh folder would only repeat it."""
-    from pagedllm.core.cache_dir import cache_root
+def test_compiled_kernels_are_built_at_install_and_can_be_turned_off(tmp_path):
+    """The machines this project runs on have g++: installing the package builds the kernels for
+    this machine (setup.py), and the backend loads that library rather than compiling on first
+    use. Off with PAGEDLLM_CPU_KERNELS=0; a compiler that fails (so no prebuilt library matches
+    its key) leaves the torch path and a reason naming the source."""
+    from pagedllm.backends.cpu import kernel_build
 
     assert native.unavailable_reason() is None
-    assert list(Path(cache_root("cpu_kernels")).glob("kernels_*.so"))
+    name = kernel_build.library_name(kernel_build.compiler())
+    assert os.path.exists(os.path.join(kernel_build.PREBUILT, name)), (
+        "the cpu kernels were not built at install: `pip install -e .` builds them (again after csrc/ changes)"
+    )
+    assert native._library()._name == os.path.join(kernel_build.PREBUILT, name)
     probe = "from pagedllm.backends.cpu import native; print(native.unavailable_reason())"
 
     def reason(**env):

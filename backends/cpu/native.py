@@ -2,11 +2,12 @@
 blocks, RMSNorm, the gated MLP's activation, linear layers on panel-packed weights (16-bit or
 float32), and quantized linear layers (int8, int4, nf4 weights). All compute in float32.
 
-Plain C++ with OpenMP, no torch headers: it builds with the system compiler in about a second
-on first use, is cached under ~/.cache/pagedllm/cpu_kernels keyed by the source, the compiler
-and this CPU's instruction-set flags (it is built with -march=native), and is called through
-ctypes. Where no compiler is found or the build fails, or with PAGEDLLM_CPU_KERNELS=0, the
-backend keeps its plain-torch path; `unavailable_reason()` says why.
+Plain C++ with OpenMP, no torch headers, called through ctypes. It is built for this machine
+(-march=native) when the package is installed (setup.py, kernel_build.py) into the package's
+prebuilt/ folder; where that library does not match (another CPU, changed sources, no compiler
+at install) it builds with the system compiler on first use into ~/.cache/pagedllm/cpu_kernels,
+keyed the same way. Where no compiler is found or the build fails, or with
+PAGEDLLM_CPU_KERNELS=0, the backend keeps its plain-torch path; `unavailable_reason()` says why.
 """
 
 from __future__ import annotations
@@ -14,22 +15,17 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import functools
-import hashlib
 import os
-import shutil
-import subprocess
-import tempfile
 
 import torch
 
 from pagedllm.backends.host import cpuinfo_fields
 from pagedllm.core.cache_dir import cache_root
 
-_CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-SOURCES = tuple(os.path.join(_CSRC, name) for name in ("kernels.cpp", "panel_linear.cpp", "quantized_linear.cpp"))
-HEADERS = (os.path.join(_CSRC, "half.h"),)
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+from . import kernel_build
+
 DISABLE_ENV = "PAGEDLLM_CPU_KERNELS"
+SOURCES = kernel_build.SOURCES
 
 ATTENTION_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 # 8-bit KV caches (backends/kv_cache.py): the attention kernel's suffix and write_kv's format
@@ -43,21 +39,9 @@ _p = ctypes.c_void_p
 _i64 = ctypes.c_int64
 
 
-def _compiler() -> str | None:
-    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-
-
-def _cpu_flags() -> bytes:
-    try:
-        with open("/proc/cpuinfo", "rb") as f:
-            return next((line for line in f if line.startswith(b"flags")), b"")
-    except OSError:
-        return b""
-
-
 def cpu_flags() -> set[str]:
     """This CPU's instruction-set flags (/proc/cpuinfo), empty where they cannot be read."""
-    return set(_cpu_flags().decode().partition(":")[2].split())
+    return set(kernel_build.cpu_flags_line().decode().partition(":")[2].split())
 
 
 def cpu_vendor_family() -> tuple[str, int]:
@@ -67,30 +51,20 @@ def cpu_vendor_family() -> tuple[str, int]:
     return info.get("vendor_id", ""), int(family) if family.isdigit() else 0
 
 
-def _build(cxx: str) -> str:
-    version = subprocess.run([cxx, "--version"], capture_output=True).stdout
-    sources = b""
-    for path in SOURCES + HEADERS:
-        with open(path, "rb") as f:
-            sources += f.read()
-    key = hashlib.sha256(sources + version + _cpu_flags() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    target = os.path.join(cache_root("cpu_kernels"), f"kernels_{key}.so")
+def _library_path(cxx: str) -> str:
+    """The library built for this machine: the one installed beside the package (setup.py
+    builds it at install), else the cache's, built now where it is missing."""
+    name = kernel_build.library_name(cxx)
+    prebuilt = os.path.join(kernel_build.PREBUILT, name)
+    if os.path.exists(prebuilt):
+        return prebuilt
+    target = os.path.join(cache_root("cpu_kernels"), name)
     if os.path.exists(target):
         return target
     with open(target + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # processes starting together: one builds, the others wait
         if not os.path.exists(target):
-            # build beside the target and rename, so no process can load half a file
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(target))
-            os.close(fd)
-            try:
-                done = subprocess.run([cxx, *FLAGS, *SOURCES, "-o", tmp], capture_output=True, text=True)
-                if done.returncode != 0:
-                    raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-500:]}")
-                os.replace(tmp, target)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
+            kernel_build.compile_to(cxx, target)
     return target
 
 
@@ -98,11 +72,11 @@ def _build(cxx: str) -> str:
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return None, f"{DISABLE_ENV}=0"
-    cxx = _compiler()
+    cxx = kernel_build.compiler()
     if cxx is None:
         return None, "no C++ compiler found (g++ or $CXX)"
     try:
-        lib = ctypes.CDLL(_build(cxx))
+        lib = ctypes.CDLL(_library_path(cxx))
     except (OSError, RuntimeError) as e:
         return None, f"building {', '.join(map(os.path.basename, SOURCES))}: {e}"
     # q, k, v, tables, table stride, row table, row context, rows, heads, KV heads, head size,
