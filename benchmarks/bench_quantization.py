@@ -27,6 +27,7 @@ from pagedllm.backends.cpu import CpuAttentionOps
 from pagedllm.backends.cpu.packed_linear import PackedLinear
 from pagedllm.backends.models.loader import load_model
 from pagedllm.backends.runner import ModelRunner, SeqInput, allocate_kv_caches, prepare_batch
+from pagedllm.benchmarks.report import agreement
 from pagedllm.core.quantization import ON_THE_FLY
 from pagedllm.core.utils import cdiv
 
@@ -117,14 +118,6 @@ def greedy(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -> li
             t.append(nxt)
         seqs = [SeqInput(t[-1:], len(t) - 1, tab) for t, tab in zip(tokens, tables)]
     return [t[len(p) :] for t, p in zip(tokens, prompts)]
-
-
-def agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    """Share of positions where two greedy runs agree, up to where each pair first differs."""
-    same = 0
-    for x, y in zip(a, b):
-        same += next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), len(x))
-    return same / sum(map(len, a))
 
 
 def quality(quick: bool) -> list[dict]:

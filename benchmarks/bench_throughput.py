@@ -69,6 +69,27 @@ def round_prompts(prompts: list[list[int]], rounds: int, vocab_size: int) -> lis
     return [[[(p[0] + r) % vocab_size, *p[1:]] if p else p for p in prompts] for r in range(rounds)]
 
 
+def same_model_check(hf, prompt: list[int], logits: list[float]) -> dict:
+    """How far a peer's next-token logits for `prompt` are from transformers' (at the bench's
+    dtype, full-precision weights): a comparison counts only where both compute the same model.
+    Printed, and returned as {max_abs_diff, logit_std, same_argmax}."""
+    import torch
+
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0, -1].float()
+    theirs = torch.tensor(logits)
+    check = {
+        "max_abs_diff": float((ref - theirs).abs().max()),
+        "logit_std": float(ref.std()),
+        "same_argmax": bool(ref.argmax() == theirs.argmax()),
+    }
+    print(
+        f"llama.cpp's logits vs transformers' on the first prompt: max |diff| {check['max_abs_diff']:.3g} "
+        f"(logits' std {check['logit_std']:.3g}), same argmax: {check['same_argmax']}"
+    )
+    return check
+
+
 def compare(
     hf,
     model_dir,
@@ -116,7 +137,9 @@ def compare(
         if "llama.cpp" in peers:
             print("starting llama.cpp in its own environment (GGUF written first)...", flush=True)
             work = os.path.join(peer_work, "llama-cpp-work")
-            processes["llama.cpp"] = llama_cpp_process(llama_cpp_python, model_dir, workloads, max_tokens, dtype, work)
+            processes["llama.cpp"] = llama_cpp_process(
+                llama_cpp_python, model_dir, workloads, max_tokens, dtype, work, quantization=quantization
+            )
         for process in processes.values():  # loaded and warmed up before any round is timed
             process.wait_ready()
         for engine in engines.values():
@@ -184,7 +207,9 @@ def compare(
                 )
             else:
                 versions["llama.cpp"] = done["llama_cpp_version"]
-                name = f"llama.cpp (llama-cpp-python {versions['llama.cpp']}, one at a time)"
+                qtype = {"int8": ", Q8_0", "int4": ", Q4_0"}.get(quantization, "")
+                name = f"llama.cpp {versions['llama.cpp']}{qtype} (one at a time)"
+                extra["logits_vs_transformers"] = same_model_check(hf, workloads[0][0], done["first_logits"])
         results.append(report.account(name, secs, prompts, max_tokens, toks))
         results[-1].extra = extra
         results[-1].agreement = report.agreement(ours, toks)

@@ -16,7 +16,7 @@ from pagedllm.core.config import parse_size
 def load_dataset(spec: str, num: int, seed: int, tokenizer, vocab_size: int, max_len: int = 2048):
     """('synthetic' | 'uniform' | a JSONL path) -> (prompt token ids, requested output lengths).
     Synthetic prompt and output lengths are each clipped to half the model's context; uniform
-    ones are 16-256 each."""
+    ones are 16-256 each. A JSONL file's token ids past the vocabulary are taken modulo it."""
     if spec in ("synthetic", "uniform"):
         from .workload import synthetic_lengths, synthetic_prompts, uniform_lengths
 
@@ -25,7 +25,7 @@ def load_dataset(spec: str, num: int, seed: int, tokenizer, vocab_size: int, max
         else:
             lengths = synthetic_lengths(num, seed=seed, max_len=min(1000, max_len // 2 - 1))
         return synthetic_prompts(lengths, vocab_size, seed), [o for _, o in lengths]
-    prompts, outs = [], []
+    prompts, outs, folded = [], [], 0
     with open(spec) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -33,6 +33,8 @@ def load_dataset(spec: str, num: int, seed: int, tokenizer, vocab_size: int, max
             row = json.loads(line)
             if "prompt_token_ids" in row:
                 ids = [int(t) for t in row["prompt_token_ids"]]
+                folded += sum(not 0 <= t < vocab_size for t in ids)
+                ids = [t % vocab_size for t in ids]  # a dataset written for a larger vocabulary still runs
             elif "prompt" in row and tokenizer is not None:
                 ids = tokenizer.encode(row["prompt"])
             else:
@@ -46,6 +48,8 @@ def load_dataset(spec: str, num: int, seed: int, tokenizer, vocab_size: int, max
                 break
     if not prompts:
         raise ValueError(f"--dataset: no requests in {spec}")
+    if folded:
+        print(f"--dataset: {folded} token ids past the model's vocabulary of {vocab_size} taken modulo it")
     return prompts, outs
 
 
@@ -95,7 +99,10 @@ def random_model(spec: str, out_dir: str) -> str:
         sizes.update(sliding_window=None, head_dim=hidden // sizes.get("num_attention_heads", 4))
     elif "num_experts_per_tok" in sizes:
         raise ValueError(f"--model {spec}: top_k needs experts")
-    return make_model_dir(os.path.join(out_dir, name), arch, vocab_size=int(values.get("vocab", 400)), **sizes)
+    vocab = int(values.get("vocab", 400))
+    # the tokenizer is trained on a small text and stops short of a large vocabulary; the
+    # embedding and LM head have `vocab` rows all the same, as a model padding its vocabulary has
+    return make_model_dir(os.path.join(out_dir, name), arch, vocab_size=vocab, model_vocab_size=vocab, **sizes)
 
 
 def model_dir_of(args) -> str:

@@ -5,10 +5,16 @@ nothing from pagedllm or torch.
 
     LLAMA_CPP_PYTHON llama_cpp_peer.py IN.json OUT.json
 
-IN.json:  {"model", "dtype": float32|bfloat16|float16, "rounds": [[[token ids]]] (each round's prompts,
-           of the same lengths), "max_tokens": [int], "gguf": where to write the GGUF file, "threads"}
+IN.json:  {"model", "dtype": float32|bfloat16|float16, "quantization": null|int8|int4, "rounds":
+           [[[token ids]]] (each round's prompts, of the same lengths), "max_tokens": [int], "gguf":
+           where to write the GGUF file, "threads"}
 OUT.json: {"llama_cpp_version", "startup_seconds", "seconds": [each round's], "outputs": [[token ids]]
-           (the first round's), "one_at_a_time": true}
+           (the first round's), "first_logits": the first prompt's next-token logits, "one_at_a_time": true}
+
+The KV cache is kept in the model's dtype (llama.cpp's default is float16), as pagedllm's `auto`
+keeps it, so that both compute the same model; int8 and int4 weights are llama.cpp's own Q8_0
+and Q4_0 (blocks of 32 with a scale each) of the decoder layers' projections, the embedding and
+the LM head in the model's dtype, as pagedllm quantizes them.
 Each round runs when the bench says (peer_rounds.py).
 
 llama-cpp-python's Llama object decodes one sequence at a time, so the requests run one after
@@ -65,7 +71,13 @@ def rope_halves_to_pairs(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(folder: str, dtype: str, path: str) -> None:
+# llama.cpp's ggml types: the KV cache's, per model dtype
+KV_TYPES = {"float32": 0, "float16": 1, "bfloat16": 30}
+QUANTIZED_TYPES = {"int8": "Q8_0", "int4": "Q4_0"}
+QUANTIZED_FILE_TYPES = {"int8": 7, "int4": 2}  # llama_ftype: MOSTLY_Q8_0, MOSTLY_Q4_0
+
+
+def write_gguf(folder: str, dtype: str, path: str, quantization: str | None = None) -> None:
     import gguf
 
     with open(os.path.join(folder, "config.json")) as f:
@@ -87,7 +99,8 @@ def write_gguf(folder: str, dtype: str, path: str) -> None:
     w.add_rope_freq_base(float(theta))
     w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
     w.add_vocab_size(cfg["vocab_size"])
-    w.add_file_type({"float32": 0, "float16": 1, "bfloat16": 32}[dtype])
+    file_type = {"float32": 0, "float16": 1, "bfloat16": 32}[dtype]
+    w.add_file_type(QUANTIZED_FILE_TYPES[quantization] if quantization else file_type)
     _add_vocab(w, folder, cfg)
     names = {
         "input_layernorm": "attn_norm",
@@ -116,7 +129,10 @@ def write_gguf(folder: str, dtype: str, path: str) -> None:
             value = rope_halves_to_pairs(value, heads)
         elif name.endswith("attn_k.weight"):
             value = rope_halves_to_pairs(value, kv_heads)
-        if value.ndim == 1 or dtype == "float32":  # norms stay float32, as llama.cpp's converter keeps them
+        if quantization and name.startswith("blk.") and value.ndim == 2:
+            qtype = getattr(gguf.GGMLQuantizationType, QUANTIZED_TYPES[quantization])
+            w.add_tensor(name, gguf.quants.quantize(to_float32(value), qtype), raw_dtype=qtype)
+        elif value.ndim == 1 or dtype == "float32":  # norms stay float32, as llama.cpp's converter keeps them
             w.add_tensor(name, to_float32(value))
         elif dtype == "float16":
             w.add_tensor(name, to_float32(value).astype(np.float16))
@@ -160,7 +176,7 @@ def main() -> None:
     with open(sys.argv[1]) as f:
         job = json.load(f)
     t0 = time.monotonic()
-    write_gguf(job["model"], job["dtype"], job["gguf"])
+    write_gguf(job["model"], job["dtype"], job["gguf"], job.get("quantization"))
     import llama_cpp
 
     context = max(len(p) + m for p, m in zip(job["rounds"][0], job["max_tokens"])) + 8
@@ -171,6 +187,8 @@ def main() -> None:
         n_threads=job["threads"],
         n_threads_batch=job["threads"],
         seed=0,
+        type_k=KV_TYPES[job["dtype"]],
+        type_v=KV_TYPES[job["dtype"]],
         verbose=False,
     )
     startup = time.monotonic() - t0
@@ -186,7 +204,14 @@ def main() -> None:
                 break
         return out
 
-    generate(job["rounds"][0][0], 2)  # warm-up, as the pagedllm side is warm
+    first = job["rounds"][0][0]
+    llm.reset()
+    llm.eval(first)
+    # the last position's logits (kept by llama.cpp's context: the Llama object keeps none
+    # without logits_all), to check that both compute the same model
+    last = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+    first_logits = [float(last[i]) for i in range(llm.n_vocab())]
+    generate(first, 2)  # warm-up, as the pagedllm side is warm
     seconds, outputs = timed_rounds(
         job["rounds"], lambda prompts: [generate(p, m) for p, m in zip(prompts, job["max_tokens"])]
     )
@@ -197,6 +222,7 @@ def main() -> None:
                 "startup_seconds": startup,
                 "seconds": seconds,
                 "outputs": outputs,
+                "first_logits": first_logits,
                 "one_at_a_time": True,
             },
             f,

@@ -110,13 +110,19 @@ def llama_cpp_process(
     dtype: str,
     work_dir: str,
     timeout_s: float = 3600,
+    quantization: str | None = None,
 ) -> PeerProcess:
     """llama.cpp on the same token ids, run by `python` (an interpreter with llama-cpp-python
     and gguf installed) through benchmarks/llama_cpp_peer.py, which writes the weights as GGUF
-    at `dtype` first. One request at a time (llama-cpp-python's Llama decodes one sequence).
-    Its result: seconds (a round each), outputs, startup_seconds, llama_cpp_version."""
-    gguf = os.path.join(os.path.abspath(work_dir), f"model-{dtype}.gguf")
-    job = _job(model_dir, dtype, rounds, max_tokens, gguf=gguf, threads=torch.get_num_threads())
+    at `dtype` first (int8 and int4 `quantization` as Q8_0 and Q4_0). One request at a time
+    (llama-cpp-python's Llama decodes one sequence). Its result: seconds (a round each),
+    outputs, first_logits, startup_seconds, llama_cpp_version."""
+    if quantization not in (None, "int8", "int4"):
+        raise ValueError(f"llama.cpp has no counterpart of --quantization {quantization} here (int8: Q8_0, int4: Q4_0)")
+    gguf = os.path.join(os.path.abspath(work_dir), f"model-{dtype}-{quantization or 'dense'}.gguf")
+    job = _job(
+        model_dir, dtype, rounds, max_tokens, gguf=gguf, threads=torch.get_num_threads(), quantization=quantization
+    )
     return PeerProcess("llama.cpp", python, "llama_cpp_peer.py", job, work_dir, {}, timeout_s)
 
 

@@ -38,7 +38,13 @@ def account(
 
 
 def agreement(reference: list[list[int]], other: list[list[int]]) -> float:
-    return sum(a == b for a, b in zip(reference, other)) / max(len(reference), 1)
+    """The share of the reference's tokens that the other run's greedy outputs repeat, each
+    request counted up to where the two first differ (after that they continue different texts;
+    on random weights a near-tie anywhere ends the count)."""
+    same = sum(
+        next((i for i, (p, q) in enumerate(zip(a, b)) if p != q), min(len(a), len(b))) for a, b in zip(reference, other)
+    )
+    return same / max(sum(map(len, reference)), 1)
 
 
 def format_table(results: list[SystemResult]) -> str:

@@ -18,7 +18,8 @@ def test_accounting_counts_only_requested_tokens_and_flags_short_outputs():
     assert lazy.useful_tokens == 3 and lazy.short_requests == 1
     missing = account("missing", 1.0, PROMPTS, [3, 2], [[1, 2, 3]])
     assert missing.short_requests == 1
-    assert agreement([[1, 2], [3]], [[1, 2], [4]]) == 0.5
+    assert agreement([[1, 2], [3]], [[1, 2], [4]]) == 2 / 3  # tokens repeated, up to each request's first difference
+    assert agreement([[1, 2, 3, 4]], [[1, 5, 3, 4]]) == 1 / 4
 
 
 def run_bench(*args, timeout=600):
