@@ -154,9 +154,10 @@ def test_argmax_rows_answers_as_torch():
 def test_panel_linear_against_float64(dtype):
     """Shapes off every tile edge (rows not a multiple of 6, outputs not of the 16 of a panel,
     inputs over one 256-wide slice), with and without bias, against the float64 product of the
-    same weights."""
+    same weights; and each row alone (the few-rows path a decode step takes) is the same bits as
+    that row in the whole batch (the blocked path)."""
     gen = torch.Generator().manual_seed(1)
-    for m, n, k in ((1, 37, 64), (5, 8, 1000), (16, 100, 37), (67, 50, 1536), (3, 1, 7)):
+    for m, n, k in ((1, 37, 64), (5, 8, 1000), (16, 100, 37), (67, 50, 1536), (3, 1, 7), (9, 33, 700)):
         x = torch.randn(m, k, generator=gen)
         w = torch.randn(n, k, generator=gen).to(dtype)
         for bias in (None, torch.randn(n, generator=gen)):
@@ -164,6 +165,9 @@ def test_panel_linear_against_float64(dtype):
             got = native.panel_linear(x, native.pack_panel_weight(w), n, bias)
             assert got.dtype == torch.float32 and got.shape == (m, n)
             assert (got.double() - expected).abs().max() <= 1e-6 * k**0.5 * 10, (m, n, k)
+            for r in {0, m - 1}:
+                alone = native.panel_linear(x[r : r + 1], native.pack_panel_weight(w), n, bias)
+                assert torch.equal(alone[0], got[r]), (m, n, k, r)
     with pytest.raises(ValueError, match="bfloat16, float16 or float32"):
         native.pack_panel_weight(w.double())
     with pytest.raises(ValueError, match="pack_panel_weight"):

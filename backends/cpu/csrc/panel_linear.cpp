@@ -89,9 +89,52 @@ inline void tile(const float* x, int64_t x_stride, const T* panel, int64_t len, 
     for (int64_t j = 0; j < PANEL; ++j) result[a * PANEL + j] = acc[a][j];
 }
 
+// tile<M> for the 1-6 rows at x.
+template <class T>
+inline void tile_rows(int64_t rows, const float* x, int64_t x_stride, const T* panel, int64_t len, float* result) {
+  switch (rows) {
+    case 6: tile<6>(x, x_stride, panel, len, result); break;
+    case 5: tile<5>(x, x_stride, panel, len, result); break;
+    case 4: tile<4>(x, x_stride, panel, len, result); break;
+    case 3: tile<3>(x, x_stride, panel, len, result); break;
+    case 2: tile<2>(x, x_stride, panel, len, result); break;
+    default: tile<1>(x, x_stride, panel, len, result);
+  }
+}
+
+// A decode step's few rows (one tile): each thread streams its own panels whole, start to
+// end, with one barrier for the call; the blocked loop below meets a barrier every K_BLOCK
+// input channels and jumps between panels as often, which kept one request's decode well
+// below the machine's bandwidth. The arithmetic is the blocked loop's, operation for operation:
+// each K_BLOCK slice summed from zero in a tile, the slices added to the first one (plus the
+// bias, or 0) in order, so a row's bits do not depend on the path or on the other rows.
+template <class T>
+void panel_linear_few_rows(const float* x, int64_t m, const T* packed, int64_t n, int64_t k, const float* bias,
+                           float* out, int num_threads) {
+  const int64_t panels = (n + PANEL - 1) / PANEL;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (int64_t p = 0; p < panels; ++p) {
+    const T* panel = packed + p * k * PANEL;
+    const int64_t n0 = p * PANEL, cols = std::min(PANEL, n - n0);
+    float total[MR * PANEL], result[MR * PANEL];
+    for (int64_t k0 = 0; k0 < k; k0 += K_BLOCK) {
+      const int64_t len = std::min(K_BLOCK, k - k0);
+      tile_rows(m, x + k0, k, panel + k0 * PANEL, len, result);
+      for (int64_t a = 0; a < m; ++a)
+        for (int64_t j = 0; j < cols; ++j) {
+          float& t = total[a * PANEL + j];
+          const float r = result[a * PANEL + j];
+          t = k0 == 0 ? r + (bias ? bias[n0 + j] : 0.f) : t + r;
+        }
+    }
+    for (int64_t a = 0; a < m; ++a) std::copy(total + a * PANEL, total + a * PANEL + cols, out + a * n + n0);
+  }
+}
+
 template <class T>
 void panel_linear(const float* x, int64_t m, const T* packed, int64_t n, int64_t k, const float* bias, float* out,
                   int num_threads) {
+  if (m <= MR) return panel_linear_few_rows(x, m, packed, n, k, bias, out, num_threads);
   const int64_t panels = (n + PANEL - 1) / PANEL;
 #pragma omp parallel num_threads(num_threads)
   for (int64_t k0 = 0; k0 < k; k0 += K_BLOCK) {
@@ -109,14 +152,7 @@ void panel_linear(const float* x, int64_t m, const T* packed, int64_t n, int64_t
         for (int64_t i = m0; i < m1; i += MR) {
           const int64_t rows = std::min<int64_t>(MR, m1 - i);
           const float* xt = x + i * k + k0;
-          switch (rows) {
-            case 6: tile<6>(xt, k, panel, len, result); break;
-            case 5: tile<5>(xt, k, panel, len, result); break;
-            case 4: tile<4>(xt, k, panel, len, result); break;
-            case 3: tile<3>(xt, k, panel, len, result); break;
-            case 2: tile<2>(xt, k, panel, len, result); break;
-            default: tile<1>(xt, k, panel, len, result);
-          }
+          tile_rows(rows, xt, k, panel, len, result);
           for (int64_t a = 0; a < rows; ++a) {
             float* o = out + (i + a) * n + n0;
             const float* r = result + a * PANEL;
