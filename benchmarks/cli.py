@@ -241,6 +241,13 @@ def _throughput(args, out_dir: str, peers: list[str]) -> int:
         busy=args.busy,
     )
     results = run["results"]
+    bandwidth = {}
+    if len(prompts) == 1:  # one request: decode reads every weight a token
+        with open(os.path.join(model_dir, "config.json")) as f:
+            per_token = report.weight_bytes_per_token(json.load(f), args.dtype, args.quantization)
+        probe = max(v for k, v in args.machine.items() if k.startswith("memory_gb_s"))
+        print("\n".join(report.bandwidth_lines(results, per_token, probe)))
+        bandwidth = {"weight_bytes_per_token": per_token, "probe_gb_s": probe}
     _write_json(
         args,
         os.path.join(out_dir, "throughput.json"),
@@ -254,6 +261,7 @@ def _throughput(args, out_dir: str, peers: list[str]) -> int:
             "transformers": transformers.__version__,
             "torch": torch.__version__,
             "peer_versions": run["peer_versions"],
+            **bandwidth,
             "results": [{**r.__dict__, "output_tok_s": r.output_tok_s, "total_tok_s": r.total_tok_s} for r in results],
         },
     )

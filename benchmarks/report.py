@@ -47,6 +47,35 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> float:
     return same / max(sum(map(len, reference)), 1)
 
 
+# bytes a weight of the decoder layers' projections, per weight format (int8: a scale a row;
+# int4: a scale per group of 128, ~1%: both left out)
+WEIGHT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "int4": 0.5}
+
+
+def weight_bytes_per_token(config: dict, dtype: str, quantization: str | None = None) -> float:
+    """The bytes of weights one decode step of one request reads, from a Llama-family
+    config.json: every projection of every layer (quantized ones at their own width) and the LM
+    head (in `dtype`); the embedding's one row and the norms are left out."""
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    kv_heads = config.get("num_key_value_heads", heads)
+    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q and o, k and v
+    experts = config.get("num_experts_per_tok", 1)  # a mixture reads the experts it routes to
+    mlp = 3 * hidden * config["intermediate_size"] * experts
+    layers = config["num_hidden_layers"] * (attention + mlp)
+    return layers * WEIGHT_BYTES[quantization or dtype] + config["vocab_size"] * hidden * WEIGHT_BYTES[dtype]
+
+
+def bandwidth_lines(results: list[SystemResult], bytes_per_token: float, probe_gb_s: float) -> list[str]:
+    """For a one-request run: each system's rate of reading the weights, and its share of the
+    machine probe's all-thread bandwidth (the yardstick of a decode bound by memory)."""
+    lines = [f"weights read a token: {bytes_per_token / 1e6:.1f} MB; the probe's bandwidth: {probe_gb_s} GB/s"]
+    for r in results:
+        rate = bytes_per_token * r.output_tok_s / 1e9
+        lines.append(f"  {r.name}: {rate:.1f} GB/s of weights, {rate / probe_gb_s:.0%} of the probe's")
+    return lines
+
+
 def format_table(results: list[SystemResult]) -> str:
     base = results[0]
     head = f"{'system':42} {'out tok/s':>10} {'total tok/s':>12} {'pagedllm is':>12} {'greedy agreement':>17}  notes"
