@@ -241,7 +241,9 @@ def test_greedy_constrained_output_is_unchanged_by_preemption_tp_and_a_worker_ki
 
 def test_jump_forward_appends_forced_tokens_with_the_same_output(tmp_path):
     """A schema of long fixed keys: the grammar forces most tokens. Appended unsampled and
-    computed in one chunk, they give the token-by-token output in fewer steps."""
+    computed in one chunk, they give the token-by-token output in fewer steps. Token by token,
+    constrained steps are planned ahead (their masks follow the results of the step before;
+    the requests end while a step planned for them is in flight); the same output."""
     keys = {f"measurement_field_{i}": {"type": "integer", "minimum": 0, "maximum": 9} for i in range(6)}
     schema = {"type": "object", "properties": keys, "required": list(keys), "additionalProperties": False}
     params = SamplingParams(temperature=0, max_tokens=150, structured_outputs=StructuredOutputsParams(json=schema))
@@ -250,7 +252,8 @@ def test_jump_forward_appends_forced_tokens_with_the_same_output(tmp_path):
     for jump_forward in (False, True):
         with LLM(None, max_model_len=512, jump_forward=jump_forward) as llm:
             outs = llm.generate(prompts, params, use_tqdm=False)
-            runs.append(([o.outputs[0].token_ids for o in outs], llm.last_stats.steps))
-    (plain, plain_steps), (jumped, jumped_steps) = runs
+            runs.append(([o.outputs[0].token_ids for o in outs], llm.last_stats.steps, llm.last_stats.planned_ahead))
+    (plain, plain_steps, planned_ahead), (jumped, jumped_steps, _) = runs
+    assert planned_ahead > plain_steps // 2, (planned_ahead, plain_steps)
     assert jumped == plain
     assert jumped_steps * 2 < plain_steps, (jumped_steps, plain_steps)

@@ -90,6 +90,9 @@ class EngineCore:
         self._empty_plans = 0  # plans in a row that had nothing for the workers
         # sent and not yet applied, oldest first: one, or two under async scheduling
         self.in_flight: deque[SchedulerOutput] = deque()
+        # a step planned ahead whose constrained requests' masks wait for the results of the
+        # step before it (their grammars take its tokens first)
+        self._masks_due: SchedulerOutput | None = None
         self._inits: list[InitCache] = []  # per rank, sent again to a replacement worker
         self.restarts = RestartBudget(config.max_worker_restarts, RESTART_WINDOW_S)
         self.recovered_tokens = 0  # computed tokens that recoveries kept (the pool outlived the worker)
@@ -206,6 +209,7 @@ class EngineCore:
         kv_lost = any(init.kv_segment is None for init in self._inits)
         failed = list(self.in_flight)
         self.in_flight.clear()
+        self._masks_due = None
         kept = self.scheduler.recover(failed, kv_lost)
         self.recovered_tokens += kept
         logger.warning(
@@ -277,6 +281,9 @@ class EngineCore:
             in_flight.popleft()
             outputs = sched.update(plan, sampled_by_request(plan, result), result.logprobs, result.spec_token_ids)
             self._report_failures()
+            if self._masks_due is not None:  # the step planned ahead samples with the grammars as they are now
+                due, self._masks_due = self._masks_due, None
+                self._send_masks(due)
             self.steps += 1
             self._batch_sizes.append(len(plan.num_scheduled_tokens))
             self._batch_tokens.append(plan.total_num_scheduled_tokens)
@@ -316,16 +323,22 @@ class EngineCore:
         plan = self.scheduler.schedule_ahead(self.in_flight[0])
         if plan is not None:
             self.planned_ahead += 1
-            self._broadcast(plan)
+            self._broadcast(plan, masks_now=False)
+            if plan.structured_request_ids:
+                self._masks_due = plan
 
-    def _broadcast(self, plan: SchedulerOutput) -> None:
+    def _broadcast(self, plan: SchedulerOutput, masks_now: bool = True) -> None:
         self.in_flight.append(plan)
         self.workers.broadcast(Step(plan))
-        if plan.structured_request_ids:  # computed while the workers run the forward pass
-            sched = self.scheduler
-            masks = self.structured.masks(plan.structured_request_ids, sched.requests, sched.fail_request)
-            self._report_failures()
-            self.workers.send(0, StepMasks(plan.step_id, masks))
+        if plan.structured_request_ids and masks_now:  # computed while the workers run the forward pass
+            self._send_masks(plan)
+
+    def _send_masks(self, plan: SchedulerOutput) -> None:
+        """The plan's token masks to rank 0, which waits for them only when it samples."""
+        sched = self.scheduler
+        masks = self.structured.masks(plan.structured_request_ids, sched.requests, sched.fail_request)
+        self._report_failures()
+        self.workers.send(0, StepMasks(plan.step_id, masks))
 
     def _wait_result(self, plan: SchedulerOutput) -> StepResult:
         result = self.workers.wait_result(StepResult, self._check_frontend)

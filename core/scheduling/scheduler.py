@@ -284,7 +284,9 @@ class Scheduler:
         for request, delta in zip(requests, deltas):
             step.add(request, 1, delta)
             request.num_computed_tokens += 1
-        return step.build(next(self._step_ids), self.kv.take_block_copies(), {}, budget)
+        plan = step.build(next(self._step_ids), self.kv.take_block_copies(), {}, budget)
+        plan.structured_request_ids = self.structured.sampling_ahead(requests)  # masks sent after the results
+        return plan
 
     def _running_by_phase(self) -> tuple[list, list]:
         """(decodes, unfinished prefills) of the running requests, with the tokens each has left

@@ -182,17 +182,23 @@ class StructuredOutputs:
     # --- the engine loop: a step is sent --------------------------------------------------
     def masks(self, request_ids: list[str], requests: dict[str, Request], fail) -> np.ndarray:
         """The step's token bitmasks; a request whose matcher fails here fails alone (`fail(rid,
-        error)`; its row then allows every token, and what it samples is dropped with it)."""
-        try:
-            return self.grammars.masks([requests[rid].matcher for rid in request_ids])
-        except Exception:  # noqa: BLE001 - find which one, and fail it alone
-            bitmask = np.full((len(request_ids), self.grammars.words), -1, dtype=np.int32)  # every token
-            for i, rid in enumerate(request_ids):
-                try:
-                    bitmask[i] = self.grammars.masks([requests[rid].matcher])[0]
-                except Exception as e:  # noqa: BLE001 - logged by fail
-                    fail(rid, e)
-            return bitmask
+        error)`; its row then allows every token, and what it samples is dropped with it). A
+        request that ended since the step was planned (ahead: the step in flight ended it) gets
+        a row that allows every token: what it samples is dropped."""
+        rows = [i for i, rid in enumerate(request_ids) if rid in requests]
+        if len(rows) == len(request_ids):
+            try:
+                return self.grammars.masks([requests[rid].matcher for rid in request_ids])
+            except Exception:  # noqa: BLE001 - find which one, and fail it alone (below)
+                pass
+        bitmask = np.full((len(request_ids), self.grammars.words), -1, dtype=np.int32)  # every token
+        for i in rows:
+            rid = request_ids[i]
+            try:
+                bitmask[i] = self.grammars.masks([requests[rid].matcher])[0]
+            except Exception as e:  # noqa: BLE001 - logged by fail
+                fail(rid, e)
+        return bitmask
 
     # --- the scheduler --------------------------------------------------------------------
     def started(self, request: Request, matcher) -> None:
@@ -206,8 +212,18 @@ class StructuredOutputs:
         return [r.request_id for r in requests if r.matcher is not None and r.num_computed_tokens == r.num_tokens]
 
     def blocks_planning_ahead(self, running: list[Request]) -> bool:
-        """A constrained request's next mask needs the token sampled in the step in flight."""
-        return self.in_use and any(r.matcher is not None for r in running)
+        """With jump-forward on, a constrained request's next step may be the tokens its
+        grammar forces after the token sampled in the step in flight, not one token: that
+        step waits for the results. Without it, the next step is planned ahead as any decode
+        step is, and its masks follow once the step in flight's tokens have joined the grammars
+        (`sampling_ahead`; the engine sends them late)."""
+        return self.in_use and self.jump_forward_on and any(r.matcher is not None for r in running)
+
+    def sampling_ahead(self, requests: list[Request]) -> list[str]:
+        """The constrained requests of a step planned ahead (each samples in it)."""
+        if not self.in_use:
+            return []
+        return [r.request_id for r in requests if r.matcher is not None]
 
     @staticmethod
     def consume(request: Request, token: int) -> bool:
