@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from pagedllm.benchmarks.report import account, agreement
+from pagedllm.benchmarks.report import account, agreement, weight_bytes_per_token
 
 PROMPTS = [[5, 6], [7, 8, 9]]
 
@@ -20,6 +20,24 @@ def test_accounting_counts_only_requested_tokens_and_flags_short_outputs():
     assert missing.short_requests == 1
     assert agreement([[1, 2], [3]], [[1, 2], [4]]) == 2 / 3  # tokens repeated, up to each request's first difference
     assert agreement([[1, 2, 3, 4]], [[1, 5, 3, 4]]) == 1 / 4
+
+
+def test_weight_bytes_per_token_are_the_projections_and_the_lm_head_of_the_saved_model(tiny_model):
+    """The one-request bandwidth figure's numerator, against the tensors a real folder holds: every
+    layer's projections at the weights' width (int8: 1 byte, int4: half) and the LM head in the
+    model's dtype (tied: the embedding's matrix)."""
+    from safetensors import safe_open
+
+    for tie in (True, False):
+        folder = tiny_model("llama", num_key_value_heads=1, tie_word_embeddings=tie)
+        with open(f"{folder}/config.json") as f:
+            config = json.load(f)
+        with safe_open(f"{folder}/model.safetensors", "pt") as f:
+            sizes = {k: f.get_slice(k).get_shape() for k in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
+        projections = sum(a * b for k, (a, b, *_) in ((k, v) for k, v in sizes.items() if "proj" in k))
+        head = sizes.get("lm_head.weight", sizes["model.embed_tokens.weight"])
+        assert weight_bytes_per_token(config, "float32") == 4 * (projections + head[0] * head[1])
+        assert weight_bytes_per_token(config, "float32", "int4") == projections / 2 + 4 * head[0] * head[1]
 
 
 def run_bench(*args, timeout=600):
