@@ -104,8 +104,30 @@ def test_what_a_replay_does_not_take():
     assert replay.fits([SeqInput([1], 3, table)] * replay.row_cap)
     assert not replay.fits([SeqInput([1], 3, table)] * (replay.row_cap + 1))  # more rows than it grows to
     assert not replay.fits([SeqInput([1], 512, table)])  # past the captured context
-    _, quantized = runner_and_replay("float32", quantization="int8")
-    assert quantized is None  # its linear layers are not on the panel kernel: eager steps
+    _, quantized = runner_and_replay("bfloat16", quantization="int8")
+    assert quantized is None  # quantized layers round their float32 products to bfloat16: eager steps
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_a_quantized_float32_model_replays_with_the_eager_bits(quantization):
+    """Weight-only quantized layers replay as their forward runs them: the GEMV up to 16 rows,
+    oneDNN's GEMM on the decoded weights past that (a 40-token chunk); logits and K/V equal."""
+    runner, replay = runner_and_replay("float32", quantization=quantization)
+    assert isinstance(replay, StepReplay)
+    tables = [list(range(1, 11)), list(range(11, 21)), list(range(21, 31))]
+    steps = [
+        [SeqInput(list(range(5, 45)), 0, tables[0]), SeqInput(list(range(7, 12)), 0, tables[1])],
+        [SeqInput([9], 40, tables[0]), SeqInput([8], 5, tables[1]), SeqInput([3, 4], 0, tables[2])],
+    ]
+    before = runner.kv_caches.clone()
+    results = []
+    for graphs in (None, replay):
+        runner.kv_caches.copy_(before)
+        runner.replay = graphs
+        results.append(([runner.execute(step) for step in steps], runner.kv_caches.clone()))
+    (eager, eager_kv), (replayed, replayed_kv) = results
+    assert all(torch.equal(a, b) for a, b in zip(eager, replayed))
+    assert torch.equal(eager_kv, replayed_kv)
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES + MORE_ARCHITECTURES)

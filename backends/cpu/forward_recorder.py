@@ -21,10 +21,12 @@ from ..attention import AttentionMetadata, DecodeMetadata
 from ..models.decoder import CausalLM, DecoderLayer
 from .model_kernels import FusedRMSNorm, PanelLinear
 from .packed_linear import PackedLinear
+from .quantized_linear import CpuQuantizedLinear
 
-# the linear layers recorded as steps: the panel kernel's, and oneDNN's packed GEMMs (bfloat16
-# on CPUs that multiply bfloat16, float32 where the panel kernel is not used)
-RECORDED_LINEARS = (PanelLinear, PackedLinear)
+# the linear layers recorded as steps: the panel kernel's, oneDNN's packed GEMMs (bfloat16
+# on CPUs that multiply bfloat16, float32 where the panel kernel is not used), and weight-only
+# quantized layers (their GEMV, or oneDNN's GEMM on the decoded weights)
+RECORDED_LINEARS = (PanelLinear, PackedLinear, CpuQuantizedLinear)
 
 # torch calls the eager pass makes between its steps that move no number: shapes and views
 VIEW_CALLS = frozenset(

@@ -483,7 +483,9 @@ def panel_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias:
 QUANTIZED_KINDS = {"int8": 0, "int4": 1, "nf4": 2}
 
 
-def _quantized_args(kind, codes, scales, zeros, lut):
+def quantized_args(kind, codes, scales, zeros, lut) -> tuple:
+    """pagedllm_quantized_gemv_f32's and pagedllm_dequantize_f32's arguments for the weight:
+    (kind id, codes, row bytes, scales, zeros, lut)."""
     return (
         QUANTIZED_KINDS[kind],
         codes.data_ptr(),
@@ -499,7 +501,7 @@ def quantized_gemv(x, kind, codes, scales, zeros, lut, bias, k: int, group: int)
     plus bias: [M, N] float32."""
     n = codes.shape[0]
     out = torch.empty(x.shape[0], n, dtype=torch.float32)
-    kind_id, codes_p, row_bytes, scales_p, zeros_p, lut_p = _quantized_args(kind, codes, scales, zeros, lut)
+    kind_id, codes_p, row_bytes, scales_p, zeros_p, lut_p = quantized_args(kind, codes, scales, zeros, lut)
     _library().pagedllm_quantized_gemv_f32(
         kind_id,
         x.data_ptr(),
@@ -523,7 +525,7 @@ def dequantize(kind, codes, scales, zeros, lut, k: int, group: int) -> torch.Ten
     """The quantized weight as float32 [N, K]."""
     n = codes.shape[0]
     out = torch.empty(n, k, dtype=torch.float32)
-    kind_id, codes_p, row_bytes, scales_p, zeros_p, lut_p = _quantized_args(kind, codes, scales, zeros, lut)
+    kind_id, codes_p, row_bytes, scales_p, zeros_p, lut_p = quantized_args(kind, codes, scales, zeros, lut)
     _library().pagedllm_dequantize_f32(
         kind_id, codes_p, row_bytes, scales_p, zeros_p, lut_p, n, k, group, out.data_ptr(), torch.get_num_threads()
     )

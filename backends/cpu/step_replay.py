@@ -25,7 +25,8 @@ In the eager bfloat16 step torch's float32/bfloat16 copies around the GEMMs took
 the GEMMs (docs/bench): a 2,040-token prefill step replayed takes 16 instead of 35 ms.
 
 Captured only where the eager pass is all compiled kernels: float32 or 16-bit weights on the
-panel kernel (or on oneDNN's packed GEMM, called through torch), fused norms and activation,
+panel kernel (or on oneDNN's packed GEMM, called through torch), weight-only quantized layers
+of a float32 model (their GEMV; past its rows, their own forward), fused norms and activation,
 one rank; else None (eager steps).
 """
 
@@ -43,6 +44,7 @@ from . import native
 from .forward_recorder import RECORDED_LINEARS, record_forward
 from .model_kernels import Bfloat16Linear, FusedRMSNorm
 from .packed_linear import PackedLinear, bfloat16_dot_products, packed_linear, padded_rows
+from .quantized_linear import CpuQuantizedLinear
 
 
 def _ptr(t: torch.Tensor, offset_elements: int = 0) -> int:
@@ -160,6 +162,8 @@ class StepReplay:
                 return [OneDnnCall(module, x, bfloat16_inputs[k_in], out)], out
             if isinstance(module, PackedLinear):
                 return [OneDnnCall(module, x, None, out)], out
+            if isinstance(module, CpuQuantizedLinear):
+                return [self._quantized_call(lib, module, x, out)], out
             kind, w = native.PANEL_KINDS[module.packed.dtype], _ptr(module.packed)
             bias = None if module.bias is None else _ptr(module.bias)
             n_out, k_in, xp, op = module.out_features, module.in_features, _ptr(x), _ptr(out)
@@ -202,6 +206,30 @@ class StepReplay:
                 "act": act,
             }
         )
+
+    def _quantized_call(self, lib, module: CpuQuantizedLinear, x: torch.Tensor, out: torch.Tensor):
+        """A weight-only quantized layer of a float32 model, as its forward runs it: the GEMV up
+        to its gemv_max_rows rows (same kernel, same rows: the same bits), its own forward past
+        them (oneDNN's GEMM on the decoded weights)."""
+        _check(self.model.config.dtype == torch.float32, "quantized layers in a 16-bit model")
+        _check(module.perm is None, "a quantized layer in act order")
+        weight = native.quantized_args(module.kind, module.codes, module.scales, module.zeros, module.lut)
+        bias = None if module.bias is None else _ptr(module.bias)
+        gemv, n_out, k_in, group = (
+            lib.pagedllm_quantized_gemv_f32,
+            module.out_features,
+            module.in_features,
+            module.group,
+        )
+        xp, op, most = _ptr(x), _ptr(out), module.gemv_max_rows
+
+        def call(rows, threads):
+            if rows <= most:
+                gemv(weight[0], xp, rows, *weight[1:], bias, n_out, k_in, group, op, threads)
+            else:
+                out[:rows] = module(x[:rows].reshape(rows, k_in))
+
+        return call
 
     def _bind(self, binders: dict) -> list:
         """The recorded steps' calls, each bound by its kind's binder, `(step, what the step before
