@@ -186,19 +186,21 @@ class StructuredOutputs:
         request that ended since the step was planned (ahead: the step in flight ended it) gets
         a row that allows every token: what it samples is dropped."""
         rows = [i for i, rid in enumerate(request_ids) if rid in requests]
-        if len(rows) == len(request_ids):
-            try:
-                return self.grammars.masks([requests[rid].matcher for rid in request_ids])
-            except Exception:  # noqa: BLE001 - find which one, and fail it alone (below)
-                pass
         bitmask = np.full((len(request_ids), self.grammars.words), -1, dtype=np.int32)  # every token
-        for i in rows:
-            rid = request_ids[i]
-            try:
-                bitmask[i] = self.grammars.masks([requests[rid].matcher])[0]
-            except Exception as e:  # noqa: BLE001 - logged by fail
-                fail(rid, e)
-        return bitmask
+        try:
+            computed = self.grammars.masks([requests[request_ids[i]].matcher for i in rows])
+            if len(rows) == len(request_ids):
+                return computed
+            bitmask[rows] = computed
+            return bitmask
+        except Exception:  # noqa: BLE001 - find which one, and fail it alone
+            for i in rows:
+                rid = request_ids[i]
+                try:
+                    bitmask[i] = self.grammars.masks([requests[rid].matcher])[0]
+                except Exception as e:  # noqa: BLE001 - logged by fail
+                    fail(rid, e)
+            return bitmask
 
     # --- the scheduler --------------------------------------------------------------------
     def started(self, request: Request, matcher) -> None:
