@@ -172,7 +172,9 @@ def test_throughput_against_transformers_and_a_vllm_peer_through_its_own_interpr
     assert "transformers static batch 16" in proc.stdout and "pagedllm is" in proc.stdout
     assert "vLLM 0.0-fake (CPU)" in proc.stdout and "FLAGGED: 1 requests returned fewer tokens" in proc.stdout
     assert "start-up: pagedllm" in proc.stdout
+    assert "weights read a token:" in proc.stdout and "of the probe's" in proc.stdout  # one request: its bandwidth
     data = json.loads((out / "throughput.json").read_text())
+    assert data["weight_bytes_per_token"] > 0 and data["probe_gb_s"] > 0
     results = {r["name"]: r for r in data["results"]}
     assert data["results"][0]["name"] == "pagedllm (cpu)" and "transformers static batch 16" in results
     assert data["peer_versions"] == {"vllm": "0.0-fake"} and data["rounds"] == 2
