@@ -530,8 +530,10 @@ def test_zmq_ready_message_and_a_duplicate_id_refuses_only_the_duplicate(server)
     with ZmqClient(server.zmq_endpoint, timeout_s=20) as zc:
         ready = zc.wait_ready()
         assert ready.max_model_len == MAX_MODEL_LEN and ready.model
+        # long enough that it is still running when the duplicate arrives, on a loaded machine too
+        # (at 40 tokens, with a busy process beside two test workers, it had ended first)
         running = zc.stream(
-            prompt_token_ids=[5, 6, 7], request_id="dup", max_tokens=40, temperature=0.0, ignore_eos=True
+            prompt_token_ids=[5, 6, 7], request_id="dup", max_tokens=400, temperature=0.0, ignore_eos=True
         )
         next(running)
         again = {"type": "generate", "request_id": "dup", "prompt": "again", "params": {"max_tokens": 3}}
@@ -543,7 +545,7 @@ def test_zmq_ready_message_and_a_duplicate_id_refuses_only_the_duplicate(server)
         assert (reply.code, reply.request_id, reply.field) == (409, "dup", "request_id")
         final = list(running)[-1]
         assert isinstance(final, Final) and final.completions[0].finish_reason == "length"
-        assert len(final.completions[0].token_ids) == 40
+        assert len(final.completions[0].token_ids) == 400
 
 
 def test_zmq_logprobs_k_returns_the_k_most_likely_of_each_token(server):
