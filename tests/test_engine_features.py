@@ -171,7 +171,7 @@ def test_a_high_priority_request_preempts_a_full_engine_and_nothing_changes_toke
 
     # long enough that the urgent request ends first even when this process sees the low ones'
     # tokens late (a loaded machine: at 80 tokens, 7 of 8 had ended before it)
-    low = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True, priority=5)
+    low = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, priority=5)
     urgent = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, priority=0)
     prompts = [[5 + i, 6, 7 + i] * (2 + i) for i in range(8)]
 

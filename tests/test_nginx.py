@@ -60,13 +60,12 @@ def test_streamed_chunks_pass_through_nginx_one_by_one(nginx_binary, tiny_model,
         via = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=5)
         assert wait_until(lambda: _answers(via), timeout_s=20, interval=0.1), "nginx did not come up"
         stream = via.completions.create(
-            model=model, prompt=[5, 6, 7], max_tokens=1000, temperature=0, stream=True, extra_body={"ignore_eos": True}
+            model=model, prompt=[5, 6, 7], max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True}
         )
         chunks = iter(stream)
         first = next(chunks)
         assert first.choices[0].text is not None
-        # the first chunk is here while the server is still generating this answer (1,000 tokens:
-        # at 400, a loaded machine answered the metrics request only after the last one)
+        # the first chunk is here while the server is still generating this answer
         assert server.metrics()["pagedllm:num_requests_running"] == 1
         rest = list(chunks)
         assert len(rest) >= 100 and rest[-1].choices[0].finish_reason == "length"

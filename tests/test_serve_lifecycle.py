@@ -64,11 +64,11 @@ async def _zmq_stream(endpoint: str, max_tokens: int, started: asyncio.Event):
 
 def test_sigterm_finishes_short_requests_aborts_long_ones_and_exits_0(long_model):
     # eager steps, and streams of 8,000 tokens: they must outlast the drain on a fast, quiet
-    # machine too (a Zen 4 made 1,000 eager tokens of this tiny model a second). The drain is 3 s:
+    # machine too (a Zen 4 made 1,000 eager tokens of this tiny model a second). The drain is 2 s:
     # the late requests below must meet it still draining on a loaded machine too (at 1 s, a
     # third test process beside this one let it end before /health was asked)
     model = long_model
-    srv = ServerProcess(model, "--num-kv-blocks", "1100", "--shutdown-timeout", "3", "--enforce-eager")
+    srv = ServerProcess(model, "--num-kv-blocks", "1100", "--shutdown-timeout", "2", "--enforce-eager")
 
     async def main():
         started = [asyncio.Event() for _ in range(3)]
