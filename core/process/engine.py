@@ -88,11 +88,9 @@ class EngineCore:
         self._batch_tokens: list[int] = []
         self.stopping = False
         self._empty_plans = 0  # plans in a row that had nothing for the workers
-        # sent and not yet applied, oldest first: one, or two under async scheduling
+        # sent and not yet applied, oldest first: one, or two under async scheduling (the second
+        # planned ahead: its masks, where it has any, go out once the first's tokens are applied)
         self.in_flight: deque[SchedulerOutput] = deque()
-        # a step planned ahead whose constrained requests' masks wait for the results of the
-        # step before it (their grammars take its tokens first)
-        self._masks_due: SchedulerOutput | None = None
         self._inits: list[InitCache] = []  # per rank, sent again to a replacement worker
         self.restarts = RestartBudget(config.max_worker_restarts, RESTART_WINDOW_S)
         self.recovered_tokens = 0  # computed tokens that recoveries kept (the pool outlived the worker)
@@ -209,7 +207,6 @@ class EngineCore:
         kv_lost = any(init.kv_segment is None for init in self._inits)
         failed = list(self.in_flight)
         self.in_flight.clear()
-        self._masks_due = None
         kept = self.scheduler.recover(failed, kv_lost)
         self.recovered_tokens += kept
         logger.warning(
@@ -281,9 +278,8 @@ class EngineCore:
             in_flight.popleft()
             outputs = sched.update(plan, sampled_by_request(plan, result), result.logprobs, result.spec_token_ids)
             self._report_failures()
-            if self._masks_due is not None:  # the step planned ahead samples with the grammars as they are now
-                due, self._masks_due = self._masks_due, None
-                self._send_masks(due)
+            if in_flight and in_flight[0].structured_request_ids:  # planned ahead: its grammars now have those tokens
+                self._send_masks(in_flight[0])
             self.steps += 1
             self._batch_sizes.append(len(plan.num_scheduled_tokens))
             self._batch_tokens.append(plan.total_num_scheduled_tokens)
@@ -323,14 +319,14 @@ class EngineCore:
         plan = self.scheduler.schedule_ahead(self.in_flight[0])
         if plan is not None:
             self.planned_ahead += 1
-            self._broadcast(plan, masks_now=False)
-            if plan.structured_request_ids:
-                self._masks_due = plan
+            self._broadcast(plan)
 
-    def _broadcast(self, plan: SchedulerOutput, masks_now: bool = True) -> None:
+    def _broadcast(self, plan: SchedulerOutput) -> None:
         self.in_flight.append(plan)
         self.workers.broadcast(Step(plan))
-        if plan.structured_request_ids and masks_now:  # computed while the workers run the forward pass
+        # computed while the workers run the forward pass; a step planned ahead's wait for the
+        # results of the one before it (its grammars take that step's tokens first)
+        if plan.structured_request_ids and len(self.in_flight) == 1:
             self._send_masks(plan)
 
     def _send_masks(self, plan: SchedulerOutput) -> None:

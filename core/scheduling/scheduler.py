@@ -280,12 +280,13 @@ class Scheduler:
         deltas = self.kv.allocate_decode_slots(requests)
         if deltas is None:
             return None
+        structured = self.structured.sampling(requests)  # each samples: masks sent after the results
         step = StepBuilder(budget, self.worker, self.kv)
         for request, delta in zip(requests, deltas):
             step.add(request, 1, delta)
             request.num_computed_tokens += 1
         plan = step.build(next(self._step_ids), self.kv.take_block_copies(), {}, budget)
-        plan.structured_request_ids = self.structured.sampling_ahead(requests)  # masks sent after the results
+        plan.structured_request_ids = structured
         return plan
 
     def _running_by_phase(self) -> tuple[list, list]:

@@ -218,14 +218,8 @@ class StructuredOutputs:
         grammar forces after the token sampled in the step in flight, not one token: that
         step waits for the results. Without it, the next step is planned ahead as any decode
         step is, and its masks follow once the step in flight's tokens have joined the grammars
-        (`sampling_ahead`; the engine sends them late)."""
+        (the engine sends them late)."""
         return self.in_use and self.jump_forward_on and any(r.matcher is not None for r in running)
-
-    def sampling_ahead(self, requests: list[Request]) -> list[str]:
-        """The constrained requests of a step planned ahead (each samples in it)."""
-        if not self.in_use:
-            return []
-        return [r.request_id for r in requests if r.matcher is not None]
 
     @staticmethod
     def consume(request: Request, token: int) -> bool:
