@@ -121,7 +121,7 @@ def compare(
     agreement with pagedllm on the first round and its rounds' seconds)."""
     from . import report
     from .machine import wait_for_quiet
-    from .peers import hf_continuous, hf_static, llama_cpp_process, vllm_process
+    from .peers import LLAMA_CPP_QUANTIZED_TYPES, hf_continuous, hf_static, llama_cpp_process, vllm_process
 
     workloads = round_prompts(prompts, rounds, hf.config.vocab_size)
     processes, engines = {}, {}
@@ -207,7 +207,7 @@ def compare(
                 )
             else:
                 versions["llama.cpp"] = done["llama_cpp_version"]
-                qtype = {"int8": ", Q8_0", "int4": ", Q4_0"}.get(quantization, "")
+                qtype = f", {LLAMA_CPP_QUANTIZED_TYPES[quantization]}" if quantization else ""
                 name = f"llama.cpp {versions['llama.cpp']}{qtype} (one at a time)"
                 extra["logits_vs_transformers"] = same_model_check(hf, workloads[0][0], done["first_logits"])
         results.append(report.account(name, secs, prompts, max_tokens, toks))

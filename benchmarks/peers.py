@@ -102,6 +102,10 @@ def vllm_process(
     return PeerProcess("vLLM", python, "vllm_peer.py", job, work_dir, env, timeout_s)
 
 
+# pagedllm's --quantization and llama.cpp's type of the same width
+LLAMA_CPP_QUANTIZED_TYPES = {"int8": "Q8_0", "int4": "Q4_0"}
+
+
 def llama_cpp_process(
     python: str,
     model_dir: str,
@@ -117,7 +121,7 @@ def llama_cpp_process(
     at `dtype` first (int8 and int4 `quantization` as Q8_0 and Q4_0). One request at a time
     (llama-cpp-python's Llama decodes one sequence). Its result: seconds (a round each),
     outputs, first_logits, startup_seconds, llama_cpp_version."""
-    if quantization not in (None, "int8", "int4"):
+    if quantization is not None and quantization not in LLAMA_CPP_QUANTIZED_TYPES:
         raise ValueError(f"llama.cpp has no counterpart of --quantization {quantization} here (int8: Q8_0, int4: Q4_0)")
     gguf = os.path.join(os.path.abspath(work_dir), f"model-{dtype}-{quantization or 'dense'}.gguf")
     job = _job(
