@@ -252,6 +252,10 @@ def serve(worker: Worker, link: CoreLink, parent: int) -> None:
                 masks.result()  # taken even where nothing sampled, so the next step's message is its own
             if result is not None:
                 link.send(result)
+            for _ in range(plan.num_steps - 1):  # a decode run: the next steps need no plan
+                result = worker.execute(plan.next_in_run())
+                if result is not None:
+                    link.send(result)
         elif isinstance(msg, InitCache):
             ready = worker.init_cache(msg)
             gc.freeze()  # the model and torch's modules: collections need not walk them each step

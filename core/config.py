@@ -265,6 +265,11 @@ class EngineOptions:
     )
     preemption_mode: str = option("recompute", "how a request gives its blocks back", choices=PREEMPTION_MODES)
     async_scheduling: bool = option(True, "plan each decode step while the previous one computes")
+    num_scheduler_steps: int = option(
+        8,
+        "async scheduling: decode steps a worker runs on its own while the batch is steady, at most this many "
+        "and only as many as take about 4 ms (1: the core plans every step)",
+    )
     seed: int = option(0, "the engine's sampling seed (requests without a seed of their own)")
     kv_cache_memory: int | str = option(
         DEFAULT_KV_CACHE_MEMORY,
@@ -334,9 +339,8 @@ class _EngineConfigChecks(msgspec.Struct, kw_only=True):
         _check_block_size(self.block_size)
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         self.kv_cache_dtype = KV_CACHE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
-        _check_positive(
-            self, ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks", "cpu_threads")
-        )
+        positive = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks", "cpu_threads")
+        _check_positive(self, (*positive, "num_scheduler_steps"))
         _check_choice("scheduler_policy", self.scheduler_policy, SCHEDULER_POLICIES)
         _check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         _check_choice("block_placement", self.block_placement, PLACEMENTS)

@@ -46,6 +46,11 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     # (appended for this step only; the worker keeps those the model confirms); empty where the
     # worker's draft model proposes them, as many as the chunk computes past the last known token
     draft_token_ids: dict[str, list[int]] = {}
+    # a decode run: the workers compute this step, then num_steps - 1 more of the same requests
+    # on their own, each on the token it sampled last, into slots this plan's block tables hold
+    # already; each step's result goes back as it is made (the core's copy counts those it
+    # has not applied yet)
+    num_steps: int = 1
 
     @property
     def is_empty(self) -> bool:
@@ -60,6 +65,23 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
             or self.swap_in
             or self.block_copies
             or self.appended_token_ids
+        )
+
+    def next_in_run(self) -> SchedulerOutput:
+        """A decode run's next step as the workers apply it: the same requests, one token each
+        (the one each sampled last), nothing else to change."""
+        return SchedulerOutput(
+            step_id=self.step_id,
+            new_requests=[],
+            num_scheduled_tokens=self.num_scheduled_tokens,
+            block_table_deltas={},
+            block_copies=[],
+            swap_out=[],
+            swap_in=[],
+            finished_request_ids=[],
+            appended_token_ids={},
+            preempted_request_ids=[],
+            total_num_scheduled_tokens=self.total_num_scheduled_tokens,
         )
 
 

@@ -48,6 +48,7 @@ class EngineStats(msgspec.Struct):
     batch_sizes: list[int] = []
     batch_tokens: list[int] = []
     planned_ahead: int = 0  # steps planned before the previous step's tokens came (async scheduling)
+    steps_in_runs: int = 0  # of those, steps of decode runs past their first: no plan of their own
     worker_restarts: int = 0  # since start
     recovered_tokens: int = 0  # computed tokens restarts kept instead of recomputing
 

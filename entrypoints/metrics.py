@@ -63,6 +63,7 @@ _CUMULATIVE = (
     ("worker_restarts", "worker_restarts"),
     ("steps", "steps"),
     ("planned_ahead", "planned_ahead"),
+    ("steps_in_runs", "steps_in_runs"),
 )
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -99,6 +100,9 @@ class EngineMetrics:
         self.steps = metric(Counter, "engine_steps", "Steps the workers computed.")
         self.planned_ahead = metric(
             Counter, "steps_planned_ahead", "Steps planned while the previous one computed (async scheduling)."
+        )
+        self.steps_in_runs = metric(
+            Counter, "steps_in_decode_runs", "Steps of decode runs past their first: the workers ran them unplanned."
         )
         self.prompt_tokens = metric(Counter, "prompt_tokens", "Prompt tokens of requests that started.")
         self.generation_tokens = metric(Counter, "generation_tokens", "Generated tokens.")

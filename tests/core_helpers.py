@@ -88,12 +88,14 @@ class FakeWorker:
         self.kv = [None] * (num_blocks * block_size)
         self.swap = [None] * (num_swap_blocks * block_size)
         self.state = WorkerState()
+        self._run: SchedulerOutput | None = None  # the plan whose first step ran last
         self.vocab = vocab
         self.logprobs: dict[str, TokenLogprobs] = {}
 
     def restart(self, kv_lost: bool = False) -> None:
         """A replacement worker: no request state; its KV pool kept (shared memory) or lost."""
         self.state = WorkerState()
+        self._run = None
         if kv_lost:
             self.kv = [None] * len(self.kv)
 
@@ -111,7 +113,12 @@ class FakeWorker:
         ).tolist()
 
     def execute(self, plan: SchedulerOutput) -> dict[str, int]:
-        chunks = self.state.apply(plan)
+        """One step of `plan`; given a decode run again, its next step (as the worker runs it)."""
+        if plan is self._run:
+            chunks = self.state.apply(plan.next_in_run())
+        else:
+            self._run = plan
+            chunks = self.state.apply(plan)
         for dev, sw in plan.swap_out:
             self._copy_block(self.kv, dev, self.swap, sw)
         for sw, dev in plan.swap_in:
@@ -147,13 +154,15 @@ class FakeWorker:
         return sampled
 
 
-def next_step(sched: Scheduler, in_flight: list[SchedulerOutput], async_scheduling: bool):
+def next_step(sched: Scheduler, in_flight: list[SchedulerOutput], async_scheduling: bool, run_steps: int = 1):
     """The engine core's order: with nothing in flight a step is planned by `schedule()`, and
     sent only if it is not empty (`is_empty`: an empty plan never reaches the workers, so
     nothing it carried may matter); under async scheduling the one after it is planned ahead
-    (`schedule_ahead`) before its results are applied, whenever the scheduler can. Returns (the
-    oldest step, to run and apply now, or None when the plan was empty; the plans made here);
-    `in_flight` keeps the rest."""
+    (`schedule_ahead`, a decode run of up to `run_steps` steps) before its results are applied,
+    whenever the scheduler can — while a run is in flight, only before its last step. Returns
+    (the oldest step, to run and apply now, or None when the plan was empty; the plans made
+    here); `in_flight` keeps the rest, and a run until its last step is returned (meanwhile its
+    num_steps counts its steps after the one returned)."""
     made = []
     if not in_flight:
         plan = sched.schedule()
@@ -161,19 +170,29 @@ def next_step(sched: Scheduler, in_flight: list[SchedulerOutput], async_scheduli
         if plan.is_empty:
             return None, made
         in_flight.append(plan)
-    if async_scheduling:
-        ahead = sched.schedule_ahead(in_flight[0])
+    head = in_flight[0]
+    if async_scheduling and head.num_steps == 1:
+        ahead = sched.schedule_ahead(head, run_steps)
         if ahead is not None:
             made.append(ahead)
             in_flight.append(ahead)
+    if head.num_steps > 1:  # a decode run: its next step
+        head.num_steps -= 1
+        return head, made
     return in_flight.pop(0), made
 
 
 def run_to_completion(
-    sched: Scheduler, worker: FakeWorker | None = None, max_steps=10_000, check=True, async_scheduling=False
+    sched: Scheduler,
+    worker: FakeWorker | None = None,
+    max_steps=10_000,
+    check=True,
+    async_scheduling=False,
+    run_steps: int = 1,
 ):
     """Steps until every request ended; returns ({rid: output tokens}, {rid: finish_reason}, plans).
-    async_scheduling: steps planned ahead as the engine core plans them (`next_step`)."""
+    async_scheduling: steps planned ahead as the engine core plans them (`next_step`), in decode
+    runs of up to `run_steps` steps."""
     worker = worker or FakeWorker(sched.block_size, sched.cache_config.num_blocks, sched.cache_config.num_swap_blocks)
     outputs: dict[str, list[int]] = {}
     reasons: dict[str, str] = {}
@@ -182,7 +201,7 @@ def run_to_completion(
     for _ in range(max_steps):
         if not in_flight and not sched.has_unfinished_requests():
             return outputs, reasons, plans
-        plan, made = next_step(sched, in_flight, async_scheduling)
+        plan, made = next_step(sched, in_flight, async_scheduling, run_steps)
         plans.extend(made)
         if plan is None:
             continue

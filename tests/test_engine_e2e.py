@@ -83,3 +83,39 @@ def test_async_scheduling_gives_transformers_tokens_with_stops_and_late_arrivals
             assert stats.planned_ahead > stats.steps // 2, f"{stats.planned_ahead} of {stats.steps} steps planned ahead"
         else:
             assert stats.planned_ahead == 0
+
+
+def test_decode_runs_change_no_token_logprob_or_finish(tiny_model):
+    """Decode runs (steps the worker takes without a plan of its own) against an engine that
+    plans every step, each started on its own: seeded sampling, penalties, logit bias,
+    logprobs, a stop string, a stop token past min_tokens, n > 1 and length limits inside a
+    run give the same tokens, logprobs and finish reasons."""
+    path = tiny_model("llama")  # a small model's steps are short: runs as long as num_scheduler_steps allows
+    prompts = ["The quick brown fox", "Once upon a time", "In a hole in the ground", "It was a bright cold day"]
+    with LLM(path, max_model_len=256, num_kv_blocks=128) as llm:
+        probe = llm.generate(prompts[3], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))[0].outputs[0]
+    stop_token, stop_text = probe.token_ids[20], llm_text_piece(path, probe.token_ids[33:35])
+    params = [
+        SamplingParams(temperature=0, max_tokens=37, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=41, repetition_penalty=1.3),
+        SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=23, presence_penalty=0.5, logit_bias={5: 3.0}),
+        SamplingParams(temperature=0, max_tokens=60, stop=[stop_text]),
+        SamplingParams(temperature=0, max_tokens=60, min_tokens=5, stop_token_ids=[stop_token]),
+        SamplingParams(temperature=1.0, seed=11, max_tokens=3),
+    ]
+    runs = {}
+    for steps in (1, 8):
+        with LLM(path, max_model_len=256, num_kv_blocks=128, num_scheduler_steps=steps) as llm:
+            outs = llm.generate(prompts + prompts[3:] + prompts[:1], params, use_tqdm=False)
+            runs[steps] = [[(c.token_ids, c.finish_reason, c.stop_reason, c.logprobs) for c in o.outputs] for o in outs]
+            runs[steps, "stats"] = llm.last_stats
+    assert runs[8] == runs[1]
+    assert runs[1, "stats"].steps_in_runs == 0 and runs[8, "stats"].steps_in_runs > runs[8, "stats"].steps // 3
+    reasons = [c[1:3] for o in runs[1] for c in o]
+    assert ("stop", stop_text) in reasons and ("stop", stop_token) in reasons and ("length", None) in reasons
+
+
+def llm_text_piece(path, token_ids) -> str:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path).decode(token_ids)

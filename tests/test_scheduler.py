@@ -179,6 +179,52 @@ def test_async_scheduling_plans_decodes_ahead_with_the_same_tokens_and_prefix_hi
     assert wasted == list(sync[1].values()).count("stop")
 
 
+def test_decode_runs_give_the_tokens_of_single_steps_and_are_undone_where_they_stopped():
+    """A decode run (steps the workers take on their own) gives what steps planned one at a time
+    give, stops and length limits included, and caches the same blocks; no run passes a
+    request's length limit. Workers that die inside a run undo only its steps not applied."""
+    runs, lengths = {}, []
+    for run_steps in (1, 5):
+        sched = make_scheduler(block_size=4, num_blocks=64, max_num_seqs=4, max_model_len=64)
+        planned = sched.schedule_ahead
+
+        def record(in_flight, most=1, planned=planned):
+            plan = planned(in_flight, most)
+            if plan is not None:
+                lengths.append(plan.num_steps)
+            return plan
+
+        sched.schedule_ahead = record
+        for i in range(6):
+            eos = fake_token(f"r{i}", 7 + i) if i % 2 == 0 else None
+            add(sched, f"r{i}", range(10 * i + 1, 10 * i + 4), max_tokens=9 + i, eos_token_id=eos)
+        worker = FakeWorker(4, 64)
+        outputs, reasons, _ = run_to_completion(sched, worker, async_scheduling=True, run_steps=run_steps)
+        add(sched, "again", list(range(11, 14)) + outputs["r1"] + [99], max_tokens=1)
+        hits_before = sched.kv.pool.prefix_hits
+        run_to_completion(sched, worker, async_scheduling=True, run_steps=run_steps)
+        runs[run_steps] = (outputs, reasons, sched.kv.pool.prefix_hits - hits_before)
+    assert runs[5] == runs[1] and "stop" in runs[1][1].values()
+    assert max(lengths) == 5 and 1 < min(n for n in lengths if n > 1) < 5, "runs cut short by a length limit"
+
+    # the workers die after two of a run's five steps came back
+    sched = make_scheduler(block_size=4, num_blocks=32, max_model_len=64)
+    worker = FakeWorker(4, 32)
+    add(sched, "a", [5, 6, 7], max_tokens=20)
+    first = sched.schedule()
+    run = sched.schedule_ahead(first, 5)
+    assert run is not None and run.num_steps == 5 and run.num_scheduled_tokens == {"a": 1}
+    sched.update(first, worker.execute(first))
+    for _ in range(2):
+        sched.update(run, worker.execute(run))
+        run.num_steps -= 1  # as the engine core counts a run's steps applied
+    sched.recover([run], kv_lost=False)
+    assert sched.requests["a"].num_computed_tokens == 3 + 2  # the prompt and the two steps applied
+    worker.restart()
+    outputs, _, _ = run_to_completion(sched, worker)  # the fake worker checks every position it reads
+    assert len(outputs["a"]) == 20 - 3
+
+
 def test_recovery_drops_a_block_keyed_for_a_planned_step_that_never_ran():
     """A request stops on its first token while the step after it is already planned: the
     block that step completes is keyed in the prefix cache. The workers die before running it;

@@ -31,6 +31,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         placement=st.sampled_from(["lru", "first-fit", "best-fit"]),
         priority_preemption=st.booleans(),
         async_scheduling=st.booleans(),
+        run_steps=st.sampled_from([1, 1, 2, 5]),
         window=st.sampled_from([None, None, 1, 3, 6, 13]),
     )
     def setup(
@@ -46,6 +47,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         placement,
         priority_preemption,
         async_scheduling,
+        run_steps,
         window,
     ):
         # tight: the smallest pool the engine accepts (one max_model_len request fits, or with a
@@ -72,6 +74,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.next_id = 0
         self.expected_len: dict[str, int] = {}
         self.async_scheduling = async_scheduling
+        self.run_steps = run_steps  # under async scheduling: decode runs of up to this many steps
         self.in_flight = []  # under async scheduling, the step planned ahead between rules
         self.texts: dict[str, list[int]] = {}  # each plain request's prompt and output so far
         self.histories: list[list[int]] = []  # those of requests that ended: a chat's turns so far
@@ -163,10 +166,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         every step in flight — the one computing and, under async scheduling, the one planned
         after it — is undone (none had begun: the harder case for the KV they meant to write),
         a fresh worker state, the pool kept (shared memory) or lost (device memory)."""
-        plan, _ = next_step(self.sched, self.in_flight, self.async_scheduling)
-        failed, self.in_flight = [p for p in (plan, *self.in_flight) if p is not None], []
+        plan, _ = next_step(self.sched, self.in_flight, self.async_scheduling, self.run_steps)
+        failed = [plan] if plan is not None else []
+        if any(p is plan for p in self.in_flight):  # a decode run's step: it never ran either
+            plan.num_steps += 1
+        failed += [p for p in self.in_flight if p is not plan]
+        self.in_flight = []
         self.sched.recover(failed, kv_lost)
         event("recovered with two steps in flight" if len(failed) == 2 else "recovered")
+        if any(p.num_steps > 1 for p in failed):
+            event("recovered inside a decode run")
         self.worker.restart(kv_lost)
 
     def _check_plan(self, plan):
@@ -184,11 +193,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         """Apply one step's results. Under async scheduling the next step is planned first, as
         the engine core does, and stays in flight until the following `step`."""
         sched = self.sched
-        plan, made = next_step(sched, self.in_flight, self.async_scheduling)
+        plan, made = next_step(sched, self.in_flight, self.async_scheduling, self.run_steps)
         for new in made:
             self._check_plan(new)
         if self.in_flight:
             event("planned ahead")
+        if any(p.num_steps > 1 for p in made):
+            event("a decode run")
         if plan is None:
             event("empty plan")
             return

@@ -53,6 +53,9 @@ POLL_MS = 100  # how often a blocked loop checks that its peers are alive
 WORKER_START_TIMEOUT_S = 300
 FRONTEND_GONE_MS = 5000  # a send to the frontend that finds no peer this long: it is gone
 COMPILE_POLL_MS = 2  # how often an otherwise idle loop looks whether a grammar has compiled
+# a decode run (SchedulerOutput.num_steps) takes about this long at most: a request that
+# arrives meanwhile waits for it to end
+DECODE_RUN_SECONDS = 0.004
 
 
 class EngineCore:
@@ -81,8 +84,10 @@ class EngineCore:
         self.held: dict[str, RequestOutputDelta] = {}
         self.steps = 0
         self.planned_ahead = 0
+        self.steps_in_runs = 0
         self.step_seconds = 0.0
         self.forward_seconds = 0.0
+        self._last_forward_seconds = 0.0  # the last step's, in the worker (decode runs' length)
         self._step_mark = 0.0  # when the step now being waited on began to count
         self._batch_sizes: list[int] = []
         self._batch_tokens: list[int] = []
@@ -266,7 +271,7 @@ class EngineCore:
                 self._send_step()
                 if not in_flight:
                     continue
-            if self.config.async_scheduling and len(in_flight) == 1:
+            if self.config.async_scheduling and len(in_flight) == 1 and in_flight[0].num_steps == 1:
                 self._send_step_ahead()  # the workers find it queued when they finish this one
             # the workers compute; meanwhile flush outputs and take new messages
             self._flush_outputs()
@@ -275,7 +280,9 @@ class EngineCore:
                 self._admit_compiled()
             plan = in_flight[0]
             result = self._wait_result(plan)
-            in_flight.popleft()
+            plan.num_steps -= 1  # a decode run's steps each answer in turn
+            if not plan.num_steps:
+                in_flight.popleft()
             outputs = sched.update(plan, sampled_by_request(plan, result), result.logprobs, result.spec_token_ids)
             self._report_failures()
             if in_flight and in_flight[0].structured_request_ids:  # planned ahead: its grammars now have those tokens
@@ -287,6 +294,7 @@ class EngineCore:
             self.step_seconds += now - self._step_mark
             self._step_mark = now
             self.forward_seconds += result.forward_seconds
+            self._last_forward_seconds = result.forward_seconds
             if not in_flight and sched.has_unfinished_requests() and not self.stopping:
                 try:
                     self._send_step()
@@ -316,10 +324,19 @@ class EngineCore:
     def _send_step_ahead(self) -> None:
         """Async scheduling: the next step planned and sent while the one in flight computes,
         when the scheduler can plan it without that step's tokens."""
-        plan = self.scheduler.schedule_ahead(self.in_flight[0])
+        plan = self.scheduler.schedule_ahead(self.in_flight[0], self._decode_run_length())
         if plan is not None:
-            self.planned_ahead += 1
+            self.planned_ahead += plan.num_steps  # a decode run: each of its steps
+            self.steps_in_runs += plan.num_steps - 1
             self._broadcast(plan)
+
+    def _decode_run_length(self) -> int:
+        """Steps a decode run planned now may take: as many as the last step's time allows
+        within DECODE_RUN_SECONDS, at most num_scheduler_steps."""
+        most = self.config.num_scheduler_steps
+        if most == 1 or self._last_forward_seconds <= 0:
+            return 1
+        return max(1, min(most, int(DECODE_RUN_SECONDS / self._last_forward_seconds)))
 
     def _broadcast(self, plan: SchedulerOutput) -> None:
         self.in_flight.append(plan)
@@ -396,6 +413,7 @@ class EngineCore:
             batch_sizes=sizes,
             batch_tokens=tokens,
             planned_ahead=self.planned_ahead,
+            steps_in_runs=self.steps_in_runs,
             worker_restarts=self.restarts.total,
             recovered_tokens=self.recovered_tokens,
         )

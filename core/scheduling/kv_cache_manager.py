@@ -228,28 +228,30 @@ class KVCacheManager:
             self._cache_full_blocks(request, table, end)
         return first_changed, [b.block_id for b in table[first_changed:]]
 
-    def allocate_decode_slots(self, requests: list[Request]) -> list[TableDelta] | None:
-        """allocate_slots(r, 1) for each of `requests` (async scheduling's planned step), or
-        None, with nothing changed, when the free blocks do not suffice for all of them. Most
-        tables hold the slot already: those are answered here, without a call each."""
+    def allocate_decode_slots(self, requests: list[Request], num_tokens: int = 1) -> list[TableDelta] | None:
+        """allocate_slots(r, num_tokens) for each of `requests` (async scheduling's planned step,
+        or a decode run of num_tokens steps), or None, with nothing changed, when the free blocks
+        do not suffice for all of them. Most tables hold the slots already: those are answered
+        here, without a call each."""
         bs, tables = self.block_size, self.tables
         deltas: list = [None] * len(requests)
         rest = []
         for i, request in enumerate(requests):
             table = tables.get(request.request_id)
-            end = request.num_computed_tokens + 1
+            start = request.num_computed_tokens
+            end = start + num_tokens
             if table is not None and self.sliding_window:
-                self._release_behind_window(request.request_id, table, end - 1)
-            if self._holds_own_slots(table, end - 1, end) and (
+                self._release_behind_window(request.request_id, table, start)
+            if self._holds_own_slots(table, start, end) and (
                 not self.enable_caching or end // bs <= self._num_hashed[request.request_id]
             ):
                 deltas[i] = (len(table), [])  # what allocate_slots answers, with nothing to hash
             else:
                 rest.append(i)
-        if rest and self.blocks_needed([requests[i] for i in rest], 1) > self.pool.num_free:
+        if rest and self.blocks_needed([requests[i] for i in rest], num_tokens) > self.pool.num_free:
             return None
         for i in rest:
-            deltas[i] = self.allocate_slots(requests[i], 1)
+            deltas[i] = self.allocate_slots(requests[i], num_tokens)
         return deltas
 
     def _release_behind_window(self, rid: str, table: list[KVBlock], start: int) -> None:

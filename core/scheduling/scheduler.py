@@ -246,14 +246,20 @@ class Scheduler:
             self.spec.attach(plan)
         return plan
 
-    def schedule_ahead(self, in_flight: SchedulerOutput) -> SchedulerOutput | None:
+    def schedule_ahead(self, in_flight: SchedulerOutput, max_steps: int = 1) -> SchedulerOutput | None:
         """The step after `in_flight`, planned before its tokens are known (async scheduling):
         each request that samples in `in_flight` computes, next, the token the worker is about
         to sample — the worker holds that token itself. Only the steady state qualifies: every
         running request decodes in `in_flight`, nothing waits that could start, and the next
         tokens' blocks are free; otherwise None, and the step is planned after the results.
         Requests that reach their length limit in `in_flight` are left out; one that stops on
-        EOS or a stop token computes one token in vain, which `update` then skips."""
+        EOS or a stop token computes one token in vain, which `update` then skips.
+
+        Up to `max_steps` steps make a decode run (`num_steps`): the workers then go on by
+        themselves, each step on the tokens they sampled in the one before, while no request
+        reaches its length limit, no constraint or proposal needs the core between two steps,
+        and the blocks of every step are free now. A request that stops within the run computes
+        its remaining steps in vain, as above; what waits meanwhile starts after the run."""
         cfg = self.config
         if self.swapped or self.beams.groups or not self.running:
             return None
@@ -266,27 +272,37 @@ class Scheduler:
         scheduled = in_flight.num_scheduled_tokens
         requests = []
         max_len = cfg.max_model_len
+        steps = max_steps if self.spec is None else 1
         for request in self.running:
             if request.request_id not in scheduled or request.forks_pending:
                 return None
             num_tokens = len(request.all_token_ids)
             if request.num_computed_tokens != num_tokens:
                 return None  # a prefill chunk that samples nothing yet
-            if num_tokens - request.num_prompt_tokens + 1 < request.max_tokens and num_tokens + 1 < max_len:
+            # tokens it may still sample after the one in flight, within max_tokens and the model
+            room = min(request.max_tokens - (num_tokens - request.num_prompt_tokens + 1), max_len - num_tokens - 1)
+            if room > 0:
                 requests.append(request)
+                steps = min(steps, room)
         budget = cfg.max_num_batched_tokens
         if not requests or len(requests) > budget:
             return None
-        deltas = self.kv.allocate_decode_slots(requests)
+        structured = self.structured.sampling(requests)  # each samples: masks sent after the results
+        if structured:
+            steps = 1  # each step's masks come from the core
+        deltas = self.kv.allocate_decode_slots(requests, steps)
+        if deltas is None and steps > 1:
+            steps = 1
+            deltas = self.kv.allocate_decode_slots(requests)
         if deltas is None:
             return None
-        structured = self.structured.sampling(requests)  # each samples: masks sent after the results
         step = StepBuilder(budget, self.worker, self.kv)
         for request, delta in zip(requests, deltas):
             step.add(request, 1, delta)
-            request.num_computed_tokens += 1
+            request.num_computed_tokens += steps
         plan = step.build(next(self._step_ids), self.kv.take_block_copies(), {}, budget)
         plan.structured_request_ids = structured
+        plan.num_steps = steps
         return plan
 
     def _running_by_phase(self) -> tuple[list, list]:
@@ -411,8 +427,14 @@ class Scheduler:
             if seats + needed > self.config.max_num_seqs:
                 break
             num_new = min(request.fork_point - request.num_computed_tokens, step.budget)
-            if self.kv.num_blocks_for(request.num_computed_tokens + num_new) > self.kv.pool.num_free:
-                break
+            # what its blocks and the free ones hold past its computed tokens: a prefill chunk
+            # shrinks to that (swapped out before its window released a block, it comes back
+            # with all of them, and a whole chunk beside them may not fit even an empty pool)
+            fits = self.kv.pool.num_free * self.kv.block_size - request.num_computed_tokens
+            if num_new > fits:
+                if fits < 1:
+                    break
+                num_new = fits
             self.swapped.pop()
             step.swap_in.extend(self.kv.swap_in(request))
             delta = self.kv.allocate_slots(request, num_new)
@@ -524,7 +546,7 @@ class Scheduler:
         jump-forward as without, ending at the first token that ends it."""
         tokens = request.all_token_ids
         tokens.append(token)
-        if request.num_computed_tokens == len(tokens):  # its slot was planned ahead
+        if request.num_computed_tokens >= len(tokens):  # its slot was planned ahead
             self.kv.cache_planned_blocks(request)
         new_tokens = [token]
         status = self._ended_by(request, token)
@@ -614,8 +636,8 @@ class Scheduler:
                     continue
                 if rid in new:  # admitted, resumed or forked in that step: it may lean on blocks never written
                     recompute[rid] = request
-                else:
-                    request.num_computed_tokens -= num_tokens
+                else:  # a decode run: its steps not yet applied
+                    request.num_computed_tokens -= num_tokens * plan.num_steps
                     self.kv.forget_beyond(request)
             swapped_out = {s for _, s in plan.swap_out}
             for r in self.swapped:
