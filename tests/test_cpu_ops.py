@@ -259,7 +259,9 @@ def test_compiled_kernels_are_built_at_install_and_can_be_turned_off(tmp_path):
 
     assert reason(PAGEDLLM_CPU_KERNELS="0") == "PAGEDLLM_CPU_KERNELS=0"
     failed = reason(CXX="false", PAGEDLLM_CACHE=str(tmp_path / "other"))
-    assert failed.startswith("building kernels.cpp, panel_linear.cpp, quantized_linear.cpp: false failed"), failed
+    assert failed.startswith(
+        "building kernels.cpp, panel_linear.cpp, quantized_linear.cpp, step_program.cpp: false failed"
+    ), failed
 
 
 @pytest.mark.skipif(native.unavailable_reason() is not None, reason="compiled kernels unavailable")

@@ -19,7 +19,9 @@ import tempfile
 
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 PREBUILT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prebuilt")
-SOURCES = tuple(os.path.join(CSRC, name) for name in ("kernels.cpp", "panel_linear.cpp", "quantized_linear.cpp"))
+SOURCES = tuple(
+    os.path.join(CSRC, name) for name in ("kernels.cpp", "panel_linear.cpp", "quantized_linear.cpp", "step_program.cpp")
+)
 HEADERS = (os.path.join(CSRC, "half.h"),)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 

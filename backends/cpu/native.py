@@ -125,6 +125,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
             ctypes.c_int,
         ],
         "pagedllm_dequantize_f32": [ctypes.c_int, _p, _i64, _p, _p, _p, _i64, _i64, _i64, _p, ctypes.c_int],
+        "pagedllm_run_ops": [_p, _i64, _i64, ctypes.c_int],  # ops, count, rows, threads (csrc/step_program.cpp)
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
@@ -132,6 +133,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.pagedllm_bf16_dot_products.restype = ctypes.c_int
     lib.pagedllm_write_kv.restype = ctypes.c_int64
     lib.pagedllm_write_kv_quantized.restype = ctypes.c_int64
+    lib.pagedllm_run_ops.restype = ctypes.c_int64
     return lib, None
 
 

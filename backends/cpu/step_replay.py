@@ -10,7 +10,9 @@ activations, in the order the model runs them), the step's buffers are allocated
 for the largest batch), and each recorded step is bound to its kernel, its pointers and sizes,
 reading where the step before it wrote (`_bind`); a step fills the inputs (token ids,
 positions, slots, block tables, context lengths), looks up the embedding and the rotary rows
-with two torch calls, and runs the list with the step's row count and thread count. The calls
+with two torch calls (where the embedding is float32, the step program gathers them), and runs
+the list with the step's row count and thread count: each run of consecutive compiled kernels
+in one call into csrc/step_program.cpp (OpSegment), the ops laid out once as words. The calls
 are the eager path's own kernels on the same data in the same order (the query and key
 rotations are two calls instead of one over both, the same arithmetic per head), so logits are
 bit-identical to the eager step's. There is no second model here: the layers' order comes from
@@ -40,6 +42,7 @@ import torch
 from pagedllm.core.utils import cdiv
 
 from ..models.decoder import CausalLM
+from ..models.parallel import VocabParallelEmbedding
 from . import native
 from .forward_recorder import RECORDED_LINEARS, record_forward
 from .model_kernels import Bfloat16Linear, FusedRMSNorm
@@ -124,15 +127,16 @@ class StepReplay:
         self.k_half = torch.empty(n, kv_heads, d, dtype=cache_dtype) if cache_dtype != f32 else None
         self.num_slots = kv_caches.shape[2] * self.block_size
         lib = native._library()
-        attention = getattr(lib, f"pagedllm_paged_attention_{native.ATTENTION_SUFFIX[cache_dtype]}")
         dot_products = int(bfloat16_dot_products())  # as the eager decode passes it
         row_bytes = kv_heads * d * kv_caches.element_size()
         if self.products_in_place is not None:
-            self.calls = self._onednn_calls(model, lib, attention, dot_products, row_bytes, self.products_in_place)
+            calls = self._onednn_calls(model, lib, dot_products, row_bytes, self.products_in_place)
         else:
-            self.calls = self._float32_buffer_calls(model, lib, attention, dot_products, row_bytes)
+            calls = self._float32_buffer_calls(model, dot_products, row_bytes)
+        # (up to the last layer's attention, the rest: see run())
+        self.head, self.tail = calls
 
-    def _float32_buffer_calls(self, model: CausalLM, lib, attention, dot_products: int, row_bytes: int) -> list:
+    def _float32_buffer_calls(self, model: CausalLM, dot_products: int, row_bytes: int) -> tuple:
         """The step's calls where some GEMM is the panel kernel's: every layer's input and output
         in the step's float32 buffers (oneDNN's bfloat16 layers round into and widen out of them)."""
         cfg, layer0, kv_caches = model.config, model.layers[0], self.kv_caches
@@ -145,7 +149,6 @@ class StepReplay:
         # 16-bit blocks: the values rounded to the cache's dtype first, as the eager write_kv rounds them
         self.v_half = torch.empty(n, kv_heads, d, dtype=kv_caches.dtype) if kv_caches.dtype != f32 else None
         self.v_view = self.qkv[:, q_size + kv_size :].view(n, kv_heads, d)
-        panel = lib.pagedllm_panel_linear
         rp = _ptr(self.residual)
         # a linear layer writes where the step after it reads
         linear_out = {"rotate": self.qkv, "norm": self.out, "act": self.gate_up}
@@ -163,73 +166,58 @@ class StepReplay:
             if isinstance(module, PackedLinear):
                 return [OneDnnCall(module, x, None, out)], out
             if isinstance(module, CpuQuantizedLinear):
-                return [self._quantized_call(lib, module, x, out)], out
+                return [self._quantized_call(module, x, out)], out
             kind, w = native.PANEL_KINDS[module.packed.dtype], _ptr(module.packed)
-            bias = None if module.bias is None else _ptr(module.bias)
-            n_out, k_in, xp, op = module.out_features, module.in_features, _ptr(x), _ptr(out)
-            return [lambda rows, threads: panel(kind, xp, rows, w, n_out, k_in, bias, op, threads)], out
+            bias = 0 if module.bias is None else _ptr(module.bias)
+            args = [kind, _ptr(x), w, module.out_features, module.in_features, bias, _ptr(out)]
+            return [KernelOp("panel_linear", args)], out
 
         def norm(step, x: torch.Tensor, after: str | None):
             _check_norm(step, x, self.residual)
             out = self.hidden_out if after is None else self.normed
-            wp, eps, op = _ptr(step.module.weight), step.module.eps, _ptr(out)
+            wp, eps, op = _ptr(step.module.weight), _real(step.module.eps), _ptr(out)
             if not step.residual:  # the first layer's: the embedding is the residual stream
-
-                def first(rows, threads):
-                    lib.pagedllm_rms_norm_f32(rp, wp, eps, op, rows, hidden, threads)
-
-                return [first], out
-            xp = _ptr(x)
-
-            def add_norm(rows, threads):
-                lib.pagedllm_add_rms_norm_f32(xp, rp, wp, eps, op, rows, hidden, threads)
-
-            return [add_norm], out
+                return [KernelOp("rms_norm", [rp, wp, eps, op, hidden])], out
+            return [KernelOp("add_rms_norm", [_ptr(x), rp, wp, eps, op, hidden])], out
 
         gp, ap = _ptr(self.gate_up), _ptr(self.act)
 
         def rotate(step, x, after):
             _check(step.layer.rotate is native.rotate and x is self.qkv, "a rotation but the fused one of qkv")
-            return self._rotations(lib, width, heads, kv_heads, d, q_size), x
+            return self._rotations(width, heads, kv_heads, d, q_size), x
 
         def act(step, x, after):
             _check(step.layer.act is native.silu_and_mul and x is self.gate_up, "an activation but the fused SiLU")
-            return [lambda rows, threads: lib.pagedllm_silu_and_mul_f32(gp, ap, rows, inter, threads)], self.act
+            return [KernelOp("silu_and_mul", [gp, ap, inter])], self.act
 
         return self._bind(
             {
                 "norm": norm,
                 "linear": linear,
                 "rotate": rotate,
-                "write_kv": lambda step, x, after: ([self._write_kv(lib, step.index, row_bytes)], x),
-                "attend": lambda step, x, after: ([self._attend_step(attention, step, dot_products)], self.attn),
+                "write_kv": lambda step, x, after: ([self._write_kv(step.index, row_bytes)], x),
+                "attend": lambda step, x, after: ([self._attend_step(step, dot_products)], self.attn),
                 "act": act,
             }
         )
 
-    def _quantized_call(self, lib, module: CpuQuantizedLinear, x: torch.Tensor, out: torch.Tensor):
+    def _quantized_call(self, module: CpuQuantizedLinear, x: torch.Tensor, out: torch.Tensor) -> KernelOp:
         """A weight-only quantized layer of a float32 model, as its forward runs it: the GEMV up
         to its gemv_max_rows rows (same kernel, same rows: the same bits), its own forward past
         them (oneDNN's GEMM on the decoded weights)."""
         _check(self.model.config.dtype == torch.float32, "quantized layers in a 16-bit model")
         _check(module.perm is None, "a quantized layer in act order")
-        weight = native.quantized_args(module.kind, module.codes, module.scales, module.zeros, module.lut)
-        bias = None if module.bias is None else _ptr(module.bias)
-        gemv, n_out, k_in, group = (
-            lib.pagedllm_quantized_gemv_f32,
-            module.out_features,
-            module.in_features,
-            module.group,
+        kind, codes, row_bytes, scales, zeros, lut = native.quantized_args(
+            module.kind, module.codes, module.scales, module.zeros, module.lut
         )
-        xp, op, most = _ptr(x), _ptr(out), module.gemv_max_rows
+        bias = 0 if module.bias is None else _ptr(module.bias)
+        args = [kind, _ptr(x), codes, row_bytes, scales, zeros or 0, lut or 0, bias]
+        args += [module.out_features, module.in_features, module.group, _ptr(out)]
 
-        def call(rows, threads):
-            if rows <= most:
-                gemv(weight[0], xp, rows, *weight[1:], bias, n_out, k_in, group, op, threads)
-            else:
-                out[:rows] = module(x[:rows].reshape(rows, k_in))
+        def forward(rows, threads):
+            out[:rows] = module(x[:rows].reshape(rows, module.in_features))
 
-        return call
+        return KernelOp("quantized_gemv", args, max_rows=module.gemv_max_rows, fallback=forward)
 
     def _bind(self, binders: dict) -> list:
         """The recorded steps' calls, each bound by its kind's binder, `(step, what the step before
@@ -237,21 +225,28 @@ class StepReplay:
         one before it wrote and writes where the one after it reads."""
         calls, value = [], self.residual  # the embedding, looked up in run()
         kinds = [s.kind for s in self.steps] + [None]
+        prune_at = 0
         for step, after in zip(self.steps, kinds[1:]):
             new, value = binders[step.kind](step, value, after)
             calls += new
             if step.kind == "attend":
-                self.prune_at = len(calls)  # after the last layer's attention: see run()
+                prune_at = len(calls)  # after the last layer's attention: see run()
         if value is not self.hidden_out:
             raise NotReplayable("the pass does not end with the final norm")
-        return calls
+        inputs = self._input_ops()
+        self.inputs_gathered = bool(inputs)
+        lib = native._library()
+        return segments(lib, inputs + calls[:prune_at]), segments(lib, calls[prune_at:])
 
-    def _attend_step(self, attention, step, dot_products: int):
-        layer = step.layer
-        shape = (layer.num_heads, layer.num_kv_heads, self.model.config.head_dim, self.block_size)
-        return self._attend(
-            attention, self.kv_caches[step.index], (*shape, layer.scale, layer.window or 0, 0.0), dot_products
-        )
+    def _attend_step(self, step, dot_products: int) -> KernelOp:
+        """The layer's attention over the cache (shape: heads, KV heads, head size, block size),
+        with its scale and window (0: none), no soft cap."""
+        layer, cache = step.layer, self.kv_caches[step.index]
+        suffix = native.ATTENTION_SUFFIX[self.kv_caches.dtype]
+        args = [_ptr(self.q), _ptr(cache[0]), _ptr(cache[1]), _ptr(self.tables), self.max_blocks, _ptr(self.rows)]
+        args += [_ptr(self.context), layer.num_heads, layer.num_kv_heads, self.model.config.head_dim, self.block_size]
+        args += [_real(layer.scale), layer.window or 0, _real(0.0), _ptr(self.attn), dot_products]
+        return KernelOp(f"attention_{suffix}", args)
 
     @staticmethod
     def _onednn_throughout(steps, cache_dtype: torch.dtype) -> torch.dtype | None:
@@ -265,7 +260,7 @@ class StepReplay:
             return torch.float32
         return None
 
-    def _onednn_calls(self, model: CausalLM, lib, attention, dot_products: int, row_bytes: int, dtype) -> list:
+    def _onednn_calls(self, model: CausalLM, lib, dot_products: int, row_bytes: int, dtype) -> tuple:
         """The step's calls where every GEMM is oneDNN's, of `dtype`: the kernels after a GEMM
         read its product where oneDNN left it (rotations, K/V writes, norms, the activation)
         instead of a copy in the step's float32 buffers; in bfloat16 the norms and the
@@ -336,7 +331,7 @@ class StepReplay:
                 "linear": linear,
                 "rotate": rotate,
                 "write_kv": write_kv,
-                "attend": lambda step, x, after: ([self._attend_step(attention, step, dot_products)], self.attn),
+                "attend": lambda step, x, after: ([self._attend_step(step, dot_products)], self.attn),
                 "act": activation,
             }
         )
@@ -365,47 +360,56 @@ class StepReplay:
 
         return rotate_and_write
 
-    def _rotations(self, lib, width, heads, kv_heads, d, q_size):
-        qkv, q, k = _ptr(self.qkv), _ptr(self.q), _ptr(self.k)
-        k_in, cos, sin = _ptr(self.qkv, q_size), _ptr(self.cos), _ptr(self.sin)
+    def _rotations(self, width, heads, kv_heads, d, q_size) -> list:
+        cos, sin = _ptr(self.cos), _ptr(self.sin)
         return [
-            lambda rows, threads: lib.pagedllm_rotary_f32(qkv, width, cos, sin, q, rows, heads, d, threads),
-            lambda rows, threads: lib.pagedllm_rotary_f32(k_in, width, cos, sin, k, rows, kv_heads, d, threads),
+            KernelOp("rotary", [_ptr(self.qkv), width, cos, sin, _ptr(self.q), heads, d]),
+            KernelOp("rotary", [_ptr(self.qkv, q_size), width, cos, sin, _ptr(self.k), kv_heads, d]),
         ]
 
-    def _write_kv(self, lib, layer: int, row_bytes: int):
+    def _input_ops(self) -> list:
+        """The step's embedding rows and rotary rows, gathered by the step's program where the
+        embedding is float32 (else run() looks them up with torch)."""
+        model = self.model
+        embedding = model.embed_tokens
+        if type(embedding) is not VocabParallelEmbedding or embedding.tp.size != 1:
+            return []
+        table = embedding.weight
+        if table.dtype != torch.float32 or not table.is_contiguous():
+            return []
+        cos, sin = model.rope.cos, model.rope.sin
+        if not (cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()):
+            return []
+        ids, positions = _ptr(self.ids), _ptr(self.positions)
+        rows = (table.shape[0], table.shape[1] * 4)
+        out_of = f"a token id outside the embedding's {table.shape[0]} rows"
+        return [
+            KernelOp("gather_rows", [_ptr(table), ids, rows[1], rows[0], _ptr(self.residual)], what=out_of),
+            KernelOp("gather_rows", [_ptr(cos), positions, cos.shape[1] * 4, cos.shape[0], _ptr(self.cos)], what=""),
+            KernelOp("gather_rows", [_ptr(sin), positions, sin.shape[1] * 4, sin.shape[0], _ptr(self.sin)], what=""),
+        ]
+
+    def _write_kv(self, layer: int, row_bytes: int):
         cache = self.kv_caches[layer]
         kc, vc, slots = _ptr(cache[0]), _ptr(cache[1]), _ptr(self.slots)
         num_slots = self.num_slots
+        what = f"write_kv: a slot outside the cache's {num_slots} slots"
         if self.k_half is None:
-            k, v = _ptr(self.k), _ptr(self.v_view)
             k_stride, v_stride = self.k.stride(0) * 4, self.v_view.stride(0) * 4
-
-            def write(rows, threads):
-                if lib.pagedllm_write_kv(k, k_stride, v, v_stride, slots, rows, row_bytes, kc, vc, num_slots, threads):
-                    raise IndexError(f"write_kv: a slot outside the cache's {num_slots} slots")
-
-            return write
+            args = [_ptr(self.k), k_stride, _ptr(self.v_view), v_stride, slots, row_bytes, kc, vc, num_slots]
+            return KernelOp("write_kv", args, what=what)
         k_half, v_half = self.k_half, self.v_half
-        kh, vh, stride = _ptr(k_half), _ptr(v_half), k_half.stride(0) * k_half.element_size()
+        stride = k_half.stride(0) * k_half.element_size()
+        args = [_ptr(k_half), stride, _ptr(v_half), stride, slots, row_bytes, kc, vc, num_slots]
+        write = KernelOp("write_kv", args, what=what)
+        lib = native._library()
 
         def write_rounded(rows, threads):
             k_half[:rows].copy_(self.k[:rows])
             v_half[:rows].copy_(self.v_view[:rows])
-            if lib.pagedllm_write_kv(kh, stride, vh, stride, slots, rows, row_bytes, kc, vc, num_slots, threads):
-                raise IndexError(f"write_kv: a slot outside the cache's {num_slots} slots")
+            run_ops(lib, [write], rows, threads)
 
         return write_rounded
-
-    def _attend(self, attention, cache, shape, dot_products):
-        """shape: heads, KV heads, head size, block size, scale, window (0: none), soft cap (0: none)."""
-        q, kc, vc, tables, rows_p = _ptr(self.q), _ptr(cache[0]), _ptr(cache[1]), _ptr(self.tables), _ptr(self.rows)
-        ctx, out, stride = _ptr(self.context), _ptr(self.attn), self.max_blocks
-
-        def attend(rows, threads):
-            attention(q, kc, vc, tables, stride, rows_p, ctx, rows, *shape, out, threads, dot_products)
-
-        return attend
 
     def fits(self, seqs) -> bool:
         """Decode steps, chunks after a cached context (speculative decoding's verification) and
@@ -428,20 +432,20 @@ class StepReplay:
         if need > self.capacity:
             self._build(max(need, min(self.row_cap, 2 * self.capacity)))
         self._fill_inputs(seqs)
-        model = self.model
-        self.residual[:rows].copy_(model.embed_tokens(self.ids[:rows]))
-        torch.index_select(model.rope.cos, 0, self.positions[:rows], out=self.cos[:rows])
-        torch.index_select(model.rope.sin, 0, self.positions[:rows], out=self.sin[:rows])
+        if not self.inputs_gathered:
+            model = self.model
+            self.residual[:rows].copy_(model.embed_tokens(self.ids[:rows]))
+            torch.index_select(model.rope.cos, 0, self.positions[:rows], out=self.cos[:rows])
+            torch.index_select(model.rope.sin, 0, self.positions[:rows], out=self.sin[:rows])
         threads = torch.get_num_threads()
-        calls = self.calls
-        for call in calls[: self.prune_at]:
+        for call in self.head:
             call(rows, threads)
         if keep is not None:
             index = torch.from_numpy(np.asarray(keep, dtype=np.int64))
             self.attn[: len(keep)] = self.attn[index]
             self.residual[: len(keep)] = self.residual[index]
             rows = len(keep)
-        for call in calls[self.prune_at :]:
+        for call in self.tail:
             call(rows, threads)
         return self.hidden_out[:rows]
 
@@ -465,6 +469,96 @@ class StepReplay:
                 table_of[r : r + n] = j
                 slots[r : r + n] = tables[j, pos // bs] * bs + pos % bs
             r += n
+
+
+# csrc/step_program.cpp's kinds of op, and the int64 words an op takes (its kind, its arguments)
+OP_KINDS = {
+    name: i
+    for i, name in enumerate(
+        (
+            "gather_rows",
+            "panel_linear",
+            "rms_norm",
+            "add_rms_norm",
+            "rotary",
+            "write_kv",
+            "attention_f32",
+            "attention_bf16",
+            "attention_f16",
+            "silu_and_mul",
+            "quantized_gemv",
+        ),
+        start=1,
+    )
+}
+OP_WORDS = 20
+
+
+def _real(x: float) -> int:
+    """A float argument as the step program takes it: the bits of a double."""
+    return int(np.float64(x).view(np.int64))
+
+
+class KernelOp:
+    """One compiled kernel's call in a replayed step: its kind and arguments as
+    csrc/step_program.cpp takes them (the step's rows and threads added there); `what` the
+    error when the kernel refuses its input; past `max_rows` rows `fallback(rows, threads)`
+    runs instead (a quantized layer's own forward)."""
+
+    __slots__ = ("args", "fallback", "kind", "max_rows", "what")
+
+    def __init__(self, kind: str, args: list[int], what: str = "", max_rows: int | None = None, fallback=None):
+        self.kind, self.args, self.what, self.max_rows, self.fallback = kind, args, what, max_rows, fallback
+
+
+def _words(ops: list[KernelOp]) -> np.ndarray:
+    words = np.zeros((len(ops), OP_WORDS), dtype=np.int64)
+    for i, op in enumerate(ops):
+        words[i, 0] = OP_KINDS[op.kind]
+        words[i, 1 : 1 + len(op.args)] = op.args
+    return words
+
+
+def run_ops(lib, ops: list[KernelOp], rows: int, threads: int, words: np.ndarray | None = None) -> None:
+    """The ops in order, in one call; IndexError with the refusing op's `what`."""
+    words = _words(ops) if words is None else words
+    failed = lib.pagedllm_run_ops(words.ctypes.data, len(ops), rows, threads)
+    if failed >= 0:
+        raise IndexError(ops[failed].what or f"{ops[failed].kind}: an index outside its table")
+
+
+class OpSegment:
+    """Consecutive KernelOps of a step, run by one call into the step program (no ctypes call
+    and Python frame per kernel); one at a time where the step has more rows than one allows."""
+
+    def __init__(self, lib, ops: list[KernelOp]):
+        self.lib, self.ops, self.words = lib, ops, _words(ops)
+        self.max_rows = min((op.max_rows for op in ops if op.max_rows is not None), default=None)
+
+    def __call__(self, rows: int, threads: int) -> None:
+        if self.max_rows is None or rows <= self.max_rows:
+            run_ops(self.lib, self.ops, rows, threads, self.words)
+            return
+        for i, op in enumerate(self.ops):
+            if op.max_rows is not None and rows > op.max_rows:
+                op.fallback(rows, threads)
+            else:
+                run_ops(self.lib, [op], rows, threads, self.words[i : i + 1])
+
+
+def segments(lib, calls: list) -> list:
+    """The calls with each run of consecutive KernelOps made one OpSegment."""
+    out, run = [], []
+    for call in [*calls, None]:
+        if isinstance(call, KernelOp):
+            run.append(call)
+            continue
+        if run:
+            out.append(OpSegment(lib, run))
+            run = []
+        if call is not None:
+            out.append(call)
+    return out
 
 
 class OneDnnCall:
