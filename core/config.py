@@ -265,10 +265,10 @@ class EngineOptions:
     )
     preemption_mode: str = option("recompute", "how a request gives its blocks back", choices=PREEMPTION_MODES)
     async_scheduling: bool = option(True, "plan each decode step while the previous one computes")
-    num_scheduler_steps: int = option(
-        8,
-        "async scheduling: decode steps a worker runs on its own while the batch is steady, at most this many "
-        "and only as many as take about 4 ms (1: the core plans every step)",
+    num_scheduler_steps: int | None = option(
+        None,
+        "async scheduling: decode steps a worker runs on its own while the batch is steady (vLLM's multi-step "
+        "scheduling); default: up to 8, as many as take about 4 ms; 1: the core plans every step",
     )
     seed: int = option(0, "the engine's sampling seed (requests without a seed of their own)")
     kv_cache_memory: int | str = option(

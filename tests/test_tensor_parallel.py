@@ -74,7 +74,7 @@ def test_tp2_greedy_equals_one_rank_under_preemption_and_chunked_prefill(tiny_mo
         assert out.outputs[0].token_ids == want, f"request {i} ({len(prompts[i])}-token prompt)"
 
 
-def test_tp2_n_samples_beams_logit_bias_and_prefix_hits_equal_one_rank(tiny_model):
+def test_tp2_n_samples_beams_logit_bias_prefix_hits_and_decode_runs_equal_one_rank(tiny_model):
     path = tiny_model("llama")
     shared = list(range(20, 84))  # 4 full blocks that later prompts hit
     prompts = [shared + [5, 6], shared + [7], [9, 10, 11]]
@@ -83,16 +83,22 @@ def test_tp2_n_samples_beams_logit_bias_and_prefix_hits_equal_one_rank(tiny_mode
         temperature=0, max_tokens=8, ignore_eos=True, logit_bias={t: -100.0 for t in range(0, 400, 2)}
     )
     beams = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+    long = SamplingParams(temperature=0.8, seed=5, max_tokens=60, ignore_eos=True)
     runs = {}
     for tp in (1, 2):
-        with LLM(path, tensor_parallel_size=tp, num_kv_blocks=128, max_model_len=256, skip_tokenizer_init=True) as llm:
+        # runs of 4 steps, whatever a step takes (two ranks on two cores: several ms)
+        engine = dict(num_kv_blocks=128, max_model_len=256, skip_tokenizer_init=True, num_scheduler_steps=4)
+        with LLM(path, tensor_parallel_size=tp, **engine) as llm:
             samples = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, sampled, use_tqdm=False)]
             searched = [[s.tokens for s in o.sequences] for o in llm.beam_search(prompts[:2], beams)]
             odd = [o.outputs[0].token_ids for o in llm.generate(prompts, biased, use_tqdm=False)]  # rank 0 biases
-            runs[tp] = (samples, searched, odd, llm.last_stats.scheduler.prefix_cache_hits)
-    assert runs[2][:3] == runs[1][:3]
+            hits = llm.last_stats.scheduler.prefix_cache_hits
+            # one request decoding alone: decode runs, every rank taking rank 0's token each step
+            steady = llm.generate([[9, 10, 11]], long, use_tqdm=False)[0].outputs[0].token_ids
+            runs[tp] = (samples, searched, odd, steady, hits, llm.last_stats.steps_in_runs)
+    assert runs[2][:4] == runs[1][:4]
     assert all(t % 2 for out in runs[2][2] for t in out)
-    assert runs[2][3] > 0
+    assert runs[2][4] > 0 and runs[2][5] > 0
 
 
 def test_two_launches_meet_through_the_rendezvous(tiny_model):

@@ -53,9 +53,10 @@ POLL_MS = 100  # how often a blocked loop checks that its peers are alive
 WORKER_START_TIMEOUT_S = 300
 FRONTEND_GONE_MS = 5000  # a send to the frontend that finds no peer this long: it is gone
 COMPILE_POLL_MS = 2  # how often an otherwise idle loop looks whether a grammar has compiled
-# a decode run (SchedulerOutput.num_steps) takes about this long at most: a request that
-# arrives meanwhile waits for it to end
+# a decode run (SchedulerOutput.num_steps) the engine sizes takes about this long at most: a
+# request that arrives meanwhile waits for it to end
 DECODE_RUN_SECONDS = 0.004
+DECODE_RUN_MOST = 8  # steps, where num_scheduler_steps is left to the engine
 
 
 class EngineCore:
@@ -331,12 +332,14 @@ class EngineCore:
             self._broadcast(plan)
 
     def _decode_run_length(self) -> int:
-        """Steps a decode run planned now may take: as many as the last step's time allows
-        within DECODE_RUN_SECONDS, at most num_scheduler_steps."""
-        most = self.config.num_scheduler_steps
-        if most == 1 or self._last_forward_seconds <= 0:
+        """Steps a decode run planned now may take: num_scheduler_steps where the user set it;
+        else as many as the last step's time allows within DECODE_RUN_SECONDS, at most
+        DECODE_RUN_MOST."""
+        if self.config.num_scheduler_steps is not None:
+            return self.config.num_scheduler_steps
+        if self._last_forward_seconds <= 0:
             return 1
-        return max(1, min(most, int(DECODE_RUN_SECONDS / self._last_forward_seconds)))
+        return max(1, min(DECODE_RUN_MOST, int(DECODE_RUN_SECONDS / self._last_forward_seconds)))
 
     def _broadcast(self, plan: SchedulerOutput) -> None:
         self.in_flight.append(plan)
