@@ -97,6 +97,21 @@ def test_replayed_chunks_equal_eager_ones_and_give_every_rows_hidden_state(dtype
     assert torch.equal(eager_kv, replayed_kv)
 
 
+def test_a_replayed_step_refuses_a_token_outside_the_embedding_and_a_slot_outside_the_cache():
+    """The step program checks what it gathers and where it writes, as torch's embedding and the
+    eager write_kv do: an IndexError naming the table, and the K/V cache untouched."""
+    runner, replay = runner_and_replay("float32")
+    vocab = runner.model.config.vocab_size
+    runner.replay = replay
+    before = runner.kv_caches.clone()
+    with pytest.raises(IndexError, match=f"a token id outside the embedding's {vocab} rows"):
+        replay.run([SeqInput([vocab], 0, [1])])
+    with pytest.raises(IndexError, match="write_kv: a slot outside the cache's"):
+        replay.run([SeqInput([5], 0, [64])])  # block 64 of a 64-block pool
+    assert torch.equal(runner.kv_caches, before)
+    runner.execute([SeqInput([5, 6], 0, [1])])  # and it goes on
+
+
 def test_what_a_replay_does_not_take():
     replay = runner_and_replay("float32", max_batch=2)[1]
     table = list(range(1, 11))

@@ -380,13 +380,16 @@ class StepReplay:
         cos, sin = model.rope.cos, model.rope.sin
         if not (cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()):
             return []
-        ids, positions = _ptr(self.ids), _ptr(self.positions)
-        rows = (table.shape[0], table.shape[1] * 4)
+
+        def gather(rows: torch.Tensor, index: torch.Tensor, out: torch.Tensor, what: str = "") -> KernelOp:
+            return KernelOp("gather_rows", [_ptr(rows), _ptr(index), rows.shape[1] * 4, rows.shape[0], _ptr(out)], what)
+
         out_of = f"a token id outside the embedding's {table.shape[0]} rows"
+        positions = self.positions
         return [
-            KernelOp("gather_rows", [_ptr(table), ids, rows[1], rows[0], _ptr(self.residual)], what=out_of),
-            KernelOp("gather_rows", [_ptr(cos), positions, cos.shape[1] * 4, cos.shape[0], _ptr(self.cos)], what=""),
-            KernelOp("gather_rows", [_ptr(sin), positions, sin.shape[1] * 4, sin.shape[0], _ptr(self.sin)], what=""),
+            gather(table, self.ids, self.residual, out_of),
+            gather(cos, positions, self.cos),
+            gather(sin, positions, self.sin),
         ]
 
     def _write_kv(self, layer: int, row_bytes: int):
