@@ -673,6 +673,7 @@ def test_metrics_parse_and_move(server, model):
     # one step per token; each but the first planned while the one before computed
     assert after["pagedllm:engine_steps_total"] - before["pagedllm:engine_steps_total"] == 5
     assert after["pagedllm:steps_planned_ahead_total"] - before["pagedllm:steps_planned_ahead_total"] == 4
+    assert 0 <= after["pagedllm:steps_in_decode_runs_total"] - before["pagedllm:steps_in_decode_runs_total"] <= 3
     assert after["pagedllm:prefix_cache_queries_total"] > before["pagedllm:prefix_cache_queries_total"]
     assert "pagedllm:num_preemptions_total" in after and "pagedllm:num_requests_swapped" in after
     info = "block_size=16,cache_dtype=int8,num_gpu_blocks=400,num_swap_blocks=0"
