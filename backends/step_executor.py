@@ -80,6 +80,32 @@ class StepExecutor:
         result.forward_seconds = time.perf_counter() - t0
         return result if self.tp.is_first else None
 
+    def greedy_run(self, plan: SchedulerOutput, steps: int):
+        """A decode run's `steps` later steps (StepResults, one a step, made as they are asked
+        for) where the replay takes each whole in one compiled call (its greedy_step: the same
+        bits as forward and choose), or None where it does not: a hook overrides a step, more
+        than one rank, or some request that samples, asks for logprobs, biases or penalizes
+        tokens, or may not end yet (min_tokens)."""
+        replay = self.runner.replay
+        states = [self.state.requests[rid] for rid in plan.num_scheduled_tokens]
+        if type(self) is not StepExecutor or self.tp.size != 1 or not hasattr(replay, "greedy_fits"):
+            return None
+        if not replay.greedy_fits(len(states)) or not all(map(plain_greedy, states)):
+            return None
+        return self._greedy_steps(plan, steps)
+
+    def _greedy_steps(self, plan: SchedulerOutput, steps: int):
+        replay = self.runner.replay
+        for step in range(steps):
+            t0 = time.perf_counter()
+            chunks = self.state.apply(plan.next_in_run())
+            seqs = [SeqInput(c.token_ids, c.start, c.state.block_ids) for c in chunks] if step == 0 else None
+            tokens = replay.greedy_step(seqs, torch.get_num_threads()).tolist()
+            for chunk, token in zip(chunks, tokens):
+                self.state.add_sampled(chunk.state, token)
+            sampled = np.array(tokens, dtype=np.int64)
+            yield StepResult(step_id=plan.step_id, sampled_token_ids=sampled, forward_seconds=time.perf_counter() - t0)
+
     def propose(self, plan: SchedulerOutput, chunks: list[ScheduledChunk]) -> dict[int, list[int]]:
         """{chunk index: the tokens proposed after its last known one}, in the worker's copy of
         the chunk's tokens by the time this returns."""
@@ -184,6 +210,16 @@ def executor_for(config: EngineConfig, *args) -> StepExecutor:
 
         return speculative_executor(config, *args)
     return StepExecutor(config, *args)
+
+
+def plain_greedy(state) -> bool:
+    """Whether the request's next token is the argmax of its logits alone."""
+    p = state.params
+    if p.temperature != 0.0 or p.logprobs is not None or p.logit_bias or p.beam_width:
+        return False
+    if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.structured_outputs:
+        return False
+    return len(state.token_ids) - state.num_prompt_tokens >= p.min_tokens
 
 
 def prompt_positions(chunks) -> dict[int, int]:

@@ -188,6 +188,17 @@ class Worker:
             return StepResult(step_id=plan.step_id, sampled_token_ids=np.empty(0, dtype=np.int64))
         return self.executor.run(plan, chunks, masks)
 
+    def rest_of_run(self, plan: SchedulerOutput):
+        """A decode run's steps after its first, each result as it is made: whole in compiled
+        code where the executor can (greedy_run), else each as a step of its own."""
+        steps = plan.num_steps - 1
+        fast = self.executor.greedy_run(plan, steps) if steps else None
+        if fast is not None:
+            yield from fast
+            return
+        for _ in range(steps):
+            yield self.execute(plan.next_in_run())
+
 
 def join_group(
     size: int, rank: int, master_addr: str, master_port: int, platform, ranks_per_host: int = 1
@@ -252,8 +263,7 @@ def serve(worker: Worker, link: CoreLink, parent: int) -> None:
                 masks.result()  # taken even where nothing sampled, so the next step's message is its own
             if result is not None:
                 link.send(result)
-            for _ in range(plan.num_steps - 1):  # a decode run: the next steps need no plan
-                result = worker.execute(plan.next_in_run())
+            for result in worker.rest_of_run(plan):  # a decode run: the next steps need no plan
                 if result is not None:
                     link.send(result)
         elif isinstance(msg, InitCache):

@@ -112,6 +112,42 @@ def test_a_replayed_step_refuses_a_token_outside_the_embedding_and_a_slot_outsid
     runner.execute([SeqInput([5, 6], 0, [1])])  # and it goes on
 
 
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_greedy_steps_in_one_call_choose_what_the_runner_and_argmax_choose(quantization):
+    """A decode run's greedy steps whole in compiled code (StepReplay.greedy_step: the step, the
+    LM head and argmax, the next step's inputs moved on in place) against the runner's logits
+    and argmax step by step: the same tokens and the same K/V, across a block edge."""
+    runner, replay = runner_and_replay("float32", quantization=quantization)
+    if not replay.greedy_fits(3):
+        pytest.skip("this machine's float32 layers are not on the panel kernel")
+    prompts = [list(range(10, 24)), [7, 8, 9], list(range(30, 60))]
+    tables = [[1, 2, 3], [4, 5, 6], [7, 8, 9, 10]]
+    runner.replay = replay  # the prefill's 47 rows grow its buffers, under the runner's inference mode
+    runner.execute([SeqInput(p, 0, t) for p, t in zip(prompts, tables)])
+    assert replay.capacity >= 47
+    before = runner.kv_caches.clone()
+    first = [5, 6, 7]
+
+    def step_by_step():
+        tokens, last = [], first
+        for k in range(6):
+            seqs = [SeqInput([last[i]], len(prompts[i]) + k, tables[i]) for i in range(3)]
+            last = torch.argmax(runner.execute(seqs), dim=-1).tolist()
+            tokens.append(last)
+        return tokens
+
+    want = step_by_step()
+    want_kv = runner.kv_caches.clone()
+    runner.kv_caches.copy_(before)
+    seqs = [SeqInput([first[i]], len(prompts[i]), tables[i]) for i in range(3)]
+    got = [replay.greedy_step(seqs, 2).tolist()] + [replay.greedy_step(None, 2).tolist() for _ in range(5)]
+    assert got == want
+    assert torch.equal(runner.kv_caches, want_kv)
+    with pytest.raises(IndexError, match="no block in its table"):  # row 0's blocks end at position 47
+        for _ in range(48):
+            replay.greedy_step(None, 2)
+
+
 def test_what_a_replay_does_not_take():
     replay = runner_and_replay("float32", max_batch=2)[1]
     table = list(range(1, 11))

@@ -126,6 +126,10 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         ],
         "pagedllm_dequantize_f32": [ctypes.c_int, _p, _i64, _p, _p, _p, _i64, _i64, _i64, _p, ctypes.c_int],
         "pagedllm_run_ops": [_p, _i64, _i64, ctypes.c_int],  # ops, count, rows, threads (csrc/step_program.cpp)
+        # ops, count, LM head, logits, logits stride, vocab, rows, threads, advance, ids, positions,
+        # context, slots, tables, table_of, num_blocks, table stride, block size, tokens
+        "pagedllm_greedy_step": [_p, _i64, _p, _p, _i64, _i64, _i64, ctypes.c_int, ctypes.c_int, *[_p] * 7]
+        + [_i64, _i64, _p],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
@@ -134,6 +138,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.pagedllm_write_kv.restype = ctypes.c_int64
     lib.pagedllm_write_kv_quantized.restype = ctypes.c_int64
     lib.pagedllm_run_ops.restype = ctypes.c_int64
+    lib.pagedllm_greedy_step.restype = ctypes.c_int64
     return lib, None
 
 

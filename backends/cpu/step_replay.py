@@ -45,7 +45,7 @@ from ..models.decoder import CausalLM
 from ..models.parallel import VocabParallelEmbedding
 from . import native
 from .forward_recorder import RECORDED_LINEARS, record_forward
-from .model_kernels import Bfloat16Linear, FusedRMSNorm
+from .model_kernels import Bfloat16Linear, FusedRMSNorm, PanelLinear
 from .packed_linear import PackedLinear, bfloat16_dot_products, packed_linear, padded_rows
 from .quantized_linear import CpuQuantizedLinear
 
@@ -135,6 +135,7 @@ class StepReplay:
             calls = self._float32_buffer_calls(model, dot_products, row_bytes)
         # (up to the last layer's attention, the rest: see run())
         self.head, self.tail = calls
+        self.greedy = self._greedy_program(lib)
 
     def _float32_buffer_calls(self, model: CausalLM, dot_products: int, row_bytes: int) -> tuple:
         """The step's calls where some GEMM is the panel kernel's: every layer's input and output
@@ -413,6 +414,66 @@ class StepReplay:
             run_ops(lib, [write], rows, threads)
 
         return write_rounded
+
+    def _greedy_program(self, lib) -> tuple | None:
+        """(the step's ops as one array, the LM head's op, its logits) where a decode step can
+        run whole in compiled code (greedy_step): every call a compiled kernel, the inputs
+        gathered, the LM head on the panel kernel with no soft cap; else None."""
+        model = self.model
+        calls = [*self.head, *self.tail]
+        if not self.inputs_gathered or not all(isinstance(c, OpSegment) for c in calls):
+            return None
+        head = model.lm_head
+        if type(head) is not PanelLinear or model.config.final_soft_cap:
+            return None
+        n = self.ids.shape[0]
+        logits = torch.zeros(n, head.out_features, dtype=torch.float32)
+        bias = 0 if head.bias is None else _ptr(head.bias)
+        args = [native.PANEL_KINDS[head.packed.dtype], _ptr(self.hidden_out), _ptr(head.packed)]
+        lm_head = KernelOp("panel_linear", [*args, head.out_features, head.in_features, bias, _ptr(logits)])
+        self.num_blocks = torch.zeros(n, dtype=torch.int32)
+        self.tokens = torch.zeros(n, dtype=torch.int64)
+        ops = [op for segment in calls for op in segment.ops]
+        max_rows = min((op.max_rows for op in ops if op.max_rows is not None), default=n)
+        return np.concatenate([c.words for c in calls]), _words([lm_head]), logits, min(max_rows, n), ops
+
+    def greedy_fits(self, rows: int) -> bool:
+        return self.greedy is not None and rows <= self.greedy[3]
+
+    def greedy_step(self, seqs, threads: int) -> np.ndarray:
+        """A decode step whose rows all choose greedily, run whole in one compiled call: the
+        replayed step, the LM head and argmax (as ModelRunner.execute and the sampler's greedy
+        rows compute them: the same bits). `seqs`: the step's decodes; None: the same rows as
+        the step before, each on the token it chose (positions, slots and context one further).
+        Returns the chosen token ids (a view of a buffer the next step overwrites)."""
+        words, lm_head, logits, _, ops = self.greedy
+        if seqs is not None:
+            self._fill_inputs(seqs)
+            self.greedy_rows = len(seqs)
+            # numpy's view: the buffers may be inference tensors, and this runs outside inference mode
+            self.num_blocks.numpy()[: len(seqs)] = [min(len(s.block_ids), self.max_blocks) for s in seqs]
+        rows = self.greedy_rows
+        failed = native._library().pagedllm_greedy_step(
+            words.ctypes.data,
+            len(ops),
+            lm_head.ctypes.data,
+            _ptr(logits),
+            logits.shape[1],
+            self.model.config.vocab_size,
+            rows,
+            threads,
+            seqs is None,
+            *map(_ptr, (self.ids, self.positions, self.context, self.slots, self.tables, self.rows, self.num_blocks)),
+            self.max_blocks,
+            self.block_size,
+            _ptr(self.tokens),
+        )
+        if failed == len(ops) + 1:
+            raise IndexError("greedy_step: a row's next position has no block in its table")
+        if failed >= 0:
+            op = ops[failed] if failed < len(ops) else None
+            raise IndexError((op.what if op else "") or f"greedy_step: op {failed} refused its input")
+        return self.tokens.numpy()[:rows]
 
     def fits(self, seqs) -> bool:
         """Decode steps, chunks after a cached context (speculative decoding's verification) and

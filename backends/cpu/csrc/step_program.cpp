@@ -33,6 +33,9 @@ PAGEDLLM_ATTENTION_DECL(f16)
 void pagedllm_quantized_gemv_f32(int kind, const float* x, int64_t m, const uint8_t* codes, int64_t row_bytes,
                                  const float* scales, const float* zeros, const float* lut, const float* bias,
                                  int64_t n, int64_t k, int64_t group, float* out, int num_threads);
+void pagedllm_argmax_rows_f32(const float* x, int64_t row_stride, int64_t rows, int64_t n, int64_t* out,
+                              int num_threads);
+int64_t pagedllm_run_ops(const int64_t* ops, int64_t count, int64_t rows, int num_threads);
 }
 
 namespace {
@@ -128,6 +131,35 @@ int64_t pagedllm_run_ops(const int64_t* ops, int64_t count, int64_t rows, int nu
         return i;
     }
   }
+  return -1;
+}
+
+// A greedy decode step of the same rows as the step before it, whole: with `advance`, the
+// step's inputs move on from the last one's (each row's token id from tokens[r], the row's
+// position, context length and slot one further, the slot from the row's block table: rows
+// of table_stride int32 block ids, row r's at table_of[r], num_blocks[r] of them); then the
+// step's ops, the LM head (one op writing logits [rows, logits_stride]) and argmax over each
+// row's first `vocab` logits into tokens. Returns -1; the index of the op that refused its
+// input; or `count` (the LM head's index) + 1 where a row's next position has no block.
+int64_t pagedllm_greedy_step(const int64_t* ops, int64_t count, const int64_t* lm_head, const float* logits,
+                             int64_t logits_stride, int64_t vocab, int64_t rows, int num_threads, int advance,
+                             int64_t* ids, int64_t* positions, int32_t* context, int64_t* slots,
+                             const int32_t* tables, const int32_t* table_of, const int32_t* num_blocks,
+                             int64_t table_stride, int64_t block_size, int64_t* tokens) {
+  if (advance) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t pos = positions[r] + 1, block = pos / block_size;
+      if (block >= num_blocks[r]) return count + 1;
+      ids[r] = tokens[r];
+      positions[r] = pos;
+      context[r] = static_cast<int32_t>(pos + 1);
+      slots[r] = static_cast<int64_t>(tables[table_of[r] * table_stride + block]) * block_size + pos % block_size;
+    }
+  }
+  const int64_t failed = pagedllm_run_ops(ops, count, rows, num_threads);
+  if (failed >= 0) return failed;
+  if (pagedllm_run_ops(lm_head, 1, rows, num_threads) >= 0) return count;
+  pagedllm_argmax_rows_f32(logits, logits_stride, rows, vocab, tokens, num_threads);
   return -1;
 }
 
