@@ -87,9 +87,9 @@ class StepExecutor:
         than one rank, or some request that samples, asks for logprobs, biases or penalizes
         tokens, or may not end yet (min_tokens)."""
         replay = self.runner.replay
-        states = [self.state.requests[rid] for rid in plan.num_scheduled_tokens]
         if type(self) is not StepExecutor or self.tp.size != 1 or not hasattr(replay, "greedy_fits"):
             return None
+        states = [self.state.requests[rid] for rid in plan.num_scheduled_tokens]
         if not replay.greedy_fits(len(states)) or not all(map(plain_greedy, states)):
             return None
         return self._greedy_steps(plan, steps)
@@ -100,10 +100,9 @@ class StepExecutor:
             t0 = time.perf_counter()
             chunks = self.state.apply(plan.next_in_run())
             seqs = [SeqInput(c.token_ids, c.start, c.state.block_ids) for c in chunks] if step == 0 else None
-            tokens = replay.greedy_step(seqs, torch.get_num_threads()).tolist()
-            for chunk, token in zip(chunks, tokens):
+            sampled = replay.greedy_step(seqs, torch.get_num_threads()).copy()  # its buffer is the next step's
+            for chunk, token in zip(chunks, sampled.tolist()):
                 self.state.add_sampled(chunk.state, token)
-            sampled = np.array(tokens, dtype=np.int64)
             yield StepResult(step_id=plan.step_id, sampled_token_ids=sampled, forward_seconds=time.perf_counter() - t0)
 
     def propose(self, plan: SchedulerOutput, chunks: list[ScheduledChunk]) -> dict[int, list[int]]:

@@ -339,8 +339,17 @@ class _EngineConfigChecks(msgspec.Struct, kw_only=True):
         _check_block_size(self.block_size)
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         self.kv_cache_dtype = KV_CACHE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
-        positive = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks", "cpu_threads")
-        _check_positive(self, (*positive, "num_scheduler_steps"))
+        _check_positive(
+            self,
+            (
+                "max_num_seqs",
+                "max_num_batched_tokens",
+                "max_model_len",
+                "num_kv_blocks",
+                "cpu_threads",
+                "num_scheduler_steps",
+            ),
+        )
         _check_choice("scheduler_policy", self.scheduler_policy, SCHEDULER_POLICIES)
         _check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         _check_choice("block_placement", self.block_placement, PLACEMENTS)

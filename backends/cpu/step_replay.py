@@ -35,6 +35,7 @@ one rank; else None (eager steps).
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -135,7 +136,7 @@ class StepReplay:
             calls = self._float32_buffer_calls(model, dot_products, row_bytes)
         # (up to the last layer's attention, the rest: see run())
         self.head, self.tail = calls
-        self.greedy = self._greedy_program(lib)
+        self.greedy = self._greedy_program()
 
     def _float32_buffer_calls(self, model: CausalLM, dot_products: int, row_bytes: int) -> tuple:
         """The step's calls where some GEMM is the panel kernel's: every layer's input and output
@@ -415,10 +416,10 @@ class StepReplay:
 
         return write_rounded
 
-    def _greedy_program(self, lib) -> tuple | None:
-        """(the step's ops as one array, the LM head's op, its logits) where a decode step can
-        run whole in compiled code (greedy_step): every call a compiled kernel, the inputs
-        gathered, the LM head on the panel kernel with no soft cap; else None."""
+    def _greedy_program(self) -> GreedyProgram | None:
+        """The step as greedy_step runs it, where a decode step can run whole in compiled code:
+        every call a compiled kernel, the inputs gathered, the LM head on the panel kernel with
+        no soft cap; else None."""
         model = self.model
         calls = [*self.head, *self.tail]
         if not self.inputs_gathered or not all(isinstance(c, OpSegment) for c in calls):
@@ -435,10 +436,11 @@ class StepReplay:
         self.tokens = torch.zeros(n, dtype=torch.int64)
         ops = [op for segment in calls for op in segment.ops]
         max_rows = min((op.max_rows for op in ops if op.max_rows is not None), default=n)
-        return np.concatenate([c.words for c in calls]), _words([lm_head]), logits, min(max_rows, n), ops
+        words = np.concatenate([c.words for c in calls])
+        return GreedyProgram(words, _words([lm_head]), logits, min(max_rows, n), ops)
 
     def greedy_fits(self, rows: int) -> bool:
-        return self.greedy is not None and rows <= self.greedy[3]
+        return self.greedy is not None and rows <= self.greedy.max_rows
 
     def greedy_step(self, seqs, threads: int) -> np.ndarray:
         """A decode step whose rows all choose greedily, run whole in one compiled call: the
@@ -471,8 +473,7 @@ class StepReplay:
         if failed == len(ops) + 1:
             raise IndexError("greedy_step: a row's next position has no block in its table")
         if failed >= 0:
-            op = ops[failed] if failed < len(ops) else None
-            raise IndexError((op.what if op else "") or f"greedy_step: op {failed} refused its input")
+            raise refusal(ops[failed] if failed < len(ops) else KernelOp("panel_linear (the LM head)", []))
         return self.tokens.numpy()[:rows]
 
     def fits(self, seqs) -> bool:
@@ -563,6 +564,16 @@ def _real(x: float) -> int:
     return int(np.float64(x).view(np.int64))
 
 
+class GreedyProgram(NamedTuple):
+    """A replayed decode step as greedy_step runs it (csrc/step_program.cpp's words)."""
+
+    words: np.ndarray  # the step's ops, head and tail
+    lm_head: np.ndarray  # the LM head's op, into `logits`
+    logits: torch.Tensor  # [rows, the LM head's outputs]
+    max_rows: int  # the most rows every op takes
+    ops: list  # the KernelOps behind `words`, for their errors
+
+
 class KernelOp:
     """One compiled kernel's call in a replayed step: its kind and arguments as
     csrc/step_program.cpp takes them (the step's rows and threads added there); `what` the
@@ -588,7 +599,12 @@ def run_ops(lib, ops: list[KernelOp], rows: int, threads: int, words: np.ndarray
     words = _words(ops) if words is None else words
     failed = lib.pagedllm_run_ops(words.ctypes.data, len(ops), rows, threads)
     if failed >= 0:
-        raise IndexError(ops[failed].what or f"{ops[failed].kind}: an index outside its table")
+        raise refusal(ops[failed])
+
+
+def refusal(op: KernelOp) -> IndexError:
+    """The error of an op that refused its input: its `what`, else its kind."""
+    return IndexError(op.what or f"{op.kind}: an index outside its table")
 
 
 class OpSegment:
