@@ -22,6 +22,9 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     # the frontend wants this request's tokens once, when it finishes (offline generation with
     # no stop strings to watch): one hand-off to the frontend per request, not one per step
     final_only: bool = False
+    # structured outputs apply from the first sampling of this token on (a reasoning model's
+    # `</think>`: the grammar constrains the answer, not the thinking); None: from the start
+    structured_outputs_after: int | None = None
 
 
 class RequestStatus(enum.IntEnum):
@@ -95,6 +98,7 @@ class Request:
         "beam_group",
         "queued_seconds",
         "matcher",
+        "grammar_gate",
         "spec_backoff",
         "spec_misses",
     )
@@ -132,6 +136,7 @@ class Request:
         self.beam_group = None  # core.beam_search.BeamGroup of a beam-search request
         self.queued_seconds: float | None = None  # arrival to first scheduled, set on first admission
         self.matcher = None  # structured outputs: the llguidance matcher of the output so far
+        self.grammar_gate: int | None = None  # the token that must come before the matcher applies
         # speculative decoding: steps left before this request proposes again, and how many of
         # its proposals in a row had no token confirmed (each doubles the wait)
         self.spec_backoff = 0

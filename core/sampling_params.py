@@ -106,6 +106,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     stop: Annotated[str | list[str] | None, declared("strings that end the output (not included in it)")] = None
     stop_token_ids: Annotated[list[int] | None, declared("token ids that end the output")] = None
     ignore_eos: Annotated[bool, declared("go on past EOS")] = False
+    skip_special_tokens: Annotated[bool, declared("leave special tokens out of the output's text", cli=False)] = True
     # -1: the whole vocabulary; the frontend caps both at the engine's max_logprobs
     logprobs: Annotated[
         int | None,

@@ -122,8 +122,12 @@ class AsyncEngine:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        template_kwargs: dict | None = None,
     ) -> dict:
-        return self.inputs.render_chat(conversation, chat_template, add_generation_prompt, continue_final_message)
+        return self.inputs.render_chat(
+            conversation, chat_template, add_generation_prompt, continue_final_message, tools, template_kwargs
+        )
 
     # --- the reader thread ----------------------------------------------------------------
     def _read(self) -> None:
@@ -190,15 +194,23 @@ class AsyncEngine:
             item = self.inputs.truncate(item, *truncation)
         return {"prompt": item[0], "prompt_token_ids": item[1]}
 
-    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> RequestStream:
+    def add_request(
+        self,
+        prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        structured_outputs_after: int | None = None,
+    ) -> RequestStream:
         """Check and submit a request now (raising InvalidParameter or EngineOverloaded here, before
-        any response is started); iterate the returned stream for its outputs."""
+        any response is started); iterate the returned stream for its outputs.
+        structured_outputs_after: the token from whose first sampling on the constraint applies."""
         if not self._accepting:
             raise EngineShuttingDown("the server is shutting down; it takes no new requests")
         params = params or SamplingParams()
         (item,) = self.inputs.prompts([prompt])
         self.inputs.check_room(item, params)
         tracker = self.inputs.tracker(item, params, request_id or f"async-{next(self._ids)}")
+        tracker.structured_outputs_after = structured_outputs_after
         if self.max_queue_len is not None and self.num_queued >= self.max_queue_len:
             raise EngineOverloaded(
                 f"{self.num_queued} requests are waiting for their first token "

@@ -45,6 +45,28 @@ def add_zmq_security_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_chat_flags(p) -> None:
+    from .reasoning_parsers import REASONING_FORMATS
+    from .tool_parsers import TOOL_CALL_FORMATS
+
+    g = p.add_argument_group("chat (vLLM's flags)")
+    g.add_argument("--chat-template", default=None, help="a Jinja chat template, or its file, instead of the model's")
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto" (the default where tools are given): calls are read from the model\'s text',
+    )
+    g.add_argument(
+        "--tool-call-parser", choices=list(TOOL_CALL_FORMATS), default=None, help="the model's tool-call format"
+    )
+    g.add_argument(
+        "--reasoning-parser",
+        choices=list(REASONING_FORMATS),
+        default=None,
+        help="put the model's <think>...</think> in the message's reasoning field",
+    )
+
+
 def add_limit_flags(p: argparse.ArgumentParser) -> None:
     from .limits import ServerLimits
 
@@ -235,6 +257,7 @@ def add_commands(sub) -> None:
         action="store_true",
         help="logprobs name each token `token_id:N` (a request's return_tokens_as_token_ids overrides it)",
     )
+    add_chat_flags(srv)
     add_zmq_security_flags(srv)
     add_limit_flags(srv)
     add_engine_flags(srv)
@@ -254,6 +277,7 @@ def add_commands(sub) -> None:
 
 
 def cmd_serve(args) -> int:
+    from .chat_output import ChatOptions
     from .limits import ServerLimits
     from .serve import ServeOptions, run_server
     from .zmq_auth import ServerCurve
@@ -285,6 +309,9 @@ def cmd_serve(args) -> int:
         enable_server_load_tracking=args.enable_server_load_tracking,
         enable_force_include_usage=args.enable_force_include_usage,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        chat=ChatOptions(
+            args.chat_template, args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser
+        ),
     )
     run_server(engine_kwargs(args), options)
     return 0

@@ -127,6 +127,7 @@ class InputProcessor:
             sampling_params=tracker.params,
             eos_token_ids=self.eos_token_ids,
             arrival_time=arrival_time,
+            structured_outputs_after=tracker.structured_outputs_after,
         )
 
     def render_chat(
@@ -135,11 +136,14 @@ class InputProcessor:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        template_kwargs: dict | None = None,
     ) -> dict:
         """A conversation as a prompt dict (text and token ids), through the tokenizer's template
         (continue_final_message: the last message left open, for the model to go on with). A
         conversation the template refuses (its raise_exception, e.g. "roles must alternate") is
-        an InvalidParameter with the template's message."""
+        an InvalidParameter with the template's message. tools: the functions the template
+        describes to the model; template_kwargs: more variables for it (enable_thinking)."""
         from jinja2 import TemplateError
 
         if self.tokenizer is None:
@@ -153,6 +157,8 @@ class InputProcessor:
                 chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
+                tools=tools,
+                **(template_kwargs or {}),
             )
         except ValueError as e:  # transformers': e.g. continue_final_message with an empty last message
             raise InvalidParameter("continue_final_message", str(e)) from None

@@ -8,6 +8,7 @@ engine's name for it."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -217,6 +218,48 @@ class ChatMessage(msgspec.Struct):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's calls, as the API returned them
+    tool_call_id: str | None = None  # a tool's answer: the call it answers
+    reasoning: str | None = None  # an assistant's reasoning, as a reasoning parser returned it
+
+
+def conversation(messages: list[ChatMessage]) -> list[dict]:
+    """The messages as the chat template takes them. Any role is passed on (a model's
+    template may know roles of its own, and refuses what it does not: a 400)."""
+    if not messages:
+        raise InvalidParameter("messages", "must contain at least one message")
+    conv = []
+    for i, m in enumerate(messages):
+        if not m.role:
+            raise InvalidParameter(f"messages[{i}].role", "must not be empty")
+        if isinstance(m.content, list):
+            texts = []
+            for j, part in enumerate(m.content):
+                if part.type != "text" or part.text is None:
+                    raise InvalidParameter(
+                        f"messages[{i}].content[{j}]", f"only text parts are supported, got type {part.type!r}"
+                    )
+                texts.append(part.text)
+            content = "".join(texts)
+        else:
+            content = m.content or ""
+        message = {"role": "system" if m.role == "developer" else m.role, "content": content}
+        for key in ("name", "tool_call_id", "reasoning"):
+            if getattr(m, key) is not None:
+                message[key] = getattr(m, key)
+        if m.tool_calls is not None:
+            message["tool_calls"] = [
+                _template_call(call, f"messages[{i}].tool_calls[{j}]") for j, call in enumerate(m.tool_calls)
+            ]
+        conv.append(message)
+    return conv
+
+
+def template_tools(tools: list[Tool] | None) -> list[dict] | None:
+    """The tools as chat templates take them (transformers' `tools`), or None."""
+    if not tools:
+        return None
+    return [msgspec.to_builtins(t) for t in tools]
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -229,7 +272,12 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     continue_final_message: bool = False  # the last message is left open, its text continued
     echo: bool = False  # the content starts with the last message's, when it is the answer's role
     tools: list[Tool] | None = None
-    tool_choice: str | dict | None = None  # none (the default, as vLLM's), required, or a named function
+    # auto (the default where tools are given and the server parses calls), none, required, or
+    # a named function
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True  # false: only the first call an automatic choice reads is made
+    chat_template_kwargs: dict | None = None  # extra variables for the template (enable_thinking)
+    include_reasoning: bool = True  # false: a reasoning parser's reasoning is left out
 
     _LOGPROBS_FIELD = "top_logprobs"
 
@@ -255,30 +303,10 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
         return forced_tools(self.tools, self.tool_choice)
 
     def conversation(self) -> list[dict]:
-        """The messages as the chat template takes them. Any role is passed on (a model's
-        template may know roles of its own, and refuses what it does not: a 400)."""
-        if not self.messages:
-            raise InvalidParameter("messages", "must contain at least one message")
-        conv = []
-        for i, m in enumerate(self.messages):
-            if not m.role:
-                raise InvalidParameter(f"messages[{i}].role", "must not be empty")
-            if isinstance(m.content, list):
-                texts = []
-                for j, part in enumerate(m.content):
-                    if part.type != "text" or part.text is None:
-                        raise InvalidParameter(
-                            f"messages[{i}].content[{j}]", f"only text parts are supported, got type {part.type!r}"
-                        )
-                    texts.append(part.text)
-                content = "".join(texts)
-            else:
-                content = m.content or ""
-            message = {"role": "system" if m.role == "developer" else m.role, "content": content}
-            if m.name is not None:
-                message["name"] = m.name
-            conv.append(message)
-        return conv
+        return conversation(self.messages)
+
+    def template_tools(self) -> list[dict] | None:
+        return template_tools(self.tools)
 
     @property
     def echoed(self) -> str:
@@ -303,6 +331,21 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self.sampling_params(max_tokens, logprobs, self.prompt_logprobs)
+
+
+def _template_call(call: dict, field: str) -> dict:
+    """An assistant's past call for the template: its arguments an object where they are JSON
+    (templates write them with tojson, as vLLM hands them over), else the text as sent."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise InvalidParameter(field, 'must be {"id", "type": "function", "function": {"name", "arguments"}}')
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            pass
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def decode_body(body: bytes, kind: type):

@@ -184,20 +184,36 @@ def _prompt_done(output) -> bool:
 
 
 class ChatResponses(_Options):
-    def __init__(self, req: ChatCompletionRequest, params, meta: dict, force_usage: bool = False, tokens_as_ids=False):
+    def __init__(
+        self,
+        req: ChatCompletionRequest,
+        params,
+        meta: dict,
+        force_usage: bool = False,
+        tokens_as_ids=False,
+        parser=None,
+    ):
+        """parser: makes a choice's ChatOutputParser (a reasoning or tool-call parser is on), or None."""
         self.req, self.params, self.meta = req, params, meta
         self._options(req, force_usage, tokens_as_ids)
         self.functions = req.forced_functions  # tool_choice required or named: the output is calls
         self.echoed = req.echoed  # echo: the text the answer starts with (the conversation's, read once)
+        self.parser = parser
 
     def _message(self, comp) -> tuple[dict, str | None]:
-        """The choice's message and finish_reason: tool calls read from the constrained text, or
-        the text itself (also when a forced call was cut short)."""
+        """The choice's message and finish_reason: its reasoning and content (split by the
+        parser), and tool calls: read from the content by an automatic choice's parser, or from
+        the constrained text of a forced one (which stays text where it was cut short)."""
+        parts = self.parser().message(comp.text) if self.parser is not None else {"content": comp.text}
+        reasoning = {"reasoning": parts["reasoning"]} if "reasoning" in parts else {}
         if self.functions is not None and comp.finish_reason == "stop":
-            calls = tool_calls(comp.text, self.functions, self.req.tool_choice)
+            calls = tool_calls(parts["content"] or "", self.functions, self.req.tool_choice)
             if calls is not None:
-                return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
-        return {"role": "assistant", "content": self.echoed + comp.text}, comp.finish_reason
+                return {"role": "assistant", "content": None, **reasoning, "tool_calls": calls}, "tool_calls"
+        if self.echoed:
+            parts["content"] = self.echoed + (parts["content"] or "")
+        called = "tool_calls" in parts and comp.finish_reason == "stop"
+        return {"role": "assistant", **parts}, "tool_calls" if called else comp.finish_reason
 
     def body(self, outputs: list) -> dict:
         req = self.req
@@ -252,37 +268,60 @@ class ChatResponses(_Options):
                 chunk["usage"] = usage(len(prompt_token_ids), 0)
             yield chunk
         pending: dict[int, tuple[list, list]] = {}  # choice -> ids, logprob entries not yet sent
-        started: set[int] = set()  # choices whose first content chunk went out
+        started: set[int] = set()  # choices whose forced call's first chunk went out
         last, prompt_lps_sent = None, False
+        parsers: dict[int, object] = {}  # choice -> its ChatOutputParser
         async for _, out in updates:
             last = out.output
             new_ids, entries = pending.setdefault(out.index, ([], []))
             new_ids += out.delta_token_ids  # also those of updates without text, with the next chunk
             entries += out.delta_logprobs or ()
-            if not out.delta_text and out.finish_reason is None:
+            deltas, finish_reason = self._deltas(parsers, out)
+            if not deltas and finish_reason is None:
                 continue
             del pending[out.index]
             logprobs = None
             if out.output.outputs[out.index].logprobs is not None:
                 logprobs = chat_logprobs(entries, new_ids, req.top_logprobs or 0, self.as_ids)
-            delta = {"content": out.delta_text} if out.delta_text else {}
-            finish_reason = out.finish_reason
-            if self.functions is not None:  # a named function: its arguments, as they come
-                delta, finish_reason = self._tool_delta(out, out.index not in started)
-            started.add(out.index)
-            chunk = self._chunk(out.index, delta, finish_reason, logprobs, new_ids if ids else None, out)
-            if req.prompt_logprobs is not None and not prompt_lps_sent:
-                chunk["prompt_logprobs"] = prompt_logprobs_body(out.output.prompt_logprobs)
-                prompt_lps_sent = True
-            yield chunk
+            if self.functions is not None:  # a forced call: its arguments, as they come
+                deltas = [self._tool_delta(d, out.index, started) if "content" in d else d for d in deltas]
+                finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+            for k, delta in enumerate(deltas or [{}]):  # the tokens and logprobs go with the first
+                first, final = k == 0, k == max(len(deltas), 1) - 1
+                chunk = self._chunk(
+                    out.index,
+                    delta,
+                    finish_reason if final else None,
+                    logprobs if first else None,
+                    (new_ids if first else []) if ids else None,
+                    out,
+                )
+                if req.prompt_logprobs is not None and not prompt_lps_sent:
+                    chunk["prompt_logprobs"] = prompt_logprobs_body(out.output.prompt_logprobs)
+                    prompt_lps_sent = True
+                yield chunk
         if self.include_usage:
             yield {**self.meta, "object": "chat.completion.chunk", "choices": [], "usage": usage_of([last])}
 
-    def _tool_delta(self, out, first: bool) -> tuple[dict, str | None]:
-        """A streamed named-function call: the call's id and name first, then its arguments."""
-        call = {"index": 0, "function": {"arguments": out.delta_text}}
-        if first:
-            call = {"index": 0, "id": f"call_{self.meta['id'][-24:]}_{out.index}", "type": "function"}
-            call["function"] = {"name": self.functions[0].name, "arguments": out.delta_text}
-        reason = "tool_calls" if out.finish_reason == "stop" else out.finish_reason
-        return {"tool_calls": [call]}, reason
+    def _deltas(self, parsers: dict, out) -> tuple[list[dict], str | None]:
+        """The update's deltas and the choice's finish_reason ("tool_calls" where the parser
+        read a call from an answer that stopped by itself)."""
+        if self.parser is None:
+            return ([{"content": out.delta_text}] if out.delta_text else []), out.finish_reason
+        parser = parsers.get(out.index)
+        if parser is None:
+            parser = parsers[out.index] = self.parser()
+        deltas = parser.feed(out.delta_text) if out.delta_text else []
+        if out.finish_reason is None:
+            return deltas, None
+        deltas += parser.finish()
+        return deltas, "tool_calls" if parser.called and out.finish_reason == "stop" else out.finish_reason
+
+    def _tool_delta(self, delta: dict, index: int, started: set[int]) -> dict:
+        """A streamed forced call's content: the call's id and name first, then its arguments."""
+        call = {"index": 0, "function": {"arguments": delta["content"]}}
+        if index not in started:
+            started.add(index)
+            call = {"index": 0, "id": f"call_{self.meta['id'][-24:]}_{index}", "type": "function"}
+            call["function"] = {"name": self.functions[0].name, "arguments": delta["content"]}
+        return {"tool_calls": [call]}

@@ -1,16 +1,19 @@
 """The OpenAI-compatible HTTP API on starlette (run by uvicorn): /v1/completions,
 /v1/chat/completions (streamed as server-sent events when asked), /v1/models, /version,
-/health and /metrics. A client that goes away has its requests aborted, which frees their
-blocks. No request can fail the server: an error is a JSON error body naming the field, and
-an unexpected one is logged here and answered with a 500 that carries no traceback."""
+/health and /metrics, and vLLM's /tokenize, /detokenize, /invocations and /load. A client
+that goes away has its requests aborted, which frees their blocks. No request can fail the
+server: an error is a JSON error body naming the field, and an unexpected one is logged here
+and answered with a 500 that carries no traceback."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
 
+import msgspec
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
@@ -20,6 +23,7 @@ from pagedllm.core.errors import InvalidParameter, RequestFailed
 from pagedllm.core.version import VERSION
 
 from .async_engine import AsyncEngine, EngineOverloaded, EngineShuttingDown, RequestStream
+from .chat_output import RESERVED_TEMPLATE_KWARGS, ChatOptions, ChatOutputParser, reasoning_end_token
 from .engine_client import EngineDeadError
 from .limits import RequestTooLarge, ServerLimits
 from .metrics import CONTENT_TYPE, EngineMetrics
@@ -33,6 +37,9 @@ from .openai_protocol import (
     now,
 )
 from .openai_responses import ChatResponses, CompletionResponses
+from .openai_tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
+from .reasoning_parsers import constraint_gate
+from .tool_parsers import KEEPS_SPECIAL_TOKENS
 
 logger = logging.getLogger("pagedllm.entrypoints")
 CLIENT_CLOSED = 499  # nginx's code for a client that left before the answer: nobody reads it
@@ -169,6 +176,19 @@ async def read_body(request: Request, limits: ServerLimits) -> bytes:
     return b"".join(chunks)
 
 
+def _not_json(request: Request) -> Response | None:
+    """A 415 for a body that does not say it is JSON."""
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type == "application/json":
+        return None
+    return error_response(
+        415,
+        f"the body must be JSON (Content-Type: application/json), got {media_type or 'no Content-Type'!r}",
+        "invalid_request_error",
+        code="unsupported_media_type",
+    )
+
+
 async def until_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -186,13 +206,14 @@ class OpenAIServer:
         track_load: bool = False,
         force_usage: bool = False,
         tokens_as_ids: bool = False,
+        chat: ChatOptions | None = None,
     ):
         """health_checks: callables that return why the server is unhealthy, or None (e.g. a
         ZMQ entrypoint beside it that stopped). track_load: count the completions and chat
         requests being answered, for GET /load (vLLM's --enable-server-load-tracking).
         force_usage: usage on every streamed chunk, asked for or not (--enable-force-include-usage).
         tokens_as_ids: logprobs name tokens `token_id:N` unless a request says otherwise
-        (--return-tokens-as-token-ids)."""
+        (--return-tokens-as-token-ids). chat: the chat template, tool-call and reasoning parsers."""
         self.engine = engine
         self.model_name = model_name
         self.api_key = api_key
@@ -201,6 +222,10 @@ class OpenAIServer:
         self.health_checks = list(health_checks)
         self.track_load, self.server_load = track_load, 0
         self.force_usage, self.tokens_as_ids = force_usage, tokens_as_ids
+        self.chat = chat or ChatOptions()
+        self.chat_template = self.chat.template()
+        self.tool_format, self.reasoning = self.chat.tool_format, self.chat.reasoning_format
+        self.reasoning_end = reasoning_end_token(engine.tokenizer, self.reasoning) if self.reasoning else None
         self.app = Starlette(
             routes=[
                 Route("/health", self.health, methods=["GET"]),
@@ -211,6 +236,8 @@ class OpenAIServer:
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/load", self.load, methods=["GET"]),
                 Route("/invocations", self.invocations, methods=["POST"]),
+                Route("/tokenize", self.tokenize, methods=["POST"]),
+                Route("/detokenize", self.detokenize, methods=["POST"]),
             ]
         )
         self.app.add_exception_handler(404, self._not_found)
@@ -335,27 +362,17 @@ class OpenAIServer:
         """body: already read (/invocations), or None to read it here."""
         if (denied := self._check_key(request)) is not None:
             return denied
-        media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-        if media_type != "application/json":
-            return error_response(
-                415,
-                f"the body must be JSON (Content-Type: application/json), got {media_type or 'no Content-Type'!r}",
-                "invalid_request_error",
-                code="unsupported_media_type",
-            )
+        if (refused := _not_json(request)) is not None:
+            return refused
         is_chat = kind is ChatCompletionRequest
         streams: list[RequestStream] = []
         req = None
         try:
             req = decode_body(body if body is not None else await read_body(request, self.limits), kind)
-            if req.model is not None and req.model != self.model_name:
-                return error_response(
-                    404,
-                    f"the model {req.model!r} does not exist; this server has {self.model_name!r}",
-                    "invalid_request_error",
-                    "model",
-                    "model_not_found",
-                )
+            if is_chat:
+                self._choose_tools(req)
+            if (unknown := self._unknown_model(req)) is not None:
+                return unknown
             params = req.to_sampling_params()
             self.limits.check(params, req.wire_field)
             prompts = self._prompts(req, is_chat)
@@ -364,8 +381,11 @@ class OpenAIServer:
             lens = [len(p["prompt_token_ids"]) for p in prepared]
             params = self.engine.logprobs_asked(params)
             self.limits.check_logprob_entries(params, lens, self.engine.max_model_len, req.wire_field)
+            gate, parser = None, None
+            if is_chat:
+                params, gate, parser = self._chat_parsing(req, params, prepared[0]["prompt"])
             for prompt in prepared:
-                streams.append(self.engine.add_request(prompt, params))
+                streams.append(self.engine.add_request(prompt, params, structured_outputs_after=gate))
         except ClientDisconnect:  # it left while sending the body: nobody to answer
             return Response(status_code=CLIENT_CLOSED)
         except RequestTooLarge as e:
@@ -385,7 +405,7 @@ class OpenAIServer:
             return error_response(500, str(e), "server_error", code="engine_dead")
         meta = {"id": new_id("chatcmpl" if is_chat else "cmpl"), "created": now(), "model": self.model_name}
         if is_chat:
-            responses = ChatResponses(req, params, meta, self.force_usage, self.tokens_as_ids)
+            responses = ChatResponses(req, params, meta, self.force_usage, self.tokens_as_ids, parser)
         else:
             responses = CompletionResponses(
                 req, params, meta, self.engine.tokenizer, self.force_usage, self.tokens_as_ids
@@ -413,17 +433,101 @@ class OpenAIServer:
             return failure_response(e)
         return JSONResponse(responses.body(outputs))
 
+    def _unknown_model(self, req) -> Response | None:
+        if req.model is None or req.model == self.model_name:
+            return None
+        return error_response(
+            404,
+            f"the model {req.model!r} does not exist; this server has {self.model_name!r}",
+            "invalid_request_error",
+            "model",
+            "model_not_found",
+        )
+
+    # --- routes answered without the engine's steps ------------------------------------------
+    async def tokenize(self, request: Request) -> Response:
+        def render(conv, add_generation_prompt, continue_final_message, tools, kwargs):
+            self._check_template_kwargs(kwargs)
+            return self.engine.render_chat(
+                conv, self.chat_template, add_generation_prompt, continue_final_message, tools, kwargs
+            )
+
+        return await self._answer_now(
+            request, TokenizeRequest, lambda req: tokenize(req, self.engine, render, self.engine.max_model_len)
+        )
+
+    async def detokenize(self, request: Request) -> Response:
+        vocab_size = self.engine.inputs.vocab_size
+        return await self._answer_now(request, DetokenizeRequest, lambda req: detokenize(req, self.engine, vocab_size))
+
+    async def _answer_now(self, request: Request, kind, answer) -> Response:
+        """A JSON body of `kind` answered by `answer(req)` (a dict), with the API key, media type,
+        size and model checks of every route, and a 400 naming the field of a bad one."""
+        if (denied := self._check_key(request)) is not None:
+            return denied
+        if (refused := _not_json(request)) is not None:
+            return refused
+        try:
+            req = decode_body(await read_body(request, self.limits), kind)
+            if (unknown := self._unknown_model(req)) is not None:
+                return unknown
+            return JSONResponse(answer(req))
+        except ClientDisconnect:
+            return Response(status_code=CLIENT_CLOSED)
+        except RequestTooLarge as e:
+            return error_response(413, str(e), "invalid_request_error", code="request_too_large")
+        except InvalidParameter as e:
+            return error_response(400, str(e), "invalid_request_error", e.field)
+
+    @staticmethod
+    def _check_template_kwargs(kwargs: dict | None) -> None:
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs or {}))
+        if reserved:
+            raise InvalidParameter("chat_template_kwargs", f"{reserved[0]!r} is not a template variable")
+
     def _prompts(self, req, is_chat: bool) -> list:
         if is_chat:
-            conversation = req.conversation()
+            self._check_template_kwargs(req.chat_template_kwargs)
             return [
                 self.engine.render_chat(
-                    conversation,
+                    req.conversation(),
+                    self.chat_template,
                     add_generation_prompt=req.add_generation_prompt,
                     continue_final_message=req.continue_final_message,
+                    tools=req.template_tools(),
+                    template_kwargs=req.chat_template_kwargs,
                 )
             ]
         return req.prompts()
+
+    def _choose_tools(self, req) -> None:
+        """tool_choice: "auto" where tools are given and none is chosen, if this server reads
+        automatic calls (vLLM's rule); "auto" refused where it does not."""
+        if req.tool_choice is None and req.tools and self.tool_format is not None:
+            req.tool_choice = "auto"
+        if req.tool_choice == "auto" and self.tool_format is None:
+            raise InvalidParameter(
+                "tool_choice", '"auto" needs the server started with --enable-auto-tool-choice and --tool-call-parser'
+            )
+
+    def _chat_parsing(self, req, params, prompt: str):
+        """(the params, the token that opens the grammar, a maker of each choice's
+        ChatOutputParser): what the tool-call and reasoning parsers change in a chat request."""
+        tools = self.tool_format if req.tool_choice == "auto" else None
+        if tools is not None and tools.name in KEEPS_SPECIAL_TOKENS:  # their markers are special tokens
+            params = msgspec.structs.replace(params, skip_special_tokens=False)
+        gate = None
+        if self.reasoning is not None and params.structured_outputs is not None:
+            gate = constraint_gate(self.reasoning, prompt, self.reasoning_end)
+        if tools is None and self.reasoning is None:
+            return params, gate, None
+        return (
+            params,
+            gate,
+            functools.partial(
+                ChatOutputParser, self.reasoning, prompt, tools, req.include_reasoning, req.parallel_tool_calls
+            ),
+        )
 
     @staticmethod
     async def _collect(streams: list[RequestStream]):

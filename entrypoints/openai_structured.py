@@ -1,8 +1,9 @@
 """Structured outputs in the OpenAI API: `response_format` (json_object, json_schema), vLLM's
 `structured_outputs` object, and tool calls forced by `tool_choice` ("required", or a named
 function), each turned into one StructuredOutputsParams; and the tool calls read back out of
-the constrained text. `tool_choice: "auto"` needs a parser for each model's own tool-call
-format and is refused; "none" (vLLM's default) generates text as if no tools were given."""
+the constrained text. `tool_choice: "auto"` constrains nothing: the model writes its calls in its
+own format, which the server's tool-call parser reads (entrypoints/tool_parsers.py); "none"
+generates text with no calls read."""
 
 from __future__ import annotations
 
@@ -83,14 +84,12 @@ def forced_tools(tools: list[Tool] | None, tool_choice) -> list[FunctionDef] | N
     if tool_choice == "required":
         return functions
     if tool_choice == "auto":
-        raise InvalidParameter(
-            "tool_choice",
-            "auto needs a parser of the model's own tool-call format, which this server has not; "
-            "use required or name a function",
-        )
+        return None
     name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
     if name is None:
-        raise InvalidParameter("tool_choice", 'must be none, required, or {"type": "function", "function": {"name"}}')
+        raise InvalidParameter(
+            "tool_choice", 'must be none, auto, required, or {"type": "function", "function": {"name"}}'
+        )
     chosen = [f for f in functions if f.name == name]
     if not chosen:
         raise InvalidParameter("tool_choice", f"names {name!r}, which is not among the tools")

@@ -69,7 +69,9 @@ class RequestTracker:
         self.engine_ids = sample_request_ids(request_id, num_engine_requests)
         self._index = {rid: i for i, rid in enumerate(self.engine_ids)}
         self._detok = [
-            IncrementalDetokenizer(tokenizer, prompt_token_ids) if tokenizer is not None else None
+            IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
+            if tokenizer is not None
+            else None
             for _ in range(params.n)
         ]
         self._stops = list(params.stop or ())
@@ -77,6 +79,7 @@ class RequestTracker:
         self._sent = [0] * params.n  # characters of each completion already handed out as deltas
         self.beams = None  # a finished beam search: core.outputs.BeamResult list, best first
         self.timing = RequestTiming()
+        self.structured_outputs_after: int | None = None  # see EngineRequest
 
     def _decode_one(self, token: int) -> str | None:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else None
@@ -144,7 +147,7 @@ class RequestTracker:
         pieces = [(j, j + 1) for j in range(len(tokens))] if self._stops and len(tokens) > 1 else [(0, len(tokens))]
         for start, end in pieces:
             self._extend(comp, delta, start, end)
-            new_text = detok.add(tokens[start:end])
+            new_text = detok.add(self._text_ids(delta, start, end))
             if end == len(tokens) and delta.finish_reason is not None:
                 new_text += detok.flush()
             # no stop string may end the text before min_tokens (vLLM's rule, as for stop tokens)
@@ -153,6 +156,20 @@ class RequestTracker:
                 if hit is not None:
                     return hit
         return None
+
+    def _text_ids(self, delta: RequestOutputDelta, start: int, end: int) -> list[int]:
+        """The tokens whose text joins the output: with special tokens kept in the text, not the
+        EOS or stop token that ended it (its text is no part of the answer, as vLLM's)."""
+        tokens = delta.new_token_ids[start:end]
+        if (
+            not self.params.skip_special_tokens
+            and end == len(delta.new_token_ids)
+            and delta.finish_reason == "stop"
+            and tokens
+            and tokens[-1] in self.tokenizer.all_special_ids
+        ):
+            return tokens[:-1]
+        return tokens
 
     def _extend(self, comp: CompletionOutput, delta: RequestOutputDelta, start: int, end: int) -> None:
         """Tokens start:end of the delta, and their logprobs, join the completion."""
@@ -174,7 +191,7 @@ class RequestTracker:
             comp.cumulative_logprob = beam.cum_logprob
             comp.finish_reason = beam.finish_reason if delta.finish_reason != "abort" else "abort"
             if self.tokenizer is not None:
-                comp.text = self.tokenizer.decode(comp.token_ids, skip_special_tokens=True)
+                comp.text = self.tokenizer.decode(comp.token_ids, skip_special_tokens=self.params.skip_special_tokens)
         for comp in outputs[len(self.beams) :]:  # aborted before it ended
             comp.finish_reason = delta.finish_reason
         self.output.finished = True

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import uvicorn
 
 from .async_engine import AsyncEngine
+from .chat_output import ChatOptions
 from .limits import ServerLimits
 from .metrics import EngineMetrics
 from .openai_server import OpenAIServer
@@ -45,6 +46,7 @@ class ServeOptions:
     enable_server_load_tracking: bool = False  # GET /load counts the requests being answered
     enable_force_include_usage: bool = False  # usage on every streamed chunk
     return_tokens_as_token_ids: bool = False  # logprobs name tokens `token_id:N`
+    chat: ChatOptions = field(default_factory=ChatOptions)  # template, tool-call and reasoning parsers
 
     def check(self) -> None:
         """Refusals that need no engine: run before one starts."""
@@ -52,6 +54,7 @@ class ServeOptions:
             raise ValueError(f"--shutdown-timeout: must be >= 0, got {self.shutdown_timeout}")
         if self.max_queue_len is not None and self.max_queue_len < 0:
             raise ValueError(f"--max-queue-len: must be >= 0, got {self.max_queue_len}")
+        self.chat.check()
         if self.zmq_endpoint:
             check_endpoint_security(self.zmq_endpoint, self.zmq_curve, self.zmq_allow_insecure)
 
@@ -113,6 +116,7 @@ async def _serve(engine: AsyncEngine, name: str, options: ServeOptions, metrics:
         track_load=options.enable_server_load_tracking,
         force_usage=options.enable_force_include_usage,
         tokens_as_ids=options.return_tokens_as_token_ids,
+        chat=options.chat,
     ).app
     server = _Server(
         uvicorn.Config(

@@ -407,6 +407,24 @@ def _extreme_bodies(model: str) -> list[tuple[str, bytes]]:
                 json.dumps({"prompt": "hi", "max_tokens": 3, "use_beam_search": True, **extra}).encode(),
             )
         )
+    for number in EXTREME_NUMBERS:
+        out.append(("/detokenize", f'{{"tokens": [5, {number}]}}'.encode()))
+    hi = b'[{"role": "user", "content": "hi"}]'
+    call = b'{"id": "x", "function": {"name": "f", "arguments": "{"}}'
+    chat = "/v1/chat/completions"
+    out += [  # the agents' surface: tokenize, detokenize, tools, template variables
+        ("/tokenize", b"{}"),
+        ("/tokenize", b'{"prompt": "hi", "messages": ' + hi + b"}"),
+        ("/tokenize", b'{"messages": ' + hi + b', "chat_template_kwargs": {"tokenize": true}}'),
+        ("/tokenize", b'{"messages": ' + hi + b', "chat_template_kwargs": {"x": ' + b"[" * 5000 + b"]" * 5000 + b"}}"),
+        ("/detokenize", b'{"tokens": "abc"}'),
+        ("/detokenize", b'{"tokens": [' + b"1," * 100_000 + b"1]}"),
+        (chat, b'{"messages": [{"role": "assistant", "tool_calls": [{"id": 1}]}, ' + hi[1:] + b"}"),
+        (chat, b'{"messages": [{"role": "assistant", "tool_calls": [' + call + b"]}, " + hi[1:] + b"}"),
+        (chat, b'{"messages": ' + hi + b', "tools": [{"function": {"name": "f"}}], "tool_choice": 1}'),
+        (chat, b'{"messages": ' + hi + b', "chat_template_kwargs": {"conversation": []}}'),
+        (chat, b'{"messages": ' + hi + b', "include_reasoning": "maybe", "max_tokens": 1}'),
+    ]  # fmt: skip
     bomb = b"[" * 50_000 + b"]" * 50_000
     out += [
         ("/v1/completions", b'{"prompt": ' + bomb + b"}"),

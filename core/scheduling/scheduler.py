@@ -107,7 +107,7 @@ class Scheduler:
             params = msgspec.structs.replace(params, logprobs=2 * params.beam_width)
             engine_request = msgspec.structs.replace(engine_request, sampling_params=params)
         request = Request.from_engine_request(engine_request, max_tokens)
-        self.structured.started(request, matcher)
+        self.structured.started(request, matcher, engine_request.structured_outputs_after)
         if params.beam_width:
             self.beams.start(request, params, max_tokens)
         self.requests[rid] = request

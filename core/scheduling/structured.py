@@ -184,9 +184,13 @@ class StructuredOutputs:
         """The step's token bitmasks; a request whose matcher fails here fails alone (`fail(rid,
         error)`; its row then allows every token, and what it samples is dropped with it). A
         request that ended since the step was planned (ahead: the step in flight ended it) gets
-        a row that allows every token: what it samples is dropped."""
-        rows = [i for i, rid in enumerate(request_ids) if rid in requests]
+        a row that allows every token: what it samples is dropped. One whose grammar's gate is
+        still shut samples freely (whether it is shut is read as the masks are sent, after the
+        step in flight's tokens: the step that samples the gate's token is planned before)."""
+        rows = [i for i, rid in enumerate(request_ids) if rid in requests and requests[rid].grammar_gate is None]
         bitmask = np.full((len(request_ids), self.grammars.words), -1, dtype=np.int32)  # every token
+        if not rows:
+            return bitmask
         try:
             computed = self.grammars.masks([requests[request_ids[i]].matcher for i in rows])
             if len(rows) == len(request_ids):
@@ -203,8 +207,10 @@ class StructuredOutputs:
             return bitmask
 
     # --- the scheduler --------------------------------------------------------------------
-    def started(self, request: Request, matcher) -> None:
+    def started(self, request: Request, matcher, gate: int | None = None) -> None:
+        """gate: the token after whose first sampling the matcher applies (None: at once)."""
         request.matcher = matcher
+        request.grammar_gate = gate if matcher is not None else None
         self.in_use = self.in_use or matcher is not None
 
     def sampling(self, requests: list[Request]) -> list[str]:
@@ -223,7 +229,12 @@ class StructuredOutputs:
 
     @staticmethod
     def consume(request: Request, token: int) -> bool:
-        """The token joins the request's grammar; whether the output is now complete."""
+        """The token joins the request's grammar; whether the output is now complete. Before
+        the gate's token the grammar takes nothing; the gate's token opens it."""
+        if request.grammar_gate is not None:
+            if token == request.grammar_gate:
+                request.grammar_gate = None
+            return False
         matcher = request.matcher
         if not matcher.consume_token(token):  # the mask allowed it: the grammar and the mask disagree
             raise RuntimeError(f"the grammar refused token {token}: {matcher.get_error()}")
@@ -235,7 +246,7 @@ class StructuredOutputs:
         by `ended_by(request, token)` as a sampled one is, up to the first that ends it; the
         next step computes them in one chunk. Not where logprobs are asked for (forced tokens
         have none). Returns how the request ended, if it did."""
-        if not self.jump_forward_on or request.sampling_params.logprobs is not None:
+        if not self.jump_forward_on or request.sampling_params.logprobs is not None or request.grammar_gate:
             return None
         status = None
         for token in request.matcher.compute_ff_tokens():
