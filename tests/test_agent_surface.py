@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
 from serve_helpers import ServerProcess, client, post
 
 TEMPLATES = Path(__file__).parent / "chat_templates"
