@@ -50,7 +50,15 @@ TEXTS = {
 }
 SERVERS = {  # parser -> its flags
     "hermes": ["--chat-template", str(TEMPLATES / "hermes.jinja"), "--reasoning-parser", "qwen3"],
-    "llama3_json": ["--chat-template", str(TEMPLATES / "llama3_json.jinja"), "--reasoning-parser", "deepseek_r1"],
+    # without jump-forward, steps are planned ahead: the grammar's gate opens between a step
+    # planned and its masks sent
+    "llama3_json": [
+        "--chat-template",
+        str(TEMPLATES / "llama3_json.jinja"),
+        "--reasoning-parser",
+        "deepseek_r1",
+        "--no-jump-forward",
+    ],
     "mistral": ["--chat-template", str(TEMPLATES / "mistral.jinja")],
 }
 QUESTION = [{"role": "user", "content": "What is the weather in Paris, and the time?"}]
