@@ -29,6 +29,7 @@ from pagedllm.core.outputs import SchedulerOutput
 from pagedllm.core.protocol import KVSpec, PromptLogprobs, StepResult, TokenLogprobs
 from pagedllm.core.worker_state import ScheduledChunk, WorkerState
 
+from .pooling import Pooling, pooled_rows
 from .runner import ModelRunner, SeqInput
 from .sampler import Logprobs, Sampler, SamplingRow
 
@@ -42,6 +43,7 @@ class StepExecutor:
         self.config, self.model, self.ops, self.tp, self.threads, self.state = config, model, ops, tp, threads, state
         self.sampler = Sampler(config.seed, argmax=ops.argmax, apply_bitmask=ops.apply_token_bitmask)
         self.runner: ModelRunner | None = None  # with the pool (attach)
+        self.pooling = Pooling()
 
     # --- set-up: the worker calls these once ----------------------------------------------
     def describe_kv(self, kv_spec: KVSpec) -> None:
@@ -60,6 +62,7 @@ class StepExecutor:
     # --- a step ---------------------------------------------------------------------------
     def forget(self, plan: SchedulerOutput) -> None:
         """Called with every plan before its chunks run: what ended, and block tables replaced."""
+        self.pooling.forget(plan)
 
     @torch.inference_mode()  # the prompt-logprob rows too: a port's weights may still ask for gradients
     def run(self, plan: SchedulerOutput, chunks: list[ScheduledChunk], masks=None) -> StepResult | None:
@@ -69,11 +72,14 @@ class StepExecutor:
         if self.threads:
             self.threads.begin(sum(c.num_tokens for c in chunks))
         proposals = self.propose(plan, chunks)
-        wanted = prompt_positions(chunks)
-        logits, every_row, prompt_hidden = self.forward(chunks, {i: chunks[i].num_tokens for i in proposals}, wanted)
+        wanted, pooled = prompt_positions(chunks), pooled_rows(chunks)
+        every = {i: chunks[i].num_tokens for i in proposals}
+        logits, every_row, prompt_hidden = self.forward(chunks, every, {**wanted, **pooled})
         result = StepResult(step_id=plan.step_id, sampled_token_ids=np.full(len(chunks), -1, dtype=np.int64))
         if wanted:
-            result.prompt_logprobs = self._prompt_logprobs(chunks, prompt_hidden)
+            result.prompt_logprobs = self._prompt_logprobs(chunks, {i: prompt_hidden[i] for i in wanted})
+        if pooled:
+            result.pooled = self.pooling.add(chunks, {i: prompt_hidden[i] for i in pooled})
         self.choose(chunks, logits, every_row, proposals, masks, result)
         if self.threads:
             self.threads.end()

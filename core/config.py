@@ -10,6 +10,7 @@ import msgspec
 
 from .errors import InvalidParameter
 from .quantization import QUANTIZATIONS
+from .sampling_params import PoolingParams
 from .utils import cdiv
 
 SCHEDULER_POLICIES = ("fcfs", "priority")
@@ -209,6 +210,26 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
         raise InvalidParameter("speculative_config", str(e)) from None
 
 
+def parse_pooler_config(value) -> PoolingParams:
+    """From a dict, a JSON string (the CLI's --pooler-config) or None (LAST, normalized)."""
+    if value is None or isinstance(value, PoolingParams):
+        return value or PoolingParams()
+    if isinstance(value, str):
+        try:
+            value = msgspec.json.decode(value)
+        except msgspec.DecodeError as e:
+            raise InvalidParameter("pooler_config", f"is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise InvalidParameter("pooler_config", f"must be a JSON object, got {type(value).__name__}")
+    unknown = sorted(set(value) - set(PoolingParams.__struct_fields__))
+    if unknown:
+        raise InvalidParameter("pooler_config", f"unknown fields {unknown}")
+    try:
+        return PoolingParams(**value)
+    except InvalidParameter as e:
+        raise e.renamed(f"pooler_config.{e.field}") from None
+
+
 # --- the engine's options ----------------------------------------------------------------
 DEFAULT_KV_CACHE_MEMORY = "1GiB"
 REQUIRED = object()  # a resolved field with no default
@@ -320,6 +341,20 @@ class EngineOptions:
         20,
         "the most logprobs (top_logprobs) and prompt_logprobs a request may ask for; -1: no limit, and a request's -1 "
         "then asks for the whole vocabulary",
+        frontend=True,
+    )
+    runner: str = option(
+        "generate",
+        "generate: text (completions, chat); pooling: embeddings of the prompts (/v1/embeddings, LLM.embed), "
+        "as vLLM's --runner",
+        choices=("generate", "pooling"),
+        frontend=True,
+    )
+    pooler_config: dict | str | None = option(  # noqa: RUF009 - the default is None
+        None,
+        'with --runner pooling, as vLLM\'s JSON: {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": true} '
+        "(default: LAST, normalized)",
+        cli_type=str,
         frontend=True,
     )
     tokenizer: str | None = option(None, "tokenizer folder (default: the model's)", frontend=True)

@@ -121,6 +121,7 @@ class RequestOutputDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     beams: list[BeamResult] | None = None  # a finished beam search: best first
     queued_seconds: float | None = None  # on a request's first token: arrival to first scheduled
     prompt_logprobs: PromptLogprobs | None = None
+    embedding: list[float] | None = None  # an embedding request's vector, as it ends
 
 
 def merge_deltas(earlier: RequestOutputDelta, later: RequestOutputDelta) -> RequestOutputDelta:
@@ -133,6 +134,7 @@ def merge_deltas(earlier: RequestOutputDelta, later: RequestOutputDelta) -> Requ
         earlier.logprobs.extend(later.logprobs)
     earlier.finish_reason, earlier.stop_reason, earlier.beams = later.finish_reason, later.stop_reason, later.beams
     earlier.num_cached_tokens = later.num_cached_tokens or earlier.num_cached_tokens
+    earlier.embedding = later.embedding or earlier.embedding
     if earlier.queued_seconds is None:
         earlier.queued_seconds = later.queued_seconds
     earlier.prompt_logprobs = _merge_prompt_logprobs(earlier.prompt_logprobs, later.prompt_logprobs)

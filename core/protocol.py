@@ -204,6 +204,7 @@ class StepResult(FromWorkerMessage, tag="result", kw_only=True):
     # model confirmed, then its own next one), by request id
     spec_token_ids: dict[str, list[int]] | None = None
     spec_logprobs: dict[str, list[TokenLogprobs]] | None = None  # of those tokens, where asked
+    pooled: dict[str, list[float]] | None = None  # embeddings whose prompt this step completed, by request id
 
 
 class WorkerFailed(FromWorkerMessage, tag="failed", kw_only=True):

@@ -50,6 +50,26 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         return next(k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k))
 
 
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+
+
+class PoolingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """An embedding request (vLLM's pooler config): the prompt's final hidden states (after the
+    last norm) pooled into one vector — the last token's (LAST), their mean (MEAN) or the first
+    token's (CLS) — and L2-normalised where `normalize`. No token is generated."""
+
+    pooling_type: str = "LAST"
+    normalize: bool = True
+
+    def __post_init__(self):
+        if self.pooling_type not in POOLING_TYPES:
+            raise InvalidParameter(
+                "pooling_type", f"must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}"
+            )
+        if not isinstance(self.normalize, bool):
+            raise InvalidParameter("normalize", f"must be true or false, got {self.normalize!r}")
+
+
 def declared(
     help: str,
     *,
@@ -144,6 +164,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         ),
     ] = None
 
+    pooling: Annotated[
+        PoolingParams | None,
+        declared("pool the prompt's hidden states into an embedding instead of generating", openai=False, cli=False),
+    ] = None
+
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
@@ -166,6 +191,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 raise InvalidParameter("stop", f"each stop string must be a non-empty string, got {s!r}")
         if self.prompt_logprobs is not None and self.beam_width:
             raise InvalidParameter("prompt_logprobs", "is not supported with beam search")
+        if self.pooling is not None and (self.n != 1 or self.beam_width or self.prompt_logprobs is not None):
+            raise InvalidParameter(
+                "pooling", "an embedding is one vector of the prompt: no n, beams or prompt_logprobs"
+            )
         if self.beam_width and self.n > self.beam_width:
             raise InvalidParameter(
                 "n", f"beam search returns at most its beams: must be <= {self.beam_width}, got {self.n}"

@@ -41,8 +41,9 @@ class RequestState:
 
     @property
     def samples(self) -> bool:
-        """Whether the tokens computed so far end with the last known one: a token is sampled."""
-        return self.num_computed == len(self.token_ids)
+        """Whether the tokens computed so far end with the last known one: a token is sampled
+        (not by an embedding request: its prompt is pooled instead)."""
+        return self.num_computed == len(self.token_ids) and self.params.pooling is None
 
 
 class ScheduledChunk(NamedTuple):

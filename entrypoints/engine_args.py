@@ -13,6 +13,7 @@ from pagedllm.backends.registry import check_available, device_count, resolve_al
 from pagedllm.core.config import (
     EngineConfig,
     EngineOptions,
+    parse_pooler_config,
     parse_size,
     parse_speculative_config,
 )
@@ -71,6 +72,11 @@ class EngineArgs(EngineOptions):
 
     def engine_config(self) -> EngineConfig:
         """The core's configuration; an unknown or unusable backend fails here, saying why."""
+        if self.runner not in ("generate", "pooling"):
+            raise InvalidParameter("runner", f"must be generate or pooling, got {self.runner!r}")
+        if self.pooler_config is not None and self.runner != "pooling":
+            raise InvalidParameter("pooler_config", "needs --runner pooling")
+        parse_pooler_config(self.pooler_config)
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise InvalidParameter(
                 "max_logprobs", f"must be an integer >= -1 (-1: no limit), got {self.max_logprobs!r}"
@@ -156,6 +162,11 @@ def start_engine(args: EngineArgs) -> tuple[EngineClient, InputProcessor]:
         engine.shutdown()
         raise
     inputs = InputProcessor(
-        tokenizer, folder.eos_token_ids(tokenizer), folder.vocab_size, ready.max_model_len, args.max_logprobs
+        tokenizer,
+        folder.eos_token_ids(tokenizer),
+        folder.vocab_size,
+        ready.max_model_len,
+        args.max_logprobs,
+        parse_pooler_config(args.pooler_config) if args.runner == "pooling" else None,
     )
     return engine, inputs

@@ -10,7 +10,7 @@ import msgspec
 
 from pagedllm.core.errors import InvalidParameter
 from pagedllm.core.request import EngineRequest
-from pagedllm.core.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedllm.core.sampling_params import PoolingParams, SamplingParams, StructuredOutputsParams
 from pagedllm.core.scheduling.structured import grammar_of
 
 from .request_tracker import RequestTracker
@@ -19,12 +19,22 @@ Prompt = tuple[str | None, list[int]]  # (text if known, token ids)
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, eos_token_ids: list[int], vocab_size: int, max_model_len: int, max_logprobs=20):
+    def __init__(
+        self, tokenizer, eos_token_ids: list[int], vocab_size: int, max_model_len: int, max_logprobs=20, pooler=None
+    ):
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_logprobs = max_logprobs  # -1: no limit
+        self.pooler: PoolingParams | None = pooler  # --runner pooling: how prompts are pooled
+
+    def embedding_params(self) -> SamplingParams:
+        """An embedding request's params (the engine's pooler config); refused unless the engine
+        runs --runner pooling, as vLLM refuses it."""
+        if self.pooler is None:
+            raise InvalidParameter("model", "embeddings need the engine started with --runner pooling")
+        return SamplingParams(max_tokens=1, pooling=self.pooler)
 
     def logprobs_asked(self, params: SamplingParams) -> SamplingParams:
         """The params with logprobs and prompt_logprobs within max_logprobs (a request's -1: the
@@ -82,6 +92,11 @@ class InputProcessor:
     def tracker(self, prompt: Prompt, params: SamplingParams, request_id: str) -> RequestTracker:
         """The frontend's state for one request, after checking it fits this model."""
         params = self.logprobs_asked(params)
+        if self.pooler is not None and params.pooling is None:
+            raise InvalidParameter(
+                "model",
+                "this engine runs --runner pooling: it computes embeddings (/v1/embeddings, LLM.embed), not text",
+            )
         text, ids = prompt
         if len(ids) >= self.max_model_len:
             raise InvalidParameter(

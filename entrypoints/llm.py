@@ -19,7 +19,7 @@ from pagedllm.core.sampling_params import BeamSearchParams, SamplingParams
 from .engine_args import EngineArgs, start_engine
 from .input_processor import per_prompt
 from .output_processor import OutputProcessor
-from .outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from .outputs import BeamSearchOutput, BeamSearchSequence, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from .request_tracker import RequestTracker
 
 
@@ -101,6 +101,15 @@ class LLM:
             score=beam.score,
             finish_reason=beam.finish_reason,
         )
+
+    def embed(self, prompts, use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding: its final hidden states pooled as the engine's --pooler-config
+        says (needs runner="pooling", as vLLM's LLM.embed)."""
+        items = self.inputs.prompts(prompts)
+        params = self.inputs.embedding_params()
+        trackers = [self.inputs.tracker(item, params, str(next(self._ids))) for item in items]
+        outputs = self._run(trackers, use_tqdm)
+        return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(o.embedding)) for o in outputs]
 
     def chat(
         self,

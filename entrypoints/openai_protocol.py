@@ -371,14 +371,21 @@ def decode_body(body: bytes, kind: type):
 
 def invocation_kind(body: bytes) -> type:
     """The request a SageMaker /invocations body is, as vLLM routes it: one with `messages` a
-    chat completion, one with `prompt` a completion. Only the top-level keys are read (the values
-    are skipped, not built); a malformed body raises InvalidParameter as decode_body does."""
+    chat completion, one with `prompt` a completion, one with `input` an embedding. Only the
+    top-level keys are read (the values are skipped, not built); a malformed body raises
+    InvalidParameter as decode_body does."""
+    from .openai_embeddings import EmbeddingRequest
+
     keys = decode_body(body, dict[str, msgspec.Raw])
     if "messages" in keys:
         return ChatCompletionRequest
     if "prompt" in keys:
         return CompletionRequest
-    raise InvalidParameter("body", "needs 'messages' (a chat completion) or 'prompt' (a completion)")
+    if "input" in keys:
+        return EmbeddingRequest
+    raise InvalidParameter(
+        "body", "needs 'messages' (a chat completion), 'prompt' (a completion) or 'input' (an embedding)"
+    )
 
 
 # --- responses ----------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from pagedllm.core.errors import InvalidParameter, RequestFailed
+from pagedllm.core.model_folder import model_folder
 from pagedllm.core.version import VERSION
 
 from .async_engine import AsyncEngine, EngineOverloaded, EngineShuttingDown, RequestStream
@@ -27,6 +28,7 @@ from .chat_output import RESERVED_TEMPLATE_KWARGS, ChatOptions, ChatOutputParser
 from .engine_client import EngineDeadError
 from .limits import RequestTooLarge, ServerLimits
 from .metrics import CONTENT_TYPE, EngineMetrics
+from .openai_embeddings import EmbeddingRequest, embedding_body, output_size
 from .openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -226,6 +228,9 @@ class OpenAIServer:
         self.chat_template = self.chat.template()
         self.tool_format, self.reasoning = self.chat.tool_format, self.chat.reasoning_format
         self.reasoning_end = reasoning_end_token(engine.tokenizer, self.reasoning) if self.reasoning else None
+        config = model_folder(engine.engine.config.model).config
+        self.embedding_size = config.get("hidden_size")
+        self.matryoshka = config.get("matryoshka_dimensions") or bool(config.get("is_matryoshka"))
         self.app = Starlette(
             routes=[
                 Route("/health", self.health, methods=["GET"]),
@@ -236,6 +241,7 @@ class OpenAIServer:
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/load", self.load, methods=["GET"]),
                 Route("/invocations", self.invocations, methods=["POST"]),
+                Route("/v1/embeddings", self.embeddings, methods=["POST"]),
                 Route("/tokenize", self.tokenize, methods=["POST"]),
                 Route("/detokenize", self.detokenize, methods=["POST"]),
             ]
@@ -331,6 +337,8 @@ class OpenAIServer:
         try:
             body = await read_body(request, self.limits)
             kind = invocation_kind(body)
+            if kind is EmbeddingRequest:
+                return await self._embed(request, body)
         except RequestTooLarge as e:
             return error_response(413, str(e), "invalid_request_error", code="request_too_large")
         except ClientDisconnect:
@@ -414,7 +422,15 @@ class OpenAIServer:
             updates = merged(streams)
             first = streams[0].tracker.output.prompt_token_ids
             return EventStream(responses.chunks(updates, first) if is_chat else responses.chunks(updates, len(streams)))
-        # not streamed: wait for the end, unless the client leaves first
+        outputs = await self._outputs(request, streams, req.wire_field)
+        if isinstance(outputs, Response):
+            return outputs
+        return JSONResponse(responses.body(outputs))
+
+    async def _outputs(self, request: Request, streams: list[RequestStream], wire_field=lambda f: f):
+        """The requests' final outputs, or the Response to give instead: none (499) where the
+        client left first (its requests are aborted), an error where the engine refused or
+        failed one (`wire_field` names a refused field as the client sent it)."""
         work = asyncio.ensure_future(self._collect(streams))
         watcher = asyncio.ensure_future(until_disconnect(request))
         try:
@@ -426,12 +442,11 @@ class OpenAIServer:
             await asyncio.gather(work, return_exceptions=True)
             return Response(status_code=CLIENT_CLOSED)
         try:
-            outputs = work.result()
+            return work.result()
         except (InvalidParameter, RequestFailed, EngineDeadError) as e:  # refused or failed in the engine core
             if isinstance(e, InvalidParameter):
-                e = e.renamed(req.wire_field(e.field))
+                e = e.renamed(wire_field(e.field))
             return failure_response(e)
-        return JSONResponse(responses.body(outputs))
 
     def _unknown_model(self, req) -> Response | None:
         if req.model is None or req.model == self.model_name:
@@ -443,6 +458,57 @@ class OpenAIServer:
             "model",
             "model_not_found",
         )
+
+    # --- embeddings -------------------------------------------------------------------------
+    async def embeddings(self, request: Request) -> Response:
+        if (denied := self._check_key(request)) is not None:
+            return denied
+        if (refused := _not_json(request)) is not None:
+            return refused
+        return await self._embed(request)
+
+    async def _embed(self, request: Request, body: bytes | None = None) -> Response:
+        streams: list[RequestStream] = []
+        try:
+            req = decode_body(body if body is not None else await read_body(request, self.limits), EmbeddingRequest)
+            if (unknown := self._unknown_model(req)) is not None:
+                return unknown
+            params = self.engine.inputs.embedding_params()
+            size = output_size(req, self.embedding_size, self.matryoshka)
+            prompts = req.prompts()
+            self.limits.check_prompts(len(prompts))
+            prepared = [self.engine.prepare(p, req.truncation) for p in prompts]
+            longest = self.engine.max_model_len - 1  # the engine keeps room for a token after a prompt
+            for i, prompt in enumerate(prepared):
+                if len(prompt["prompt_token_ids"]) > longest:
+                    raise InvalidParameter(
+                        "input",
+                        f"input {i} has {len(prompt['prompt_token_ids'])} tokens; at most {longest} fit this "
+                        "model's context (truncate_prompt_tokens keeps the last ones)",
+                    )
+            for prompt in prepared:
+                streams.append(self.engine.add_request(prompt, params))
+        except ClientDisconnect:
+            return Response(status_code=CLIENT_CLOSED)
+        except RequestTooLarge as e:
+            return error_response(413, str(e), "invalid_request_error", code="request_too_large")
+        except InvalidParameter as e:
+            for s in streams:
+                s.close()
+            if e.field in ("prompt", "prompts", "prompt_token_ids"):  # the engine's names for the input
+                e = e.renamed("input")
+            return error_response(400, str(e), "invalid_request_error", e.field)
+        except EngineOverloaded as e:
+            for s in streams:
+                s.close()
+            code = "shutting_down" if isinstance(e, EngineShuttingDown) else "overloaded"
+            return error_response(503, str(e), "server_error", code=code)
+        except EngineDeadError as e:
+            return error_response(500, str(e), "server_error", code="engine_dead")
+        outputs = await self._outputs(request, streams)
+        if isinstance(outputs, Response):
+            return outputs
+        return JSONResponse(embedding_body(req, outputs, self.model_name, size, params.pooling.normalize))
 
     # --- routes answered without the engine's steps ------------------------------------------
     async def tokenize(self, request: Request) -> Response:

@@ -37,6 +37,22 @@ class RequestOutput:
     # with SamplingParams.prompt_logprobs: per prompt token, None for the first, else its
     # Logprob and those of the most likely tokens at that position, by token id
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    embedding: list[float] | None = None  # an embedding request's vector (--runner pooling)
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """LLM.embed's answer for one prompt, as vLLM's."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
 
 
 @dataclass

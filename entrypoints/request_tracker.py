@@ -98,6 +98,8 @@ class RequestTracker:
         took: all, or those up to a stop string's)."""
         i = self._index[delta.request_id]
         comp = self.output.outputs[i]
+        if delta.embedding is not None:
+            self.output.embedding = delta.embedding
         if delta.prompt_logprobs is not None and self.output.prompt_logprobs is not None:
             self._add_prompt_logprobs(delta.prompt_logprobs)
         if delta.beams is not None or (self.params.beam_width and delta.finish_reason is not None):

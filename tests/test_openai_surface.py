@@ -85,8 +85,10 @@ def test_invocations_answer_as_the_route_the_body_names(server):
     status, invoked = post(server, "/invocations", {"prompt": "A list is", "max_tokens": 4, "temperature": 0})
     plain = c.completions.create(model=model, prompt="A list is", max_tokens=4, temperature=0)
     assert status == 200 and invoked["choices"][0]["text"] == plain.choices[0].text
-    status, error = post(server, "/invocations", {"input": "neither"})
+    status, error = post(server, "/invocations", {"neither": "x"})
     assert status == 400 and "messages" in error["error"]["message"]
+    status, error = post(server, "/invocations", {"input": "an embedding"})  # this engine generates
+    assert status == 400 and error["error"]["param"] == "model" and "--runner pooling" in error["error"]["message"]
     status, error = post(server, "/invocations", {"messages": [], "max_tokens": "x"})
     assert status == 400 and error["error"]["param"] == "max_tokens"
     status, error = post(server, "/invocations", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")

@@ -418,6 +418,10 @@ def _extreme_bodies(model: str) -> list[tuple[str, bytes]]:
         ("/tokenize", b'{"messages": ' + hi + b', "chat_template_kwargs": {"tokenize": true}}'),
         ("/tokenize", b'{"messages": ' + hi + b', "chat_template_kwargs": {"x": ' + b"[" * 5000 + b"]" * 5000 + b"}}"),
         ("/detokenize", b'{"tokens": "abc"}'),
+        ("/v1/embeddings", b'{"input": "hi"}'),  # a generating engine computes no embeddings
+        ("/v1/embeddings", b'{"input": ' + b"[" * 5000 + b"]" * 5000 + b"}"),
+        ("/v1/embeddings", b'{"input": [[1, -5]], "dimensions": -1, "encoding_format": "x"}'),
+        ("/invocations", b'{"input": ["a", "b"], "dimensions": 99999}'),
         ("/detokenize", b'{"tokens": [' + b"1," * 100_000 + b"1]}"),
         (chat, b'{"messages": [{"role": "assistant", "tool_calls": [{"id": 1}]}, ' + hi[1:] + b"}"),
         (chat, b'{"messages": [{"role": "assistant", "tool_calls": [' + call + b"]}, " + hi[1:] + b"}"),

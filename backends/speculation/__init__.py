@@ -124,6 +124,7 @@ class DraftModelSteps(SpeculativeSteps):
         return (self.runner, self.drafter.runner) if self.drafter else (self.runner,)  # its one-token passes replay
 
     def forget(self, plan: SchedulerOutput) -> None:
+        super().forget(plan)
         if self.drafter is not None:
             self.drafter.forget(plan, self.runner.block_size)
 

@@ -364,12 +364,14 @@ class EngineCore:
 
     def _collect(self, outputs: list[RequestOutputDelta], result: StepResult) -> None:
         """The scheduler's outputs, with the worker's logprobs (prompt logprobs too, also of a
-        prefill chunk that sampled nothing) and the prefix-cache hit added."""
+        prefill chunk that sampled nothing), embeddings and the prefix-cache hit added."""
         logprobs = result.logprobs or {}
         spec_logprobs = result.spec_logprobs or {}
         prompt_logprobs = dict(result.prompt_logprobs or {})
+        pooled = result.pooled or {}
         requests = self.scheduler.requests
         for out in outputs:
+            out.embedding = pooled.get(out.request_id)
             lp = logprobs.get(out.request_id)
             if lp is not None and out.beams is None:
                 out.logprobs = [lp]

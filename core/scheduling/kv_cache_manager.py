@@ -106,8 +106,9 @@ class KVCacheManager:
         block: no query reads them, so they are neither revived nor counted as needed (a long
         history would otherwise need more blocks than a windowed pool has, and never start).
         The last hit stays: the next block's prefix-cache key chains from it."""
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
-            return [], 0  # prompt logprobs come from computing the prompt: no prefix hits, as in vLLM
+        params = request.sampling_params
+        if not self.enable_caching or params.prompt_logprobs is not None or whole_prompt_pooled(params):
+            return [], 0  # prompt logprobs (and a mean or first-token embedding) come from computing the prompt
         bs = self.block_size
         max_blocks = (request.num_tokens - 1) // bs
         tokens = request.all_token_ids
@@ -371,3 +372,9 @@ class KVCacheManager:
         assert not set(held_swap) & set(self._swap_free), "a swap block is held and free"
         assert len(held_swap) + len(self._swap_free) == self.num_swap_blocks, "swap blocks leaked"
         assert not set(self.tables) & set(self.swapped), "a request is on device and swapped"
+
+
+def whole_prompt_pooled(params) -> bool:
+    """An embedding that needs every prompt token's hidden state (MEAN) or the first one's (CLS):
+    no prefix-cache hit may skip computing them (LAST needs only the last token, always computed)."""
+    return params.pooling is not None and params.pooling.pooling_type != "LAST"

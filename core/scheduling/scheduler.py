@@ -279,6 +279,8 @@ class Scheduler:
             num_tokens = len(request.all_token_ids)
             if request.num_computed_tokens != num_tokens:
                 return None  # a prefill chunk that samples nothing yet
+            if request.sampling_params.pooling is not None:
+                continue  # an embedding: the step in flight ends it
             # tokens it may still sample after the one in flight, within max_tokens and the model
             room = min(request.max_tokens - (num_tokens - request.num_prompt_tokens + 1), max_len - num_tokens - 1)
             if room > 0:
@@ -504,6 +506,8 @@ class Scheduler:
                 elif request.num_computed_tokens < len(request.all_token_ids):
                     if request.forks_pending and request.num_computed_tokens == request.fork_point:
                         self._fork_samples(request)
+                elif request.sampling_params.pooling is not None:
+                    outputs.append(self._pooled(request))
                 elif request.beam_group is not None:
                     self.beams.report(request, logprobs[rid])
                 else:
@@ -517,6 +521,18 @@ class Scheduler:
         if len(self.running) != len(self.requests) - len(self.waiting) - len(self.swapped):
             self.running = [r for r in self.running if r.status == RUNNING]
         return outputs
+
+    def _pooled(self, request: Request) -> RequestOutputDelta:
+        """An embedding request's prompt is computed: it ends there (the engine adds the
+        worker's vector to its output); its blocks go back, the full ones to the prefix cache."""
+        self._finish(request, RequestStatus.FINISHED_STOPPED)
+        return RequestOutputDelta(
+            request.request_id,
+            [],
+            "stop",
+            queued_seconds=request.queued_seconds,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+        )
 
     def _accept(self, request: Request, plan: SchedulerOutput, tokens: list[int]) -> RequestOutputDelta:
         """A speculating request's step: the first len(tokens) - 1 proposed tokens were confirmed,
