@@ -1,9 +1,9 @@
 """The OpenAI-compatible HTTP API on starlette (run by uvicorn): /v1/completions,
-/v1/chat/completions (streamed as server-sent events when asked), /v1/models, /version,
-/health and /metrics, and vLLM's /tokenize, /detokenize, /invocations and /load. A client
-that goes away has its requests aborted, which frees their blocks. No request can fail the
-server: an error is a JSON error body naming the field, and an unexpected one is logged here
-and answered with a 500 that carries no traceback."""
+/v1/chat/completions, /v1/responses (streamed as server-sent events when asked),
+/v1/embeddings, /v1/models, /version, /health and /metrics, and vLLM's /tokenize,
+/detokenize, /invocations and /load. A client that goes away has its requests aborted, which
+frees their blocks. No request can fail the server: an error is a JSON error body naming the
+field, and an unexpected one is logged here and answered with a 500 that carries no traceback."""
 
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ from .openai_protocol import (
 from .openai_responses import ChatResponses, CompletionResponses
 from .openai_tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from .reasoning_parsers import constraint_gate
+from .responses_api import ResponsesAnswers, ResponsesRequest
 from .tool_parsers import KEEPS_SPECIAL_TOKENS
 
 logger = logging.getLogger("pagedllm.entrypoints")
@@ -242,6 +243,7 @@ class OpenAIServer:
                 Route("/load", self.load, methods=["GET"]),
                 Route("/invocations", self.invocations, methods=["POST"]),
                 Route("/v1/embeddings", self.embeddings, methods=["POST"]),
+                Route("/v1/responses", self.responses, methods=["POST"]),
                 Route("/tokenize", self.tokenize, methods=["POST"]),
                 Route("/detokenize", self.detokenize, methods=["POST"]),
             ]
@@ -329,6 +331,9 @@ class OpenAIServer:
     async def chat_completions(self, request: Request) -> Response:
         return await self._counted(request, ChatCompletionRequest)
 
+    async def responses(self, request: Request) -> Response:
+        return await self._counted(request, ResponsesRequest)
+
     async def invocations(self, request: Request) -> Response:
         """SageMaker's entry (as vLLM's): a body with `messages` is a chat completion, one with
         `prompt` a completion."""
@@ -372,11 +377,13 @@ class OpenAIServer:
             return denied
         if (refused := _not_json(request)) is not None:
             return refused
-        is_chat = kind is ChatCompletionRequest
+        responses_api = kind is ResponsesRequest  # run as the chat completion it asks for
+        is_chat = kind is ChatCompletionRequest or responses_api
         streams: list[RequestStream] = []
         req = None
         try:
-            req = decode_body(body if body is not None else await read_body(request, self.limits), kind)
+            decoded = decode_body(body if body is not None else await read_body(request, self.limits), kind)
+            req = decoded.to_chat() if responses_api else decoded
             if is_chat:
                 self._choose_tools(req)
             if (unknown := self._unknown_model(req)) is not None:
@@ -411,6 +418,12 @@ class OpenAIServer:
             return error_response(503, str(e), "server_error", code=code)
         except EngineDeadError as e:
             return error_response(500, str(e), "server_error", code="engine_dead")
+        if responses_api:
+            answers = ResponsesAnswers(decoded, req, parser, self.model_name, self.reasoning_end)
+            if req.stream:
+                return EventStream(answers.events(merged(streams)))
+            outputs = await self._outputs(request, streams, req.wire_field)
+            return outputs if isinstance(outputs, Response) else JSONResponse(answers.body(outputs[0]))
         meta = {"id": new_id("chatcmpl" if is_chat else "cmpl"), "created": now(), "model": self.model_name}
         if is_chat:
             responses = ChatResponses(req, params, meta, self.force_usage, self.tokens_as_ids, parser)

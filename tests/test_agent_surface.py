@@ -50,16 +50,16 @@ TEXTS = {
 }
 SERVERS = {  # parser -> its flags
     "hermes": ["--chat-template", str(TEMPLATES / "hermes.jinja"), "--reasoning-parser", "qwen3"],
+    "llama3_json": ["--chat-template", str(TEMPLATES / "llama3_json.jinja")],
     # without jump-forward, steps are planned ahead: the grammar's gate opens between a step
     # planned and its masks sent
-    "llama3_json": [
+    "mistral": [
         "--chat-template",
-        str(TEMPLATES / "llama3_json.jinja"),
+        str(TEMPLATES / "mistral.jinja"),
         "--reasoning-parser",
         "deepseek_r1",
         "--no-jump-forward",
     ],
-    "mistral": ["--chat-template", str(TEMPLATES / "mistral.jinja")],
 }
 QUESTION = [{"role": "user", "content": "What is the weather in Paris, and the time?"}]
 
@@ -103,7 +103,7 @@ def no_thinking(parser: str) -> dict:
     the grammar then masks it out)."""
     if parser == "hermes":
         return {"chat_template_kwargs": {"enable_thinking": False}}
-    if parser == "llama3_json":
+    if parser == "mistral":
         return {"logit_bias": {str(END_THINK): 100}}
     return {}
 
@@ -155,7 +155,7 @@ def test_automatic_tool_calls_are_read_from_each_format_whole_and_streamed(serve
     assert (content, finish) == (prefix, "tool_calls")
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == CALLS
     assert all(c["id"] for c in calls)
-    if parser == "llama3_json":  # deepseek_r1 thought nothing before the calls
+    if parser == "mistral":  # deepseek_r1 thought nothing before the calls
         assert (reasoning, getattr(choice.message, "reasoning", None)) == (None, "")
 
     one = api.chat.completions.create(**args, parallel_tool_calls=False, extra_body=body)
@@ -221,7 +221,7 @@ SCHEMA = {
 }
 
 
-@pytest.mark.parametrize("parser", ["hermes", "llama3_json"])  # qwen3 and deepseek_r1
+@pytest.mark.parametrize("parser", ["hermes", "mistral"])  # qwen3 and deepseek_r1
 def test_reasoning_is_split_from_the_answer_and_only_the_answer_is_constrained(servers, model, parser):
     """A bias makes the model close its thinking after a few free tokens; the schema then
     constrains what follows only. The split is exactly the tokens before and after `</think>`."""
@@ -230,7 +230,7 @@ def test_reasoning_is_split_from_the_answer_and_only_the_answer_is_constrained(s
     tok = AutoTokenizer.from_pretrained(model)
     api = client(servers[parser])
     args = dict(model=model, messages=[{"role": "user", "content": "2 + 2?"}], max_tokens=40, temperature=0)
-    args["logit_bias"] = {str(END_THINK): 5}
+    args["logit_bias"] = {str(END_THINK): {"hermes": 5, "mistral": 4}[parser]}  # a few tokens of thinking
     body = {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}}
     whole = api.chat.completions.create(**args, extra_body={**body, "return_token_ids": True}).choices[0]
     ids = whole.token_ids
@@ -264,7 +264,7 @@ def test_tokenize_and_detokenize_round_trip_and_refuse_bad_input(servers, model)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
-    server = servers["mistral"]
+    server = servers["llama3_json"]
     status, out = post(
         server, "/tokenize", {"model": model, "prompt": "The quick brown fox", "return_token_strs": True}
     )
@@ -274,7 +274,8 @@ def test_tokenize_and_detokenize_round_trip_and_refuse_bad_input(servers, model)
     )
     assert post(server, "/detokenize", {"tokens": out["tokens"]}) == (200, {"prompt": "The quick brown fox"})
     status, chat = post(server, "/tokenize", {"messages": QUESTION, "add_generation_prompt": False})
-    assert status == 200 and tok.decode(chat["tokens"]) == "<s>[INST]" + QUESTION[0]["content"] + "[/INST]"
+    expected = "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n" + QUESTION[0]["content"] + "<|eot_id|>"
+    assert status == 200 and tok.decode(chat["tokens"]) == expected
     assert chat["token_strs"] is None
     bad = [
         ({"tokens": [1, 10**6]}, "/detokenize", "tokens"),
@@ -298,3 +299,117 @@ def test_auto_tool_choice_without_a_parser_is_refused_at_start():
     )
     assert proc.returncode != 0
     assert "--enable-auto-tool-choice needs --tool-call-parser" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# --- the Responses API ------------------------------------------------------------------------
+CITY = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+RESPONSE_TOOLS = [
+    {"type": "function", "name": "get_weather", "description": "the weather in a city", "parameters": CITY}
+]
+CALL_SCHEMA = {  # a llama3_json call, as the model's whole answer
+    "type": "object",
+    "properties": {"name": {"const": "get_weather"}, "parameters": CITY},
+    "required": ["name", "parameters"],
+    "additionalProperties": False,
+}
+
+
+def test_responses_answer_as_the_chat_completion_they_ask_for(servers, model):
+    api = client(servers["llama3_json"])
+    whole = api.responses.create(
+        model=model, input="2 + 2?", instructions="Be brief.", max_output_tokens=8, temperature=0
+    )
+    chat = api.chat.completions.create(
+        model=model,
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 2?"}],
+        max_tokens=8,
+        temperature=0,
+    )
+    assert (whole.status, whole.incomplete_details.reason) == ("incomplete", "max_output_tokens")
+    assert [o.type for o in whole.output] == ["message"]
+    assert whole.output_text == chat.choices[0].message.content
+    assert (whole.usage.input_tokens, whole.usage.output_tokens) == (chat.usage.prompt_tokens, 8)
+
+    events = list(
+        api.responses.create(
+            model=model, input="2 + 2?", instructions="Be brief.", max_output_tokens=8, temperature=0, stream=True
+        )
+    )
+    kinds = [e.type for e in events]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    assert events[-1].response.output_text == whole.output_text
+
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"enum": [4, 5]}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    fmt = {"format": {"type": "json_schema", "name": "answer", "schema": schema}}
+    structured = api.responses.create(model=model, input="2 + 2?", text=fmt, max_output_tokens=40, temperature=0)
+    assert structured.status == "completed" and json.loads(structured.output_text)["answer"] in (4, 5)
+
+
+def test_responses_call_functions_whole_and_streamed(servers, model):
+    api = client(servers["llama3_json"])
+    fmt = {"format": {"type": "json_schema", "name": "call", "schema": CALL_SCHEMA}}
+    history = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "snow"},
+        {"role": "user", "content": "And in Paris?"},
+    ]
+    args = dict(model=model, input=history, tools=RESPONSE_TOOLS, text=fmt, max_output_tokens=80, temperature=0)
+    whole = api.responses.create(**args)  # tool_choice auto: the parser reads the call
+    (call,) = whole.output
+    assert (whole.status, call.type, call.name) == ("completed", "function_call", "get_weather")
+    assert json.loads(call.arguments)["city"] in ("Paris", "Oslo") and call.call_id
+    events = list(api.responses.create(**args, stream=True))
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [(i.type, i.name, i.arguments) for i in done] == [("function_call", "get_weather", call.arguments)]
+    assert events[-1].type == "response.completed"
+
+    named = api.responses.create(
+        model=model,
+        input="Weather?",
+        tools=RESPONSE_TOOLS,
+        tool_choice={"type": "function", "name": "get_weather"},
+        max_output_tokens=80,
+        temperature=0,
+    )
+    assert [o.type for o in named.output] == ["function_call"] and "city" in json.loads(named.output[0].arguments)
+
+
+def test_responses_refuse_what_needs_storing_and_bad_items(servers, model):
+    server = servers["llama3_json"]
+    bad = [
+        ({"input": "hi", "store": True}, "store"),
+        ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"input": [{"type": "image", "url": "x"}]}, "input[0].type"),
+        ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
+        ({"input": ""}, "input"),
+        ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+        ({"input": "hi", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
+    ]
+    for body, field in bad:
+        status, err = post(server, "/v1/responses", body)
+        assert status == 400 and err["error"]["param"] == field, (body, status, err)
