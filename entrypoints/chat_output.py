@@ -106,6 +106,7 @@ class ChatOptions:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    tokenizer_info: bool = False  # GET /tokenizer_info answers (--enable-tokenizer-info-endpoint)
 
     def check(self) -> None:
         """Refusals that need no engine (ValueError naming the flag)."""

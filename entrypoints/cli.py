@@ -65,6 +65,11 @@ def add_chat_flags(p) -> None:
         default=None,
         help="put the model's <think>...</think> in the message's reasoning field",
     )
+    g.add_argument(
+        "--enable-tokenizer-info-endpoint",
+        action="store_true",
+        help="GET /tokenizer_info answers the tokenizer's special tokens and chat template",
+    )
 
 
 def add_limit_flags(p: argparse.ArgumentParser) -> None:
@@ -310,7 +315,11 @@ def cmd_serve(args) -> int:
         enable_force_include_usage=args.enable_force_include_usage,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         chat=ChatOptions(
-            args.chat_template, args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser
+            args.chat_template,
+            args.enable_auto_tool_choice,
+            args.tool_call_parser,
+            args.reasoning_parser,
+            args.enable_tokenizer_info_endpoint,
         ),
     )
     run_server(engine_kwargs(args), options)

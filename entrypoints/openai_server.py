@@ -246,6 +246,7 @@ class OpenAIServer:
                 Route("/v1/responses", self.responses, methods=["POST"]),
                 Route("/tokenize", self.tokenize, methods=["POST"]),
                 Route("/detokenize", self.detokenize, methods=["POST"]),
+                Route("/tokenizer_info", self.tokenizer_info, methods=["GET"]),
             ]
         )
         self.app.add_exception_handler(404, self._not_found)
@@ -533,6 +534,28 @@ class OpenAIServer:
 
         return await self._answer_now(
             request, TokenizeRequest, lambda req: tokenize(req, self.engine, render, self.engine.max_model_len)
+        )
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        """vLLM's: the tokenizer's special tokens and chat template, for clients that tokenize
+        as the server does (lm-evaluation-harness's remote tokenizer); on with
+        --enable-tokenizer-info-endpoint, as vLLM's."""
+        if (denied := self._check_key(request)) is not None:
+            return denied
+        if not self.chat.tokenizer_info or self.engine.tokenizer is None:
+            return await self._not_found(request, None)
+        tok = self.engine.tokenizer
+        return JSONResponse(
+            {
+                "tokenizer_class": type(tok).__name__,
+                "eos_token": tok.eos_token,
+                "bos_token": tok.bos_token,
+                "pad_token": tok.pad_token,
+                "unk_token": tok.unk_token,
+                "chat_template": self.chat_template or getattr(tok, "chat_template", None),
+                "model_max_length": self.engine.max_model_len,
+                "vocab_size": self.engine.inputs.vocab_size,
+            }
         )
 
     async def detokenize(self, request: Request) -> Response:
