@@ -259,7 +259,12 @@ def template_tools(tools: list[Tool] | None) -> list[dict] | None:
     """The tools as chat templates take them (transformers' `tools`), or None."""
     if not tools:
         return None
-    return [msgspec.to_builtins(t) for t in tools]
+    out = []
+    for tool in tools:  # as sent: no keys the client left out (a template writes them with tojson)
+        as_dict = msgspec.to_builtins(tool)
+        as_dict["function"] = {k: v for k, v in as_dict["function"].items() if v is not None}
+        out.append(as_dict)
+    return out
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
