@@ -3,13 +3,16 @@ many chunks as the scheduler gives it, and instead of sampling a token its final
 (after the last norm, what the LM head would read) are pooled into one vector, as vLLM's
 poolers do: the last token's (LAST), the mean over the prompt (MEAN), or the first token's
 (CLS); then L2-normalised where asked. A MEAN request's running sum lives here between its
-chunks, in float32 as transformers' own mean is."""
+chunks, in float32 as transformers' own mean is; it dies with the worker and is dropped where
+the core preempts the request, so the core recomputes such a request from its start (never
+swapped, recomputed after a worker is replaced)."""
 
 from __future__ import annotations
 
 import torch
 
 from pagedllm.core.outputs import SchedulerOutput
+from pagedllm.core.worker_state import ProtocolError
 
 
 def pooled_rows(chunks) -> dict[int, int]:
@@ -48,6 +51,9 @@ class Pooling:
             rid, state = chunk.request_id, chunk.state
             pooling = state.params.pooling
             rows = rows.float()
+            if chunk.start and pooling.pooling_type != "LAST" and rid not in self._partial:
+                # the core recomputes such a request where its partial could be gone
+                raise ProtocolError(f"embedding {rid!r} resumed at token {chunk.start} without its partial pooling")
             if pooling.pooling_type == "MEAN":
                 total = rows.sum(dim=0)
                 self._partial[rid] = total if chunk.start == 0 else self._partial[rid] + total

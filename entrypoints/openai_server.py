@@ -229,9 +229,6 @@ class OpenAIServer:
         self.chat_template = self.chat.template()
         self.tool_format, self.reasoning = self.chat.tool_format, self.chat.reasoning_format
         self.reasoning_end = reasoning_end_token(engine.tokenizer, self.reasoning) if self.reasoning else None
-        config = model_folder(engine.engine.config.model).config
-        self.embedding_size = config.get("hidden_size")
-        self.matryoshka = config.get("matryoshka_dimensions") or bool(config.get("is_matryoshka"))
         self.app = Starlette(
             routes=[
                 Route("/health", self.health, methods=["GET"]),
@@ -488,7 +485,9 @@ class OpenAIServer:
             if (unknown := self._unknown_model(req)) is not None:
                 return unknown
             params = self.engine.inputs.embedding_params()
-            size = output_size(req, self.embedding_size, self.matryoshka)
+            config = model_folder(self.engine.engine.config.model).config  # read once: model_folder caches
+            matryoshka = config.get("matryoshka_dimensions") or bool(config.get("is_matryoshka"))
+            size = output_size(req, config.get("hidden_size"), matryoshka)
             prompts = req.prompts()
             self.limits.check_prompts(len(prompts))
             prepared = [self.engine.prepare(p, req.truncation) for p in prompts]

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import random
+import signal
+import threading
 import time
 
 
@@ -83,3 +86,34 @@ def parent_of(pid: int) -> int | None:
 def pythonpath_with(folder) -> str:
     """$PYTHONPATH with `folder` first: what the processes a test starts import from."""
     return os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))
+
+
+class Killer(threading.Thread):
+    """SIGKILLs the engine core's worker `times` times, each a random while after the current
+    worker appeared (so some kills land mid-step, some while a replacement starts)."""
+
+    def __init__(
+        self, core_pid: int, times: int, seed: int = 0, delay=(0.2, 0.7), youngest: bool = False, launcher_pid=None
+    ):
+        """youngest: kill the worker started last (under tensor parallelism, the last rank);
+        launcher_pid: EngineReady's (needed when a launcher server forked the launcher)."""
+        super().__init__(daemon=True)
+        self.core_pid, self.times, self.rng, self.delay = core_pid, times, random.Random(seed), delay
+        self.launcher_pid = launcher_pid
+        self.youngest = youngest
+        self.killed: list[tuple[int, float]] = []  # (pid, when)
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        last = None
+        while len(self.killed) < self.times and not self.stop.is_set():
+            workers = sorted(p for p in workers_of(self.core_pid, self.launcher_pid) if p != last)
+            if not workers:
+                time.sleep(0.02)
+                continue
+            victim = workers[-1] if self.youngest else workers[0]
+            time.sleep(self.rng.uniform(*self.delay))
+            if is_running(victim):
+                os.kill(victim, signal.SIGKILL)
+                self.killed.append((victim, time.monotonic()))
+                last = victim

@@ -136,3 +136,33 @@ def test_llm_embed_and_a_model_without_matryoshka(tiny_model):
             mean = hf(torch.tensor([tok.encode(prompt)])).last_hidden_state[0].mean(0)
         assert o.prompt_token_ids == tok.encode(prompt)
         np.testing.assert_allclose(np.array(o.outputs.embedding), mean.numpy(), atol=1e-5, rtol=0)
+
+
+def test_mean_embeddings_survive_worker_kills(tiny_model):
+    """Workers SIGKILLed while long prompts are pooled in chunks of 16: the MEAN's partial sums
+    die with them, so the core computes those prompts again; every run's vectors are the same."""
+    import time
+
+    from pagedllm import LLM
+
+    from proc_helpers import Killer, engine_processes, segments_of
+
+    model = tiny_model("llama")
+    prompts = [[5 + (i * 7 + j) % 380 for j in range(40 + 9 * i)] for i in range(12)]
+    engine = dict(runner="pooling", pooler_config={"pooling_type": "MEAN"}, max_num_batched_tokens=16)
+    with LLM(model, **engine) as llm:
+        expected = np.array([o.outputs.embedding for o in llm.embed(prompts, use_tqdm=False)])
+    with LLM(model, **engine, max_worker_restarts=3) as llm:
+        killer = Killer(llm.engine.pid, times=3, launcher_pid=llm.engine.ready.launcher_pid, delay=(0.1, 0.4))
+        killer.start()
+        runs, deadline = [], time.monotonic() + 60
+        while len(killer.killed) < killer.times and time.monotonic() < deadline:
+            runs.append(np.array([o.outputs.embedding for o in llm.embed(prompts, use_tqdm=False)]))
+        killer.stop.set()
+        killer.join()
+        runs.append(np.array([o.outputs.embedding for o in llm.embed(prompts, use_tqdm=False)]))
+        stats, engine_client = llm.last_stats, llm.engine
+    assert len(killer.killed) == 3 and stats.worker_restarts == 3
+    for got in runs:
+        np.testing.assert_allclose(got, expected, atol=1e-6, rtol=0)
+    assert not engine_processes(engine_client) and not segments_of(engine_client.pid)

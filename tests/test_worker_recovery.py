@@ -5,9 +5,7 @@ requests are recomputed. Faults are caused, not simulated: the worker is SIGKILL
 from __future__ import annotations
 
 import asyncio
-import os
 import random
-import signal
 import threading
 import time
 
@@ -19,39 +17,8 @@ from pagedllm import LLM, SamplingParams, StructuredOutputsParams
 from pagedllm.entrypoints.engine_client import EngineDeadError
 from pagedllm.entrypoints.zmq_client import AsyncZmqClient
 
-from proc_helpers import engine_processes, is_running, pythonpath_with, segments_of, wait_until, workers_of
+from proc_helpers import Killer, engine_processes, pythonpath_with, segments_of, wait_until
 from serve_helpers import ServerProcess
-
-
-class Killer(threading.Thread):
-    """SIGKILLs the engine core's worker `times` times, each a random while after the current
-    worker appeared (so some kills land mid-step, some while a replacement starts)."""
-
-    def __init__(
-        self, core_pid: int, times: int, seed: int = 0, delay=(0.2, 0.7), youngest: bool = False, launcher_pid=None
-    ):
-        """youngest: kill the worker started last (under tensor parallelism, the last rank);
-        launcher_pid: EngineReady's (needed when a launcher server forked the launcher)."""
-        super().__init__(daemon=True)
-        self.core_pid, self.times, self.rng, self.delay = core_pid, times, random.Random(seed), delay
-        self.launcher_pid = launcher_pid
-        self.youngest = youngest
-        self.killed: list[tuple[int, float]] = []  # (pid, when)
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        last = None
-        while len(self.killed) < self.times and not self.stop.is_set():
-            workers = sorted(p for p in workers_of(self.core_pid, self.launcher_pid) if p != last)
-            if not workers:
-                time.sleep(0.02)
-                continue
-            victim = workers[-1] if self.youngest else workers[0]
-            time.sleep(self.rng.uniform(*self.delay))
-            if is_running(victim):
-                os.kill(victim, signal.SIGKILL)
-                self.killed.append((victim, time.monotonic()))
-                last = victim
 
 
 def workload(seed: int = 3):

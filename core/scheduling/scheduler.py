@@ -28,7 +28,7 @@ from ..outputs import Fragmentation, RequestOutputDelta, SchedulerOutput, Schedu
 from ..request import EngineRequest, Request, RequestStatus, child_request_id, child_seed, sample_request_ids
 from ..sampling_params import SamplingParams
 from .beam_search import BeamSearches, check_beams_fit
-from .kv_cache_manager import KVCacheManager
+from .kv_cache_manager import KVCacheManager, whole_prompt_pooled
 from .request_queue import RequestQueue
 from .speculation import Speculation
 from .step_builder import StepBuilder, WorkerView
@@ -612,7 +612,12 @@ class Scheduler:
             member.num_preemptions += 1
             self.num_preemptions += 1
             self.worker.forget(member, preempted=True)
-            if self.config.preemption_mode == "swap" and not recompute_only:
+            # a mean or first-token embedding's partial pooling goes with the worker's state of it
+            if (
+                self.config.preemption_mode == "swap"
+                and not recompute_only
+                and not whole_prompt_pooled(member.sampling_params)
+            ):
                 pairs = self.kv.swap_out(member)
                 if pairs is not None:
                     step.swap_out.extend(pairs)
@@ -664,6 +669,8 @@ class Scheduler:
         recompute.update((r.request_id, r) for r in self.running if self.kv.window_released(r))
         if kv_lost:
             recompute.update((r.request_id, r) for r in self.running)
+        # an embedding's partial pooling (a MEAN's sum, a CLS's first row) went with the workers
+        recompute.update((r.request_id, r) for r in self.running if whole_prompt_pooled(r.sampling_params))
         for request in recompute.values():
             self._requeue_for_recompute(request)
         if failed and not kv_lost:
