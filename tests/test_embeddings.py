@@ -120,28 +120,13 @@ def test_matryoshka_dimensions_and_bad_bodies(servers, model):
     assert status == 200 and np.allclose(out["data"][0]["embedding"], full)
 
 
-def test_llm_embed_and_a_model_without_matryoshka(tiny_model):
-    from pagedllm import LLM
-
-    model = tiny_model("llama")
-    with LLM(model, runner="pooling", pooler_config={"pooling_type": "MEAN", "normalize": False}) as llm:
-        out = llm.embed(PROMPTS[:2], use_tqdm=False)
-        with pytest.raises(Exception, match="runner pooling"):
-            llm.generate(["hi"], use_tqdm=False)
-    from transformers import AutoModel, AutoTokenizer
-
-    tok, hf = AutoTokenizer.from_pretrained(model), AutoModel.from_pretrained(model, dtype=torch.float32).eval()
-    for prompt, o in zip(PROMPTS[:2], out):
-        with torch.no_grad():
-            mean = hf(torch.tensor([tok.encode(prompt)])).last_hidden_state[0].mean(0)
-        assert o.prompt_token_ids == tok.encode(prompt)
-        np.testing.assert_allclose(np.array(o.outputs.embedding), mean.numpy(), atol=1e-5, rtol=0)
-
-
-def test_mean_embeddings_survive_worker_kills(tiny_model):
-    """Workers SIGKILLed while long prompts are pooled in chunks of 16: the MEAN's partial sums
-    die with them, so the core computes those prompts again; every run's vectors are the same."""
+def test_llm_embed_and_mean_embeddings_through_worker_kills(tiny_model):
+    """LLM.embed equals transformers' mean; then workers SIGKILLed while long prompts are pooled
+    in chunks of 16: the MEAN's partial sums die with them, so the core computes those prompts
+    again; every run's vectors are the same."""
     import time
+
+    from transformers import AutoModel
 
     from pagedllm import LLM
 
@@ -149,9 +134,20 @@ def test_mean_embeddings_survive_worker_kills(tiny_model):
 
     model = tiny_model("llama")
     prompts = [[5 + (i * 7 + j) % 380 for j in range(40 + 9 * i)] for i in range(12)]
-    engine = dict(runner="pooling", pooler_config={"pooling_type": "MEAN"}, max_num_batched_tokens=16)
-    with LLM(model, **engine) as llm:
-        expected = np.array([o.outputs.embedding for o in llm.embed(prompts, use_tqdm=False)])
+    engine = dict(
+        runner="pooling", pooler_config={"pooling_type": "MEAN", "normalize": False}, max_num_batched_tokens=16
+    )
+    with LLM(model, **engine) as llm:  # LLM.embed, unnormalized: transformers' mean itself
+        out = llm.embed(prompts, use_tqdm=False)
+        with pytest.raises(Exception, match="runner pooling"):  # such an engine writes no text
+            llm.generate(["hi"], use_tqdm=False)
+    hf = AutoModel.from_pretrained(model, dtype=torch.float32).eval()
+    for prompt, o in zip(prompts, out):
+        with torch.no_grad():
+            mean = hf(torch.tensor([prompt])).last_hidden_state[0].mean(0)
+        assert o.prompt_token_ids == prompt
+        np.testing.assert_allclose(np.array(o.outputs.embedding), mean.numpy(), atol=1e-5, rtol=0)
+    expected = np.array([o.outputs.embedding for o in out])
     with LLM(model, **engine, max_worker_restarts=3) as llm:
         killer = Killer(llm.engine.pid, times=3, launcher_pid=llm.engine.ready.launcher_pid, delay=(0.1, 0.4))
         killer.start()
