@@ -194,40 +194,37 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
     """From a dict, a JSON string (the CLI's --speculative-config) or None."""
     if value is None or isinstance(value, SpeculativeConfig):
         return value
-    if isinstance(value, str):
-        try:
-            value = msgspec.json.decode(value)
-        except msgspec.DecodeError as e:
-            raise InvalidParameter("speculative_config", f"is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise InvalidParameter("speculative_config", f"must be a JSON object, got {type(value).__name__}")
-    unknown = sorted(set(value) - set(SpeculativeConfig.__struct_fields__))
-    if unknown:
-        raise InvalidParameter("speculative_config", f"unknown fields {unknown}")
-    try:
-        return SpeculativeConfig(**value)
-    except TypeError as e:  # a value of the wrong type
-        raise InvalidParameter("speculative_config", str(e)) from None
+    return _json_config(value, SpeculativeConfig, "speculative_config")
 
 
 def parse_pooler_config(value) -> PoolingParams:
     """From a dict, a JSON string (the CLI's --pooler-config) or None (LAST, normalized)."""
     if value is None or isinstance(value, PoolingParams):
         return value or PoolingParams()
+    return _json_config(value, PoolingParams, "pooler_config")
+
+
+def _json_config(value, cls, field: str):
+    """A config struct from a dict or its JSON text; InvalidParameter naming the field (and
+    the struct's own field, where it refuses one)."""
     if isinstance(value, str):
         try:
             value = msgspec.json.decode(value)
         except msgspec.DecodeError as e:
-            raise InvalidParameter("pooler_config", f"is not valid JSON: {e}") from None
+            raise InvalidParameter(field, f"is not valid JSON: {e}") from None
     if not isinstance(value, dict):
-        raise InvalidParameter("pooler_config", f"must be a JSON object, got {type(value).__name__}")
-    unknown = sorted(set(value) - set(PoolingParams.__struct_fields__))
+        raise InvalidParameter(field, f"must be a JSON object, got {type(value).__name__}")
+    unknown = sorted(set(value) - set(cls.__struct_fields__))
     if unknown:
-        raise InvalidParameter("pooler_config", f"unknown fields {unknown}")
+        raise InvalidParameter(field, f"unknown fields {unknown}")
     try:
-        return PoolingParams(**value)
+        return cls(**value)
+    except TypeError as e:  # a value of the wrong type
+        raise InvalidParameter(field, str(e)) from None
     except InvalidParameter as e:
-        raise e.renamed(f"pooler_config.{e.field}") from None
+        if e.field.startswith(field):
+            raise
+        raise e.renamed(f"{field}.{e.field}") from None
 
 
 # --- the engine's options ----------------------------------------------------------------

@@ -179,6 +179,28 @@ async def read_body(request: Request, limits: ServerLimits) -> bytes:
     return b"".join(chunks)
 
 
+ADMISSION_ERRORS = (ClientDisconnect, RequestTooLarge, InvalidParameter, EngineOverloaded, EngineDeadError)
+ENGINE_INPUT_FIELDS = ("prompt", "prompts", "prompt_token_ids")
+
+
+def _refusal(error: Exception, streams: list[RequestStream], rename=lambda e: e) -> Response:
+    """The answer to a request refused before its response began; the streams it had opened
+    are closed. `rename(e)`: an InvalidParameter naming the field as the client sent it."""
+    for stream in streams:
+        stream.close()
+    if isinstance(error, ClientDisconnect):  # it left while sending the body: nobody to answer
+        return Response(status_code=CLIENT_CLOSED)
+    if isinstance(error, RequestTooLarge):
+        return error_response(413, str(error), "invalid_request_error", code="request_too_large")
+    if isinstance(error, InvalidParameter):
+        error = rename(error)
+        return error_response(400, str(error), "invalid_request_error", error.field)
+    if isinstance(error, EngineOverloaded):
+        code = "shutting_down" if isinstance(error, EngineShuttingDown) else "overloaded"
+        return error_response(503, str(error), "server_error", code=code)
+    return error_response(500, str(error), "server_error", code="engine_dead")
+
+
 def _not_json(request: Request) -> Response | None:
     """A 415 for a body that does not say it is JSON."""
     media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
@@ -342,12 +364,8 @@ class OpenAIServer:
             kind = invocation_kind(body)
             if kind is EmbeddingRequest:
                 return await self._embed(request, body)
-        except RequestTooLarge as e:
-            return error_response(413, str(e), "invalid_request_error", code="request_too_large")
-        except ClientDisconnect:
-            return Response(status_code=CLIENT_CLOSED)
-        except InvalidParameter as e:
-            return error_response(400, str(e), "invalid_request_error", e.field)
+        except (ClientDisconnect, RequestTooLarge, InvalidParameter) as e:
+            return _refusal(e, [])
         return await self._counted(request, kind, body)
 
     async def _counted(self, request: Request, kind, body: bytes | None = None) -> Response:
@@ -399,23 +417,8 @@ class OpenAIServer:
                 params, gate, parser = self._chat_parsing(req, params, prepared[0]["prompt"])
             for prompt in prepared:
                 streams.append(self.engine.add_request(prompt, params, structured_outputs_after=gate))
-        except ClientDisconnect:  # it left while sending the body: nobody to answer
-            return Response(status_code=CLIENT_CLOSED)
-        except RequestTooLarge as e:
-            return error_response(413, str(e), "invalid_request_error", code="request_too_large")
-        except InvalidParameter as e:
-            for s in streams:
-                s.close()
-            if req is not None:
-                e = e.renamed(req.wire_field(e.field))
-            return error_response(400, str(e), "invalid_request_error", e.field)
-        except EngineOverloaded as e:
-            for s in streams:
-                s.close()
-            code = "shutting_down" if isinstance(e, EngineShuttingDown) else "overloaded"
-            return error_response(503, str(e), "server_error", code=code)
-        except EngineDeadError as e:
-            return error_response(500, str(e), "server_error", code="engine_dead")
+        except ADMISSION_ERRORS as e:
+            return _refusal(e, streams, lambda e: e.renamed(req.wire_field(e.field)) if req is not None else e)
         if responses_api:
             answers = ResponsesAnswers(decoded, req, parser, self.model_name, self.reasoning_end)
             if req.stream:
@@ -501,23 +504,8 @@ class OpenAIServer:
                     )
             for prompt in prepared:
                 streams.append(self.engine.add_request(prompt, params))
-        except ClientDisconnect:
-            return Response(status_code=CLIENT_CLOSED)
-        except RequestTooLarge as e:
-            return error_response(413, str(e), "invalid_request_error", code="request_too_large")
-        except InvalidParameter as e:
-            for s in streams:
-                s.close()
-            if e.field in ("prompt", "prompts", "prompt_token_ids"):  # the engine's names for the input
-                e = e.renamed("input")
-            return error_response(400, str(e), "invalid_request_error", e.field)
-        except EngineOverloaded as e:
-            for s in streams:
-                s.close()
-            code = "shutting_down" if isinstance(e, EngineShuttingDown) else "overloaded"
-            return error_response(503, str(e), "server_error", code=code)
-        except EngineDeadError as e:
-            return error_response(500, str(e), "server_error", code="engine_dead")
+        except ADMISSION_ERRORS as e:  # the engine's names for the input are the body's `input`
+            return _refusal(e, streams, lambda e: e.renamed("input") if e.field in ENGINE_INPUT_FIELDS else e)
         outputs = await self._outputs(request, streams)
         if isinstance(outputs, Response):
             return outputs
@@ -573,12 +561,8 @@ class OpenAIServer:
             if (unknown := self._unknown_model(req)) is not None:
                 return unknown
             return JSONResponse(answer(req))
-        except ClientDisconnect:
-            return Response(status_code=CLIENT_CLOSED)
-        except RequestTooLarge as e:
-            return error_response(413, str(e), "invalid_request_error", code="request_too_large")
-        except InvalidParameter as e:
-            return error_response(400, str(e), "invalid_request_error", e.field)
+        except (ClientDisconnect, RequestTooLarge, InvalidParameter) as e:
+            return _refusal(e, [])
 
     @staticmethod
     def _check_template_kwargs(kwargs: dict | None) -> None:
