@@ -1,5 +1,6 @@
-"""Prometheus metrics of a serving engine, named like vLLM's (`vllm:` becomes `pagedllm:`) and
-labelled with the served model's name. Engine-wide figures come from the stats on every
+"""Prometheus metrics of a serving engine, named like vLLM's (`vllm:` becomes `pagedllm:`; the
+gauges routers read are also under vLLM's own names) and labelled with the served model's
+name. Engine-wide figures come from the stats on every
 engine message; per-request figures from each request's timing when it ends."""
 
 from __future__ import annotations
@@ -129,6 +130,15 @@ class EngineMetrics:
             ["model_name", "finished_reason"],
             registry=self.registry,
         )
+        # the gauges routers and the Gateway API inference extension read, under vLLM's own names
+        self._vllm_gauges = {
+            attr: Gauge(f"vllm:{name}", doc, list(label), registry=self.registry).labels(**label)
+            for attr, name, doc in (
+                ("num_running", "num_requests_running", "Requests in the running batch (vLLM's name)."),
+                ("num_waiting", "num_requests_waiting", "Requests waiting to be scheduled (vLLM's name)."),
+                ("kv_cache_usage", "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (vLLM's name)."),
+            )
+        }
         self._last: EngineStats | None = None
         self._spec = {
             name: metric(Counter, f"spec_decode_{name}", doc)
@@ -163,6 +173,8 @@ class EngineMetrics:
         self.waiting.set(sched.num_waiting)
         self.swapped.set(sched.num_swapped)
         self.kv_usage.set(sched.kv_cache_usage)
+        for attr, gauge in self._vllm_gauges.items():
+            gauge.set(getattr(sched, attr))
         if sched.fragmentation is not None:
             self.kv_internal_waste.set(sched.fragmentation.internal_waste)
             self.kv_external_fragmentation.set(sched.fragmentation.external)

@@ -708,6 +708,21 @@ def test_metrics_parse_and_move(server, model):
     info = "block_size=16,cache_dtype=int8,num_gpu_blocks=400,num_swap_blocks=0"
     assert after[f"pagedllm:cache_config_info{{{info}}}"] == 1  # the served engine's 8-bit cache
     assert server.get("/health")[0] == 200
+    # the gauges routers read (the Gateway API inference extension's), under vLLM's names too
+    names = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+    stream = client(server).completions.create(
+        model=model, prompt=[5, 6, 7], max_tokens=300, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
+    next(iter(stream))
+    assert wait_until(lambda: server.metrics()["vllm:num_requests_running"] == 1, timeout_s=10, interval=0.05)
+    during = server.metrics()
+    assert during["vllm:kv_cache_usage_perc"] > 0
+    stream.close()
+    settled = server.settled_metrics()
+    assert (
+        all(settled[f"vllm:{n}"] == settled[f"pagedllm:{n}"] for n in names)
+        and settled["vllm:num_requests_running"] == 0
+    )
 
 
 def test_api_key_unknown_model_and_a_full_queue(model):
