@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import msgspec
 
 from .errors import InvalidParameter
+from .kv_events import KVEventsConfig
 from .quantization import QUANTIZATIONS
 from .sampling_params import PoolingParams
 from .utils import cdiv
@@ -333,6 +334,13 @@ class EngineOptions:
         '{"model": "DRAFT_FOLDER", "num_speculative_tokens": 4} ("demo-draft": the demo model\'s)',
         cli_type=str,
         resolved=(SpeculativeConfig | None, None),
+    )
+    kv_events_config: dict | str | None = option(  # noqa: RUF009 - the default is None
+        None,
+        "publish the prefix cache's changes as vLLM's KV events: {\"enable_kv_cache_events\": true, "
+        '"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": ""}',
+        cli_type=str,
+        resolved=(KVEventsConfig | None, None),
     )
     max_logprobs: int = option(
         20,

@@ -172,6 +172,7 @@ class SchedulerStats(msgspec.Struct):
     # reports the last sample; None before any request ran
     fragmentation: Fragmentation | None = None
     spec_decode: SpecStats | None = None  # speculative decoding's counts, where it is on
+    num_cached_blocks: int = 0  # blocks registered in the prefix cache, held or free
 
 
 class SpecStats(msgspec.Struct):

@@ -39,6 +39,10 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
+class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache"):
+    """Forget the prefix cache, where no request holds a block (vLLM's reset_prefix_cache)."""
+
+
 class EngineStats(msgspec.Struct):
     scheduler: SchedulerStats
     steps: int
@@ -97,7 +101,7 @@ class EngineRecovered(msgspec.Struct, tag="recovered"):
     num_workers: int
 
 
-FrontendMessage = AddRequests | AbortRequests | Shutdown
+FrontendMessage = AddRequests | AbortRequests | Shutdown | ResetPrefixCache
 CoreMessage = EngineReady | EngineOutputs | RequestRejected | EngineDead | EngineRecovering | EngineRecovered
 
 

@@ -18,6 +18,7 @@ from pagedllm.core.config import (
     parse_speculative_config,
 )
 from pagedllm.core.errors import InvalidParameter
+from pagedllm.core.kv_events import parse_kv_events_config
 from pagedllm.core.model_folder import ModelFolder, model_folder
 from pagedllm.core.quantization import resolve_quantization
 
@@ -111,6 +112,7 @@ class EngineArgs(EngineOptions):
                 "swap_space": swap,
                 "quantization": quantization,
                 "speculative_config": self._speculative_config(),
+                "kv_events_config": parse_kv_events_config(self.kv_events_config),
             }
         )
 

@@ -14,7 +14,15 @@ import zmq
 from pagedllm.core.config import EngineConfig
 from pagedllm.core.process import shm
 from pagedllm.core.process.ipc import Channel, free_tcp_endpoint, ipc_endpoint, make_ipc_dir, remove_ipc_dir
-from pagedllm.core.protocol import AbortRequests, AddRequests, CoreMessage, EngineDead, EngineReady, Shutdown
+from pagedllm.core.protocol import (
+    AbortRequests,
+    AddRequests,
+    CoreMessage,
+    EngineDead,
+    EngineReady,
+    ResetPrefixCache,
+    Shutdown,
+)
 from pagedllm.core.request import EngineRequest
 
 from .interrupt import raise_if_interrupted
@@ -81,6 +89,11 @@ class EngineClient:
         if requests:
             self._check_alive()
             self.to_core.send(AddRequests(requests))
+
+    def reset_prefix_cache(self) -> None:
+        """Ask the core to forget its prefix cache (done where no request holds a block)."""
+        if self.dead_reason is None and not self.closed:
+            self.to_core.send(ResetPrefixCache())
 
     def abort(self, request_ids: list[str]) -> None:
         if request_ids and self.dead_reason is None and not self.closed:

@@ -66,6 +66,11 @@ class LLM:
     def shutdown(self) -> None:
         self.engine.shutdown()
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the prefix cache, as vLLM's LLM.reset_prefix_cache (the core does it between
+        steps, where no request holds a block)."""
+        self.engine.reset_prefix_cache()
+
     # --- generation -----------------------------------------------------------------------
     def generate(
         self,

@@ -17,6 +17,7 @@ import zmq
 
 from ..config import CacheConfig, EngineConfig, SchedulerConfig, default_batched_tokens
 from ..errors import EngineFailure, InvalidParameter
+from ..kv_events import ZmqEventPublisher, batch_of
 from ..outputs import SchedulerOutput, merge_deltas
 from ..protocol import (
     AbortRequests,
@@ -31,6 +32,7 @@ from ..protocol import (
     InitCache,
     RequestOutputDelta,
     RequestRejected,
+    ResetPrefixCache,
     Shutdown,
     Step,
     StepMasks,
@@ -103,6 +105,7 @@ class EngineCore:
         # structured outputs: grammars compile on a thread, off this loop; a request waits there
         # until its matcher is ready
         self.structured = StructuredOutputs(config.jump_forward, config.model)
+        self.kv_events: ZmqEventPublisher | None = None  # --kv-events-config
 
     # --- start-up -------------------------------------------------------------------------
     def start(self) -> None:
@@ -112,6 +115,10 @@ class EngineCore:
         hellos = self.workers.gather(WorkerHello, WORKER_START_TIMEOUT_S, self._check_frontend)
         cache_config, sched_config = self._size_cache(hellos)
         self.scheduler = Scheduler(sched_config, cache_config, self.structured)  # checks that max_model_len fits
+        events = self.config.kv_events_config
+        if events is not None and events.publishing:
+            self.kv_events = ZmqEventPublisher(events)
+            self.scheduler.kv.pool.events = []
         kv_segments = [self._init_cache(rank, hello, cache_config, sched_config) for rank, hello in enumerate(hellos)]
         self.workers.gather(WorkerReady, WORKER_START_TIMEOUT_S, self._check_frontend)
         self._to_frontend(
@@ -403,6 +410,10 @@ class EngineCore:
                 self.pending.append(out)
 
     def _flush_outputs(self) -> None:
+        pool_events = self.scheduler.kv.pool.events if self.kv_events is not None else None
+        if pool_events:
+            self.kv_events.publish(batch_of(pool_events, self.scheduler.kv.block_size))
+            self.scheduler.kv.pool.events = []
         if self.pending:
             self._to_frontend(EngineOutputs(self.pending, self._stats()))
             self.pending = []
@@ -436,6 +447,9 @@ class EngineCore:
             elif isinstance(msg, AbortRequests):
                 self._abort_compiling(msg.request_ids)
                 self._emit(self.scheduler.abort_requests(msg.request_ids))
+            elif isinstance(msg, ResetPrefixCache):
+                if not self.scheduler.reset_prefix_cache():
+                    logger.warning("reset_prefix_cache: requests hold blocks; the prefix cache is kept")
             elif isinstance(msg, Shutdown):
                 self.stopping = True
                 return
@@ -487,6 +501,10 @@ class EngineCore:
     # --- shutdown -------------------------------------------------------------------------
     def close(self) -> None:
         self.structured.close()
+        if self.kv_events is not None:  # the last changes, then the sockets
+            if self.scheduler.kv.pool.events:
+                self.kv_events.publish(batch_of(self.scheduler.kv.pool.events, self.scheduler.kv.block_size))
+            self.kv_events.close()
         if self.workers is not None:
             self.workers.shutdown()
         for name in self.segments:

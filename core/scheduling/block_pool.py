@@ -93,6 +93,9 @@ class BlockPool:
         self._lru = _LRUList()
         self._cached: dict[int, KVBlock] = {}
         self._registrations = 0
+        # the prefix cache's changes, kept for KV events (core/kv_events.py) while a list:
+        # ("stored", hash, parent hash, token ids), ("removed", hash), ("cleared",)
+        self.events: list[tuple] | None = None
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found
         self.peak_used = 0
@@ -191,16 +194,37 @@ class BlockPool:
         block.block_hash, block.token_ids, block.serial = block_hash, token_ids, self._registrations
         block.parent, block.parent_serial = parent, parent.serial if parent is not None else 0
         self._cached[block_hash] = block
+        if self.events is not None:
+            self.events.append(("stored", block_hash, parent.block_hash if parent is not None else None, token_ids))
 
     def record_lookup(self, queried_tokens: int, hit_tokens: int) -> None:
         self.prefix_queries += queried_tokens
         self.prefix_hits += hit_tokens
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached block (e.g. after the KV storage was lost)."""
+        """Forget every cached block (e.g. after the KV storage was lost): one "cleared" event."""
+        events, self.events = self.events, None
         self.drop_free_cached()
         for block in list(self._cached.values()):
             self._evict(block)
+        self.events = events
+        if events is not None:
+            events.append(("cleared",))
+
+    def announce(self) -> None:
+        """Events that tell a subscriber the whole cache again: "cleared", then every cached
+        block, parents first (after the workers were replaced, its view may have missed some)."""
+        if self.events is None:
+            return
+        self.events.append(("cleared",))
+        for block in sorted(self._cached.values(), key=lambda b: b.serial):
+            parent = block.parent.block_hash if block.parent is not None else None
+            self.events.append(("stored", block.block_hash, parent, block.token_ids))
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks registered in the prefix cache, held or free."""
+        return len(self._cached)
 
     def drop_free_cached(self) -> None:
         """Forget the cached blocks nobody holds."""
@@ -218,6 +242,8 @@ class BlockPool:
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             del self._cached[block.block_hash]
+            if self.events is not None:
+                self.events.append(("removed", block.block_hash))
             block.block_hash = block.token_ids = block.parent = None
 
     # --- checks ---------------------------------------------------------------------------

@@ -683,6 +683,7 @@ class Scheduler:
             self.kv.pool.reset_prefix_cache()
         self.worker = WorkerView()
         self.structured.reset()  # every running request goes to the new workers whole
+        self.kv.pool.announce()  # KV events: the cache as it stands, to subscribers that lost track
         return sum(r.num_computed_tokens for r in self.running) + sum(r.num_computed_tokens for r in self.swapped)
 
     def _requeue_for_recompute(self, request: Request) -> None:
@@ -715,7 +716,16 @@ class Scheduler:
             num_blocks=pool.num_blocks,
             fragmentation=self._fragmentation,
             spec_decode=self.spec.stats.copy() if self.spec else None,
+            num_cached_blocks=pool.num_cached,
         )
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (vLLM's reset_prefix_cache): only while no request holds a
+        block; whether it was reset."""
+        if self.running or self.swapped or self.kv.pool.num_used:
+            return False
+        self.kv.pool.reset_prefix_cache()
+        return True
 
     def check_invariants(self) -> None:
         self.kv.check_invariants()
