@@ -4,13 +4,15 @@ all cleared, msgpack (msgspec) over a ZeroMQ PUB socket, each message numbered, 
 socket for what a subscriber missed.
 
 A PUB message is three frames: the topic, the sequence number (8 bytes, big-endian) and a
-`KVEventBatch`. The replay socket (ROUTER) takes a first sequence number (8 bytes, big-endian)
-and answers each buffered message from it as [seq, payload], then [-1 (8 bytes, signed), b""].
+`KVEventBatch` (vLLM 0.34's types: the batch an array, each event a map tagged "type"). The
+replay socket (ROUTER) takes a first sequence number (8 bytes, big-endian) and answers each
+buffered message from it as [seq, payload], then [-1 (8 bytes, signed), b""].
 
-A block's hash is the core's prefix-cache key: `hash((parent_hash or -1, tuple(token_ids)))`
+A block's hash is the core's prefix-cache key, `hash((parent_key or -1, tuple(token_ids)))`
 with Python's own tuple hash (core/scheduling/block_pool.py), which does not vary between
-processes; each BlockStored also carries the block's token ids and its parent's hash, so a
-subscriber can index blocks by token content without computing keys at all.
+processes, taken modulo 2**64 on the wire (`wire_hash`); each BlockStored also carries the
+block's token ids and its parent's hash, so a subscriber can index blocks by token content
+without computing keys at all.
 """
 
 from __future__ import annotations
@@ -45,8 +47,9 @@ class KVEventsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return self.enable_kv_cache_events and self.publisher == "zmq"
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    """A change to the prefix cache."""
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """A change to the prefix cache: a map tagged with its class name in "type" (vLLM 0.34's
+    encoding, which vllm-router reads; the batch around the events is an array)."""
 
 
 class BlockStored(KVCacheEvent):
@@ -56,6 +59,7 @@ class BlockStored(KVCacheEvent):
     block_size: int
     lora_id: int | None
     medium: str | None
+    lora_name: str | None
 
 
 class BlockRemoved(KVCacheEvent):
@@ -73,15 +77,22 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     data_parallel_rank: int | None = None
 
 
+def wire_hash(key: int) -> int:
+    """A block's key as it goes on the wire: unsigned 64-bit (the key taken modulo 2**64), as
+    readers of vLLM's events require."""
+    return key & 0xFFFF_FFFF_FFFF_FFFF
+
+
 def batch_of(pool_events: list[tuple], block_size: int) -> KVEventBatch:
     """The block pool's records (core/scheduling/block_pool.py) as one batch."""
     events: list[Any] = []
     for record in pool_events:
         if record[0] == "stored":
-            _, block_hash, parent_hash, token_ids = record
-            events.append(BlockStored([block_hash], parent_hash, list(token_ids), block_size, None, "GPU"))
+            _, key, parent, token_ids = record
+            parent = wire_hash(parent) if parent is not None else None
+            events.append(BlockStored([wire_hash(key)], parent, list(token_ids), block_size, None, "GPU", None))
         elif record[0] == "removed":
-            events.append(BlockRemoved([record[1]], "GPU"))
+            events.append(BlockRemoved([wire_hash(record[1])], "GPU"))
         else:
             events.append(AllBlocksCleared())
     return KVEventBatch(time.time(), events)

@@ -19,8 +19,8 @@ from pagedllm.core.scheduling.block_pool import hash_block_tokens
 from proc_helpers import wait_until, workers_of
 
 
-# the subscriber's own declarations of vLLM's types, as a router writes them
-class Event(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):
+# the subscriber's own declarations of vLLM 0.34's types, as a router writes them
+class Event(msgspec.Struct, omit_defaults=True, tag=True):
     pass
 
 
@@ -31,6 +31,7 @@ class BlockStored(Event):
     block_size: int
     lora_id: int | None
     medium: str | None
+    lora_name: str | None
 
 
 class BlockRemoved(Event):
@@ -109,11 +110,12 @@ class CacheView:
 
 
 def expected_hashes(prompt: list[int], block_size: int) -> list[int]:
-    """The keys of a prompt's full blocks, as a router computes them from token ids."""
+    """The wire hashes of a prompt's full blocks, as a router computes them from token ids: the
+    core's chained keys, modulo 2**64."""
     keys, parent = [], None
     for start in range(0, len(prompt) - block_size + 1, block_size):
         parent = hash_block_tokens(parent, tuple(prompt[start : start + block_size]))
-        keys.append(parent)
+        keys.append(parent % 2**64)
     return keys
 
 
