@@ -413,3 +413,23 @@ def test_responses_refuse_what_needs_storing_and_bad_items(servers, model):
     for body, field in bad:
         status, err = post(server, "/v1/responses", body)
         assert status == 400 and err["error"]["param"] == field, (body, status, err)
+
+
+def test_each_of_n_choices_has_its_own_calls_whole_and_streamed(servers, model):
+    api = client(servers["hermes"])
+    prefix, text = TEXTS["hermes"]
+    args = dict(model=model, messages=QUESTION, tools=[WEATHER, TIME], max_tokens=200, temperature=0, n=2)
+    body = forced(text, **no_thinking("hermes"))
+    whole = api.chat.completions.create(**args, extra_body=body)
+    for choice in whole.choices:
+        got = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+        assert (got, choice.message.content, choice.finish_reason) == (CALLS, prefix, "tool_calls")
+    calls: dict[int, dict[int, dict]] = {}
+    for chunk in api.chat.completions.create(**args, stream=True, extra_body=body):
+        for choice in chunk.choices:
+            for call in choice.delta.tool_calls or ():
+                entry = calls.setdefault(choice.index, {}).setdefault(call.index, {"name": "", "arguments": ""})
+                entry["name"] += call.function.name or ""
+                entry["arguments"] += call.function.arguments or ""
+    for index in (0, 1):
+        assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls[index].items())] == CALLS
