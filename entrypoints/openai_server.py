@@ -356,7 +356,7 @@ class OpenAIServer:
 
     async def invocations(self, request: Request) -> Response:
         """SageMaker's entry (as vLLM's): a body with `messages` is a chat completion, one with
-        `prompt` a completion."""
+        `prompt` a completion, one with `input` an embedding."""
         if (denied := self._check_key(request)) is not None:
             return denied
         try:
