@@ -188,19 +188,19 @@ class ResponsesAnswers:
         ]
 
     @staticmethod
-    def _reasoning_item(text: str, item_id: str | None = None) -> dict:
+    def _reasoning_item(text: str) -> dict:
         return {
             "type": "reasoning",
-            "id": item_id or _item_id("rs"),
+            "id": _item_id("rs"),
             "summary": [],
             "content": [{"type": "reasoning_text", "text": text}],
         }
 
     @staticmethod
-    def _message_item(text: str, item_id: str | None = None, status: str = "completed") -> dict:
+    def _message_item(text: str, status: str = "completed") -> dict:
         return {
             "type": "message",
-            "id": item_id or _item_id("msg"),
+            "id": _item_id("msg"),
             "status": status,
             "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": []}] if text is not None else [],
@@ -300,6 +300,7 @@ class ResponsesAnswers:
                     )
                 ]
             else:
+                item["status"] = "completed"
                 text = item["content"][0]["text"]
                 part = item["content"][0]
                 done = [
@@ -338,7 +339,7 @@ class ResponsesAnswers:
                     return out
                 if open_item is None or open_item["type"] != "message":
                     out += close()
-                    open_item = self._message_item("", status="in_progress")
+                    open_item = self._message_item("", "in_progress")
                     index = len(output)
                     out.append(
                         event("response.output_item.added", output_index=index, item={**open_item, "content": []})

@@ -356,6 +356,7 @@ def test_responses_answer_as_the_chat_completion_they_ask_for(servers, model):
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
     assert events[-1].response.output_text == whole.output_text
+    assert [o.status for o in events[-1].response.output] == ["completed"]  # the message, done
 
     schema = {
         "type": "object",
