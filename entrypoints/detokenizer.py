@@ -59,3 +59,12 @@ def find_stop(text: str, new_chars: int, stops: list[str]) -> tuple[int, str] | 
         if i != -1 and (best is None or i < best[0]):
             best = (i, stop)
     return best
+
+
+def held_back(text: str, marker: str) -> int:
+    """How many characters at the end of `text` may be the start of `marker` (a parser holds
+    them back until the next text tells)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0

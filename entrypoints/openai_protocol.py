@@ -255,6 +255,14 @@ def conversation(messages: list[ChatMessage]) -> list[dict]:
     return conv
 
 
+def check_continuation(continue_final_message: bool, add_generation_prompt: bool) -> None:
+    """The last message left open cannot also be followed by the answer's opening."""
+    if continue_final_message and add_generation_prompt:
+        raise InvalidParameter(
+            "continue_final_message", "cannot be combined with add_generation_prompt (set it to false)"
+        )
+
+
 def template_tools(tools: list[Tool] | None) -> list[dict] | None:
     """The tools as chat templates take them (transformers' `tools`), or None."""
     if not tools:
@@ -325,10 +333,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
 
     def to_sampling_params(self) -> SamplingParams:
         self.check()
-        if self.continue_final_message and self.add_generation_prompt:
-            raise InvalidParameter(
-                "continue_final_message", "cannot be combined with add_generation_prompt (set it to false)"
-            )
+        check_continuation(self.continue_final_message, self.add_generation_prompt)
         if self.stream and self.tool_choice == "required":
             raise InvalidParameter("stream", 'tool_choice "required" cannot be streamed (a named function can)')
         if self.top_logprobs is not None and not self.logprobs:

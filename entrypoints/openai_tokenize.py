@@ -7,7 +7,7 @@ import msgspec
 
 from pagedllm.core.errors import InvalidParameter
 
-from .openai_protocol import ChatMessage, conversation, template_tools
+from .openai_protocol import ChatMessage, check_continuation, conversation, template_tools
 from .openai_structured import Tool
 
 
@@ -38,10 +38,7 @@ def tokenize(req: TokenizeRequest, engine, render_chat, max_model_len: int) -> d
     if (req.prompt is None) == (req.messages is None):
         raise InvalidParameter("prompt", "give either prompt or messages")
     if req.messages is not None:
-        if req.continue_final_message and req.add_generation_prompt:
-            raise InvalidParameter(
-                "continue_final_message", "cannot be combined with add_generation_prompt (set it to false)"
-            )
+        check_continuation(req.continue_final_message, req.add_generation_prompt)
         text = render_chat(
             conversation(req.messages),
             req.add_generation_prompt,

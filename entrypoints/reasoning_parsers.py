@@ -15,15 +15,9 @@ a request's grammar from the first `</think>` token its output samples (see `con
 
 from __future__ import annotations
 
+from .detokenizer import held_back
+
 START, END = "<think>", "</think>"
-
-
-def _held_back(text: str, marker: str) -> int:
-    """Characters at the end of text that may begin the marker."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
 
 
 class ReasoningFormat:
@@ -93,7 +87,7 @@ class StreamedReasoning:
                 return []
         end = self.text.find(END, self.sent)
         if end < 0:
-            return self._hand_on("reasoning", len(self.text) - (0 if final else _held_back(self.text, END)))
+            return self._hand_on("reasoning", len(self.text) - (0 if final else held_back(self.text, END)))
         out = self._hand_on("reasoning", end)
         self.sent = end + len(END)
         self.done_thinking = True

@@ -203,11 +203,12 @@ class ResponsesAnswers:
             "id": _item_id("msg"),
             "status": status,
             "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": []}] if text is not None else [],
+            "content": [{"type": "output_text", "text": text, "annotations": []}],
         }
 
-    def _response(self, output: list[dict], comp, out, status: str | None = None) -> dict:
-        """The response object (out: the final RequestOutput, None while it runs)."""
+    def _response(self, output: list[dict], comp, out, status: str | None = None, thought: bool = False) -> dict:
+        """The response object (out: the final RequestOutput, None while it runs; thought:
+        whether its text began with reasoning)."""
         finish = comp.finish_reason if comp is not None else None
         if status is None:
             status = {"length": "incomplete", "abort": "cancelled"}.get(finish, "completed")
@@ -232,18 +233,14 @@ class ResponsesAnswers:
             "store": False,
             "metadata": self.req.metadata or {},
             "output": output,
-            "usage": self._usage(comp, out) if out is not None else None,
+            "usage": self._usage(comp, out, thought) if out is not None else None,
         }
         return body
 
-    def _usage(self, comp, out) -> dict:
+    def _usage(self, comp, out, thought: bool) -> dict:
         ids = list(comp.token_ids)
         thinking = 0
-        if (
-            self.reasoning_end is not None
-            and self.parser is not None
-            and self.parser().message(comp.text).get("reasoning") is not None
-        ):
+        if thought and self.reasoning_end is not None:  # the tokens up to and with `</think>`
             thinking = ids.index(self.reasoning_end) + 1 if self.reasoning_end in ids else len(ids)
         prompt = len(out.prompt_token_ids)
         return {
@@ -261,7 +258,7 @@ class ResponsesAnswers:
         output = [self._reasoning_item(parts["reasoning"])] if parts.get("reasoning") is not None else []
         if parts.get("content") is not None or not calls:
             output.append(self._message_item(parts.get("content") or ""))
-        return self._response(output + calls, comp, out)
+        return self._response(output + calls, comp, out, thought="reasoning" in parts)
 
     # --- streamed events --------------------------------------------------------------------------
     async def events(self, updates):
@@ -286,87 +283,59 @@ class ResponsesAnswers:
             if open_item is None:
                 return []
             item, open_item = open_item, None
-            index = len(output)
+            index, part = len(output), item["content"][0]
             output.append(item)
+            where = dict(item_id=item["id"], output_index=index, content_index=0)
             if item["type"] == "reasoning":
-                text = item["content"][0]["text"]
-                done = [
-                    event(
-                        "response.reasoning_text.done",
-                        item_id=item["id"],
-                        output_index=index,
-                        content_index=0,
-                        text=text,
-                    )
-                ]
+                done = [event("response.reasoning_text.done", **where, text=part["text"])]
             else:
                 item["status"] = "completed"
-                text = item["content"][0]["text"]
-                part = item["content"][0]
                 done = [
-                    event(
-                        "response.output_text.done", item_id=item["id"], output_index=index, content_index=0, text=text
-                    ),
-                    event(
-                        "response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=part
-                    ),
+                    event("response.output_text.done", **where, text=part["text"]),
+                    event("response.content_part.done", **where, part=part),
                 ]
             return [*done, event("response.output_item.done", output_index=index, item=item)]
 
-        def piece(delta: dict, hold: bool = self.functions is not None):
+        def open_item_for(kind: str) -> list[dict]:
+            """The open item made a `kind` one ("reasoning" or "content": a message), closing
+            another; the events that added it."""
             nonlocal open_item
-            out = []
-            if "reasoning" in delta:
-                if open_item is None or open_item["type"] != "reasoning":
-                    out += close()
-                    open_item = self._reasoning_item("")
-                    out.append(
-                        event("response.output_item.added", output_index=len(output), item={**open_item, "content": []})
-                    )
-                open_item["content"][0]["text"] += delta["reasoning"]
+            wanted = "reasoning" if kind == "reasoning" else "message"
+            if open_item is not None and open_item["type"] == wanted:
+                return []
+            out = close()
+            open_item = self._reasoning_item("") if kind == "reasoning" else self._message_item("", "in_progress")
+            index = len(output)
+            out.append(event("response.output_item.added", output_index=index, item={**open_item, "content": []}))
+            if kind == "content":
+                part = {"type": "output_text", "text": "", "annotations": []}
                 out.append(
                     event(
-                        "response.reasoning_text.delta",
+                        "response.content_part.added",
                         item_id=open_item["id"],
-                        output_index=len(output),
+                        output_index=index,
                         content_index=0,
-                        delta=delta["reasoning"],
+                        part=part,
                     )
                 )
-            elif "content" in delta:
-                if hold:
-                    held.append(delta["content"])
-                    return out
-                if open_item is None or open_item["type"] != "message":
-                    out += close()
-                    open_item = self._message_item("", "in_progress")
-                    index = len(output)
-                    out.append(
-                        event("response.output_item.added", output_index=index, item={**open_item, "content": []})
-                    )
-                    part = {"type": "output_text", "text": "", "annotations": []}
-                    out.append(
-                        event(
-                            "response.content_part.added",
-                            item_id=open_item["id"],
-                            output_index=index,
-                            content_index=0,
-                            part=part,
-                        )
-                    )
-                open_item["content"][0]["text"] += delta["content"]
-                out.append(
-                    event(
-                        "response.output_text.delta",
-                        item_id=open_item["id"],
-                        output_index=len(output),
-                        content_index=0,
-                        delta=delta["content"],
-                    )
-                )
-            else:
+            return out
+
+        def piece(delta: dict, hold: bool = self.functions is not None):
+            if "tool_calls" in delta:
+                out = []
                 for call in delta["tool_calls"]:
                     out += close() + self._call_events(event, output, call["id"], call["function"])
+                return out
+            kind = "reasoning" if "reasoning" in delta else "content"
+            if kind == "content" and hold:
+                held.append(delta["content"])
+                return []
+            out = open_item_for(kind)
+            open_item["content"][0]["text"] += delta[kind]
+            name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+            out.append(
+                event(name, item_id=open_item["id"], output_index=len(output), content_index=0, delta=delta[kind])
+            )
             return out
 
         last = None
@@ -399,7 +368,7 @@ class ResponsesAnswers:
                 yield e
         if not output:  # an empty answer is still a message
             output.append(self._message_item(""))
-        response = self._response(output, comp, last.output)
+        response = self._response(output, comp, last.output, thought=parser is not None and parser.thought)
         kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(
             response["status"], "response.failed"
         )

@@ -26,6 +26,8 @@ import secrets
 import string
 import uuid
 
+from .detokenizer import held_back
+
 _DECODER = json.JSONDecoder()
 
 
@@ -70,14 +72,17 @@ class ToolCallFormat:
 
     def held_back(self, text: str) -> int:
         """How many characters at the end of a text without calls may still begin them."""
-        for n in range(min(len(self.marker) - 1, len(text)), 0, -1):
-            if self.marker.startswith(text[-n:]):
-                return n
-        return 0
+        return held_back(text, self.marker)
 
     def surely_content(self, text: str) -> bool:
         """Whether a text without calls can no longer start any (its calls start only at the start)."""
         return False
+
+    def past_marker(self, region: str, i: int) -> int | None:
+        """Where the text after the marker that comes next from i (past space) begins, or None
+        where no marker comes next."""
+        j = _skip_space(region, i)
+        return j + len(self.marker) if region.startswith(self.marker, j) else None
 
     def read(self, region: str, final: bool) -> tuple[list[tuple[str, str]], int]:
         """(the whole calls at the start of the region, where the rest begins). Not final: only
@@ -96,10 +101,9 @@ class HermesFormat(ToolCallFormat):
     def read(self, region, final):
         calls, i = [], 0
         while True:
-            j = _skip_space(region, i)
-            if not region.startswith(self.marker, j):
+            body_start = self.past_marker(region, i)
+            if body_start is None:
                 return calls, i
-            body_start = j + len(self.marker)
             end = region.find(self.close, body_start)
             body_end = end if end >= 0 else len(region)
             if end < 0 and not final:
@@ -156,10 +160,10 @@ class MistralFormat(ToolCallFormat):
     def read(self, region, final):
         calls, i = [], 0
         while True:
-            j = _skip_space(region, i)
-            if not region.startswith(self.marker, j):
+            j = self.past_marker(region, i)
+            if j is None:
                 return calls, i
-            j = _skip_space(region, j + len(self.marker))
+            j = _skip_space(region, j)
             if region.startswith("[", j):  # a JSON array of calls
                 parsed = _json_at(region, j)
                 if parsed is None or not isinstance(parsed[0], list) or not parsed[0]:
