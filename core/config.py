@@ -205,6 +205,13 @@ def parse_pooler_config(value) -> PoolingParams:
     return _json_config(value, PoolingParams, "pooler_config")
 
 
+def parse_kv_events_config(value) -> KVEventsConfig | None:
+    """From a dict, a JSON string (the CLI's --kv-events-config) or None."""
+    if value is None or isinstance(value, KVEventsConfig):
+        return value
+    return _json_config(value, KVEventsConfig, "kv_events_config")
+
+
 def _json_config(value, cls, field: str):
     """A config struct from a dict or its JSON text; InvalidParameter naming the field (and
     the struct's own field, where it refuses one)."""

@@ -167,12 +167,3 @@ class ZmqEventPublisher:
         if self._replay is not None:
             self._replay.close()
         self._ctx.term()
-
-
-def parse_kv_events_config(value) -> KVEventsConfig | None:
-    """From a dict, a JSON string (the CLI's --kv-events-config) or None."""
-    from .config import _json_config
-
-    if value is None or isinstance(value, KVEventsConfig):
-        return value
-    return _json_config(value, KVEventsConfig, "kv_events_config")

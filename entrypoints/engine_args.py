@@ -13,12 +13,12 @@ from pagedllm.backends.registry import check_available, device_count, resolve_al
 from pagedllm.core.config import (
     EngineConfig,
     EngineOptions,
+    parse_kv_events_config,
     parse_pooler_config,
     parse_size,
     parse_speculative_config,
 )
 from pagedllm.core.errors import InvalidParameter
-from pagedllm.core.kv_events import parse_kv_events_config
 from pagedllm.core.model_folder import ModelFolder, model_folder
 from pagedllm.core.quantization import resolve_quantization
 

@@ -410,13 +410,17 @@ class EngineCore:
                 self.pending.append(out)
 
     def _flush_outputs(self) -> None:
-        pool_events = self.scheduler.kv.pool.events if self.kv_events is not None else None
-        if pool_events:
-            self.kv_events.publish(batch_of(pool_events, self.scheduler.kv.block_size))
-            self.scheduler.kv.pool.events = []
+        self._publish_kv_events()
         if self.pending:
             self._to_frontend(EngineOutputs(self.pending, self._stats()))
             self.pending = []
+
+    def _publish_kv_events(self) -> None:
+        """The prefix cache's changes since the last call, as one KV event batch."""
+        pool = self.scheduler.kv.pool if self.kv_events is not None else None
+        if pool is not None and pool.events:
+            self.kv_events.publish(batch_of(pool.events, self.scheduler.kv.block_size))
+            pool.events = []
 
     def _stats(self) -> EngineStats:
         sizes, tokens = self._batch_sizes, self._batch_tokens
@@ -502,8 +506,7 @@ class EngineCore:
     def close(self) -> None:
         self.structured.close()
         if self.kv_events is not None:  # the last changes, then the sockets
-            if self.scheduler.kv.pool.events:
-                self.kv_events.publish(batch_of(self.scheduler.kv.pool.events, self.scheduler.kv.block_size))
+            self._publish_kv_events()
             self.kv_events.close()
         if self.workers is not None:
             self.workers.shutdown()
