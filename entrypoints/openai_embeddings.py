@@ -11,7 +11,7 @@ import numpy as np
 
 from pagedllm.core.errors import InvalidParameter
 
-from .openai_protocol import new_id, now
+from .openai_protocol import check_truncation, new_id, now
 
 
 class EmbeddingRequest(msgspec.Struct, kw_only=True):
@@ -39,12 +39,8 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True):
 
     @property
     def truncation(self) -> tuple[int, str] | None:
-        t = self.truncate_prompt_tokens
-        if t is None:
-            return None
-        if isinstance(t, bool) or not (t == -1 or t >= 1):
-            raise InvalidParameter("truncate_prompt_tokens", f"must be -1 (max_model_len) or >= 1, got {t}")
-        return t, "left"
+        check_truncation(self.truncate_prompt_tokens)
+        return None if self.truncate_prompt_tokens is None else (self.truncate_prompt_tokens, "left")
 
 
 def _is_token_id(x) -> bool:

@@ -35,6 +35,12 @@ def _check_seed(seed) -> None:
             raise InvalidParameter("seed", f"Input should be less than or equal to {INT64_MAX} [less_than_equal]")
 
 
+def check_truncation(keep) -> None:
+    """vLLM's truncate_prompt_tokens: -1 (max_model_len), a count >= 1, or None."""
+    if keep is not None and (isinstance(keep, bool) or not (keep == -1 or keep >= 1)):
+        raise InvalidParameter("truncate_prompt_tokens", f"must be -1 (max_model_len) or >= 1, got {keep}")
+
+
 class StreamOptions(msgspec.Struct):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: usage on every chunk
@@ -88,9 +94,7 @@ class _RequestFields(msgspec.Struct, kw_only=True):
         if self.stream_options is not None and not self.stream:
             raise InvalidParameter("stream_options", "is only allowed when stream is true")
         _check_seed(self.seed)
-        t = self.truncate_prompt_tokens
-        if t is not None and (isinstance(t, bool) or not (t == -1 or t >= 1)):
-            raise InvalidParameter("truncate_prompt_tokens", f"must be -1 (max_model_len) or >= 1, got {t}")
+        check_truncation(self.truncate_prompt_tokens)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None):
         try:
