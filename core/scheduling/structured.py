@@ -246,7 +246,8 @@ class StructuredOutputs:
         by `ended_by(request, token)` as a sampled one is, up to the first that ends it; the
         next step computes them in one chunk. Not where logprobs are asked for (forced tokens
         have none). Returns how the request ended, if it did."""
-        if not self.jump_forward_on or request.sampling_params.logprobs is not None or request.grammar_gate:
+        shut = request.grammar_gate is not None  # (a token id: 0 is a gate too)
+        if not self.jump_forward_on or request.sampling_params.logprobs is not None or shut:
             return None
         status = None
         for token in request.matcher.compute_ff_tokens():
