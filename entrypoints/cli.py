@@ -7,6 +7,8 @@ import argparse
 import json
 import os
 
+DEFAULT_ZMQ_ENDPOINT = "tcp://127.0.0.1:5555"
+
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     """One flag per EngineArgs option, made from its declaration."""
@@ -225,8 +227,15 @@ def add_commands(sub) -> None:
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument(
         "--zmq-endpoint",
-        default="tcp://127.0.0.1:5555",
-        help="where the ZMQ entrypoint binds (tcp:// or ipc://); 'none' turns it off",
+        default=None,
+        help=f"where the ZMQ entrypoint binds (tcp:// or ipc://; default {DEFAULT_ZMQ_ENDPOINT}); 'none' turns it off",
+    )
+    srv.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engine replicas behind a prefix-aware router on Ray Serve (pip install 'pagedllm[ray]'; "
+        "a Ray cluster where RAY_ADDRESS names one)",
     )
     srv.add_argument(
         "--api-key",
@@ -302,7 +311,7 @@ def cmd_serve(args) -> int:
     options = ServeOptions(
         host=args.host,
         port=args.port,
-        zmq_endpoint=None if args.zmq_endpoint == "none" else args.zmq_endpoint,
+        zmq_endpoint=_zmq_endpoint(args),
         api_key=args.api_key,
         model_name=args.served_model_name,
         max_queue_len=args.max_queue_len,
@@ -322,8 +331,34 @@ def cmd_serve(args) -> int:
             args.enable_tokenizer_info_endpoint,
         ),
     )
-    run_server(engine_kwargs(args), options)
+    if args.data_parallel_size > 1:
+        from .ray_serve.run import run_replicas
+
+        run_replicas(engine_kwargs(args), options, args.data_parallel_size)
+    else:
+        run_server(engine_kwargs(args), options)
     return 0
+
+
+def _zmq_endpoint(args) -> str | None:
+    """The ZMQ entrypoint's address; none for replicas on Ray Serve, whose clients use HTTP."""
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size: must be >= 1, got {args.data_parallel_size}")
+    if args.data_parallel_size > 1:
+        if args.zmq_endpoint not in (None, "none"):
+            raise ValueError(
+                "--zmq-endpoint: the ZMQ entrypoint serves one engine; with --data-parallel-size the replicas "
+                "are reached through the HTTP endpoint (or run one `pagedllm serve` per engine)"
+            )
+        if args.kv_events_config:
+            raise ValueError(
+                "--kv-events-config: the replicas on Ray Serve are routed by their own router; for an external "
+                "KV-aware router run one `pagedllm serve` per engine (docs/serving.md)"
+            )
+        return None
+    if args.zmq_endpoint == "none":
+        return None
+    return args.zmq_endpoint or DEFAULT_ZMQ_ENDPOINT
 
 
 def cmd_worker(args) -> int:

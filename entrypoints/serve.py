@@ -63,11 +63,32 @@ def served_model_name(model: str | None, given: str | None) -> str:
     return given or model or "pagedllm-demo"
 
 
-def run_server(engine_kwargs: dict, options: ServeOptions) -> None:
+def openai_server(engine: AsyncEngine, name: str, options: ServeOptions, metrics: EngineMetrics, checks=()):
+    """The OpenAI HTTP API over `engine`, as `options` set it up (one server, or one replica)."""
+    return OpenAIServer(
+        engine,
+        name,
+        options.api_key,
+        metrics,
+        options.limits,
+        checks,
+        track_load=options.enable_server_load_tracking,
+        force_usage=options.enable_force_include_usage,
+        tokens_as_ids=options.return_tokens_as_token_ids,
+        chat=options.chat,
+    )
+
+
+def prepare_options(engine_kwargs: dict, options: ServeOptions) -> str:
+    """Checks the options against the engine's arguments; the served model's name."""
     options.check()
-    name = served_model_name(engine_kwargs.get("model"), options.model_name)
     # n and beam widths beyond the sequence cap could never run
     options.limits.max_n = min(options.limits.max_n, engine_kwargs.get("max_num_seqs", 256))
+    return served_model_name(engine_kwargs.get("model"), options.model_name)
+
+
+def run_server(engine_kwargs: dict, options: ServeOptions) -> None:
+    name = prepare_options(engine_kwargs, options)
     metrics = EngineMetrics(name)
     engine = AsyncEngine(max_queue_len=options.max_queue_len, metrics=metrics, **engine_kwargs)
     main = _serve(engine, name, options, metrics)
@@ -106,18 +127,7 @@ async def _serve(engine: AsyncEngine, name: str, options: ServeOptions, metrics:
     checks = [lambda: None if engine.accepting else "shutting down: finishing the running requests"]
     if zmq_server is not None:
         checks.append(lambda: zmq_server.dead_reason)
-    app = OpenAIServer(
-        engine,
-        name,
-        options.api_key,
-        metrics,
-        options.limits,
-        checks,
-        track_load=options.enable_server_load_tracking,
-        force_usage=options.enable_force_include_usage,
-        tokens_as_ids=options.return_tokens_as_token_ids,
-        chat=options.chat,
-    ).app
+    app = openai_server(engine, name, options, metrics, checks).app
     server = _Server(
         uvicorn.Config(
             app,

@@ -40,9 +40,10 @@ def post(server, path: str, body, content_type: str = "application/json") -> tup
 
 
 class ServerProcess:
-    def __init__(self, model: str, *flags: str, env: dict | None = None):
+    def __init__(self, model: str, *flags: str, env: dict | None = None, zmq: bool = True):
+        """zmq=False: no ZMQ entrypoint (replicas on Ray Serve have none)."""
         self.port = free_tcp_port()
-        self.zmq_endpoint = f"tcp://127.0.0.1:{free_tcp_port()}"
+        self.zmq_endpoint = f"tcp://127.0.0.1:{free_tcp_port()}" if zmq else "none"
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [
@@ -122,6 +123,23 @@ class ServerProcess:
         )
         for pid in self.engine_pids:
             assert not segments_of(pid), f"shared-memory segments of {pid} left behind"
+
+
+def conversations(api, model: str, tag: str, n: int = 5, turns: int = 3) -> tuple[list[list[str]], list[int]]:
+    """n chats of `turns` turns, each turn the history so far (`tag` makes them a run's own):
+    (each chat's answers, the follow-up turns' cached prompt tokens)."""
+    answers, cached = [], []
+    for conv in range(n):
+        messages = [{"role": "user", "content": f"{conv} ({tag}): the quick brown fox jumps over the lazy dog."}]
+        said = []
+        for turn in range(turns):
+            reply = api.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0)
+            said.append(reply.choices[0].message.content)
+            if turn:
+                cached.append(reply.usage.prompt_tokens_details.cached_tokens or 0)
+            messages += [{"role": "assistant", "content": said[-1]}, {"role": "user", "content": f"Turn {turn}?"}]
+        answers.append(said)
+    return answers, cached
 
 
 # --- the shared server of test_serving.py and test_serving_trust.py ------------------------

@@ -18,7 +18,7 @@ import pytest
 from pagedllm.core.process.ipc import free_tcp_port
 
 from proc_helpers import wait_until
-from serve_helpers import ServerProcess, client
+from serve_helpers import ServerProcess, client, conversations
 
 ROUTER = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
 pytestmark = pytest.mark.skipif(
@@ -69,23 +69,6 @@ class Router:
         self.proc.terminate()
         out, _ = self.proc.communicate(timeout=10)
         return out
-
-
-def conversations(api, model: str, tag: str, n: int = 5, turns: int = 3) -> tuple[list[list[str]], list[int]]:
-    """n chats of `turns` turns, each turn the history so far (`tag` makes them a run's own):
-    (each chat's answers, the follow-up turns' cached prompt tokens)."""
-    answers, cached = [], []
-    for conv in range(n):
-        messages = [{"role": "user", "content": f"{conv} ({tag}): the quick brown fox jumps over the lazy dog."}]
-        said = []
-        for turn in range(turns):
-            reply = api.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0)
-            said.append(reply.choices[0].message.content)
-            if turn:
-                cached.append(reply.usage.prompt_tokens_details.cached_tokens or 0)
-            messages += [{"role": "assistant", "content": said[-1]}, {"role": "user", "content": f"Turn {turn}?"}]
-        answers.append(said)
-    return answers, cached
 
 
 def test_vllm_router_kv_aware_sends_each_turn_to_its_cached_prefix(workers):

@@ -1,0 +1,119 @@
+"""`pagedllm serve --data-parallel-size 2`: two engine replicas on Ray Serve behind one
+endpoint and the prefix-aware router, through the real `openai` client. A conversation's
+follow-up turns find their prefix cached, answers equal one engine's, a client that leaves
+aborts its request on its replica, /metrics and /health cover both replicas, and a replica
+killed under load is replaced while the endpoint keeps answering."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from proc_helpers import children_of, is_running, segments_of, wait_until
+from serve_helpers import ServerProcess, client, conversations
+
+pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install 'pagedllm[ray]')")
+
+
+def replica_pids(server) -> list[int]:
+    """The engine replicas' actor processes (Ray names them ServeReplica:APP:DEPLOYMENT)."""
+    found = []
+    for pid in children_of(server.proc.pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"ServeReplica:pagedllm:EngineReplica" in f.read():
+                    found.append(pid)
+        except OSError:
+            pass
+    return sorted(found)
+
+
+def running_per_replica(server) -> dict[str, float]:
+    values = server.metrics()
+    return {k: v for k, v in values.items() if k.startswith("vllm:num_requests_running{")}
+
+
+@pytest.fixture(scope="module")
+def replicas(tiny_model):
+    model = tiny_model("llama")
+    server = ServerProcess(model, "--data-parallel-size", "2", "--max-num-seqs", "16", zmq=False)
+    yield model, server
+    server.stop()
+
+
+def test_follow_up_turns_go_to_the_replica_holding_their_prefix(replicas):
+    model, server = replicas
+    routed, cached = conversations(client(server), model, tag="ray", n=6)
+    hit_rate = sum(c > 0 for c in cached) / len(cached)
+    print(f"follow-up turns with a prefix-cache hit through the prefix-aware router: {hit_rate:.0%}")
+    assert hit_rate >= 0.9, cached
+    assert len(running_per_replica(server)) == 2  # both replicas answered /metrics, each labelled
+    one = ServerProcess(model, zmq=False)
+    try:
+        assert routed == conversations(client(one), model, tag="ray", n=6)[0]  # greedy: whichever replica
+    finally:
+        one.stop()
+
+
+def test_a_client_that_leaves_aborts_its_request_on_its_replica(replicas):
+    model, server = replicas
+    stream = client(server).completions.create(
+        model=model, prompt="a long answer", max_tokens=400, extra_body={"ignore_eos": True}, stream=True
+    )
+    next(iter(stream))
+    assert sum(running_per_replica(server).values()) == 1
+    stream.close()
+    assert wait_until(lambda: sum(running_per_replica(server).values()) == 0, timeout_s=10)
+    assert server.get("/health")[0] == 200
+
+
+def test_a_replica_killed_under_load_is_replaced_and_the_endpoint_keeps_answering(replicas):
+    model, server = replicas
+    victims = replica_pids(server)
+    assert len(victims) == 2
+    victim = victims[0]
+    engine = children_of(victim)  # its engine core and workers
+    api = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    started = threading.Semaphore(0)
+
+    def one(i: int) -> str:
+        try:
+            stream = api.completions.create(
+                model=model, prompt=f"request {i}", max_tokens=48, extra_body={"ignore_eos": True}, stream=True
+            )
+            for n, chunk in enumerate(stream):
+                if n == 2:
+                    started.release()
+                last = chunk
+            return "completed" if last.choices[0].finish_reason == "length" else "cut short"
+        except openai.APIError as e:
+            started.release()
+            return f"failed: {e}"
+
+    with ThreadPoolExecutor(8) as pool:
+        results = [pool.submit(one, i) for i in range(8)]
+        for _ in range(8):
+            started.acquire(timeout=30)
+        import os
+        import signal
+
+        os.kill(victim, signal.SIGKILL)
+        outcomes = [r.result() for r in results]
+    completed = sum(o == "completed" for o in outcomes)
+    failed = [o for o in outcomes if o != "completed"]
+    print(f"replica killed under load: {completed} of 8 requests completed, {len(failed)} failed: {failed}")
+    assert completed >= 1 and all(o.startswith("failed") for o in failed)
+    # the endpoint answers at once, from the replica that is left (or the new one)
+    for i in range(4):
+        reply = api.completions.create(model=model, prompt=f"after {i}", max_tokens=4)
+        assert reply.choices[0].finish_reason == "length"
+    assert server.get("/health")[0] == 200
+    # the dead replica's engine went with it; Ray Serve starts another replica
+    assert wait_until(lambda: not any(is_running(p) for p in engine), timeout_s=15)
+    assert all(not segments_of(p) for p in engine)
+    assert wait_until(lambda: len(replica_pids(server)) == 2 and len(running_per_replica(server)) == 2, timeout_s=60)
+    assert victim not in replica_pids(server)
