@@ -1,4 +1,4 @@
-"""`pagedllm bench throughput|latency|serving|scaling|memory`, the one front door of these
+"""`pagedllm bench throughput|latency|serving|scaling|memory|replicas`, the one front door of these
 benchmarks: one workload through pagedllm and its peers, side by side, with a table on the
 terminal, a JSON file and PNG plots in --out. Each mode's work is in its module here
 (bench_throughput, bench_latency, bench_serving, kv_memory); the others have their own
@@ -142,6 +142,8 @@ def _run_mode(args, peers: list[str]) -> int:
         return _scaling(args, out_dir)
     if args.mode == "serving":
         return _serving(args, out_dir)
+    if args.mode == "replicas":
+        return _replicas(args, out_dir)
     if args.mode == "memory":
         from pagedllm.core.config import PLACEMENTS
 
@@ -344,6 +346,26 @@ def _serving(args, out_dir: str) -> int:
     return 0
 
 
+def _replicas(args, out_dir: str) -> int:
+    """Multi-turn chats against engine replicas on Ray Serve: 1, 2 prefix-aware, 2 round robin."""
+    from .bench_replicas import print_header, replicas_benchmark
+
+    engine_args = {
+        "model": model_dir_of(args),
+        "backend": args.backend,
+        "dtype": args.dtype,
+        "kv_cache_memory": args.kv_cache_memory,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "quantization": args.quantization,
+        "seed": args.seed,
+    }
+    print_header()
+    rows = replicas_benchmark(engine_args, conversations=args.num_prompts, seed=args.seed)
+    _write_json(args, os.path.join(out_dir, "replicas.json"), {"engine_args": engine_args, "rows": rows})
+    print(f"wrote {out_dir}/replicas.json")
+    return 0
+
+
 def _scaling(args, out_dir: str) -> int:
     """Throughput of the same workload as the number of concurrently running requests
     (max_num_seqs) grows."""
@@ -382,7 +404,7 @@ def add_parser(sub) -> None:
     from pagedllm.entrypoints.engine_args import EngineArgs
 
     bench = sub.add_parser("bench", help="benchmark pagedllm against transformers on one workload")
-    bench.add_argument("mode", choices=["throughput", "latency", "serving", "scaling", "memory"])
+    bench.add_argument("mode", choices=["throughput", "latency", "serving", "scaling", "memory", "replicas"])
     bench.add_argument(
         "--model",
         default=None,

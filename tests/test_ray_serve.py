@@ -7,7 +7,6 @@ killed under load is replaced while the endpoint keeps answering."""
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -61,12 +60,15 @@ def test_follow_up_turns_go_to_the_replica_holding_their_prefix(replicas):
 
 def test_a_client_that_leaves_aborts_its_request_on_its_replica(replicas):
     model, server = replicas
+    aborted = "pagedllm:request_success_total{finished_reason=abort"
+    count = lambda: sum(v for k, v in server.metrics().items() if k.startswith(aborted))
+    before = count()
     stream = client(server).completions.create(
-        model=model, prompt="a long answer", max_tokens=400, extra_body={"ignore_eos": True}, stream=True
+        model=model, prompt="a long answer", max_tokens=900, n=8, extra_body={"ignore_eos": True}, stream=True
     )
     next(iter(stream))
-    assert sum(running_per_replica(server).values()) == 1
-    stream.close()
+    stream.close()  # 8 x 900 tokens: far from done
+    assert wait_until(lambda: count() - before == 8, timeout_s=10), count() - before
     assert wait_until(lambda: sum(running_per_replica(server).values()) == 0, timeout_s=10)
     assert server.get("/health")[0] == 200
 
@@ -83,7 +85,7 @@ def test_a_replica_killed_under_load_is_replaced_and_the_endpoint_keeps_answerin
     def one(i: int) -> str:
         try:
             stream = api.completions.create(
-                model=model, prompt=f"request {i}", max_tokens=48, extra_body={"ignore_eos": True}, stream=True
+                model=model, prompt=f"request {i}", max_tokens=300, extra_body={"ignore_eos": True}, stream=True
             )
             for n, chunk in enumerate(stream):
                 if n == 2:
@@ -106,7 +108,8 @@ def test_a_replica_killed_under_load_is_replaced_and_the_endpoint_keeps_answerin
     completed = sum(o == "completed" for o in outcomes)
     failed = [o for o in outcomes if o != "completed"]
     print(f"replica killed under load: {completed} of 8 requests completed, {len(failed)} failed: {failed}")
-    assert completed >= 1 and all(o.startswith("failed") for o in failed)
+    # new requests go to the least loaded replica: both had some
+    assert completed >= 1 and failed and all(o.startswith("failed") for o in failed)
     # the endpoint answers at once, from the replica that is left (or the new one)
     for i in range(4):
         reply = api.completions.create(model=model, prompt=f"after {i}", max_tokens=4)
@@ -117,3 +120,32 @@ def test_a_replica_killed_under_load_is_replaced_and_the_endpoint_keeps_answerin
     assert all(not segments_of(p) for p in engine)
     assert wait_until(lambda: len(replica_pids(server)) == 2 and len(running_per_replica(server)) == 2, timeout_s=60)
     assert victim not in replica_pids(server)
+
+
+# --- the router's policy, apart from Ray ---------------------------------------------------
+def test_prefix_affinity_follows_the_longest_prefix_unless_the_loads_drift_apart():
+    from pagedllm.entrypoints.ray_serve.affinity import PrefixAffinity
+
+    policy = PrefixAffinity(imbalance=4)
+    first = "user:" + "a conversation about paged attention and its block tables " * 3
+    assert policy.rank(["a", "b"], first)[0] == "a"  # nothing remembered: the least loaded, then the first
+    policy.sent("a")
+    policy.remember("a", first)
+    other = "user:" + "another conversation, on continuous batching of requests " * 3
+    assert policy.rank(["a", "b"], other)[0] == "b"  # a new conversation: the idle replica
+    policy.sent("b")
+    policy.remember("b", other)
+    follow_up = first + "assistant:blocks\nuser:and then?\n"
+    assert policy.rank(["a", "b"], follow_up)[0] == "a"  # its prefix is on a
+    for _ in range(4):
+        policy.sent("a")
+    assert policy.rank(["a", "b"], follow_up)[0] == "a"  # 5 in flight against 1: still within 4 of each other
+    policy.sent("a")
+    assert policy.rank(["a", "b"], follow_up)[0] == "b"  # 6 against 1: the least loaded
+    for _ in range(6):
+        policy.done("a")
+    policy.forget("a")  # a replaced replica starts with an empty cache
+    assert policy.rank(["a", "b"], follow_up)[0] == "a"  # no match anywhere: the least loaded
+    assert PrefixAffinity(policy="round_robin").rank(["a", "b"], follow_up) == ["a", "b"]
+    burst = PrefixAffinity()  # new conversations ranked before any was sent: taken in turn
+    assert [burst.rank(["a", "b"], f"user:conversation number {i} " * 4)[0] for i in range(4)] == ["a", "b", "a", "b"]
