@@ -35,6 +35,8 @@ from ray.serve.config import RequestRouterConfig
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from pagedllm.backends.registry import device_count, resolve_alias
+
 from ..async_engine import AsyncEngine
 from ..metrics import CONTENT_TYPE, EngineMetrics
 from ..openai_protocol import error_body
@@ -315,8 +317,7 @@ def build_app(
     """A Ray Serve application: `num_replicas` engines (each `engine_args`, as `LLM` takes them)
     behind one ingress. `options`: the server's (API key, limits, chat parsers, ...; the ZMQ
     entrypoint is not used). `routing`: "prefix" (PrefixAwareRouter) or "round_robin".
-    `replica_actor_options`: Ray's, per engine replica (default one CPU each, and the GPUs of
-    its tensor-parallel ranks on a CUDA backend)."""
+    `replica_actor_options`: Ray's, per engine replica (default: default_actor_options)."""
     options = options or ServeOptions()
     if options.zmq_endpoint is not None:
         options = dataclasses.replace(options, zmq_endpoint=None)
@@ -341,6 +342,10 @@ def build_app(
 
 
 def default_actor_options(engine_args: dict) -> dict:
-    backend = str(engine_args.get("backend") or "cpu")
-    gpus = engine_args.get("tensor_parallel_size", 1) if backend.startswith("cuda") else 0
-    return {"num_cpus": 1, "num_gpus": gpus}
+    """A CPU per tensor-parallel rank, or on a backend with devices (its platform counts them)
+    one CPU and a GPU per rank."""
+    backend, _ = resolve_alias(str(engine_args.get("backend") or "cpu"))
+    ranks = engine_args.get("tensor_parallel_size", 1)
+    if device_count(backend) is None:
+        return {"num_cpus": ranks}
+    return {"num_cpus": 1, "num_gpus": ranks}
