@@ -125,21 +125,32 @@ class ServerProcess:
             assert not segments_of(pid), f"shared-memory segments of {pid} left behind"
 
 
-def conversations(api, model: str, tag: str, n: int = 5, turns: int = 3) -> tuple[list[list[str]], list[int]]:
-    """n chats of `turns` turns, each turn the history so far (`tag` makes them a run's own):
-    (each chat's answers, the follow-up turns' cached prompt tokens)."""
+def conversations(ask, tag: str, n: int = 5, turns: int = 3) -> tuple[list[list[str]], list[int]]:
+    """n chats of `turns` turns, each turn the history so far (`tag` makes them a run's own);
+    ask(messages) -> (the answer, its cached prompt tokens): (each chat's answers, the
+    follow-up turns' cached prompt tokens)."""
     answers, cached = [], []
     for conv in range(n):
         messages = [{"role": "user", "content": f"{conv} ({tag}): the quick brown fox jumps over the lazy dog."}]
         said = []
         for turn in range(turns):
-            reply = api.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0)
-            said.append(reply.choices[0].message.content)
+            text, hit = ask(messages)
+            said.append(text)
             if turn:
-                cached.append(reply.usage.prompt_tokens_details.cached_tokens or 0)
-            messages += [{"role": "assistant", "content": said[-1]}, {"role": "user", "content": f"Turn {turn}?"}]
+                cached.append(hit)
+            messages += [{"role": "assistant", "content": text}, {"role": "user", "content": f"Turn {turn}?"}]
         answers.append(said)
     return answers, cached
+
+
+def chat_turns(api, model: str):
+    """conversations()'s `ask` through an OpenAI client: greedy, 8 tokens a turn."""
+
+    def ask(messages):
+        reply = api.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0)
+        return reply.choices[0].message.content, reply.usage.prompt_tokens_details.cached_tokens or 0
+
+    return ask
 
 
 # --- the shared server of test_serving.py and test_serving_trust.py ------------------------

@@ -12,8 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
+from pagedllm import LLM, SamplingParams
+
 from proc_helpers import children_of, is_running, segments_of, wait_until
-from serve_helpers import ServerProcess, client, conversations
+from serve_helpers import ServerProcess, chat_turns, client, conversations
 
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install 'pagedllm[ray]')")
 
@@ -46,16 +48,15 @@ def replicas(tiny_model):
 
 def test_follow_up_turns_go_to_the_replica_holding_their_prefix(replicas):
     model, server = replicas
-    routed, cached = conversations(client(server), model, tag="ray", n=6)
+    routed, cached = conversations(chat_turns(client(server), model), tag="ray", n=6)
     hit_rate = sum(c > 0 for c in cached) / len(cached)
     print(f"follow-up turns with a prefix-cache hit through the prefix-aware router: {hit_rate:.0%}")
     assert hit_rate >= 0.9, cached
     assert len(running_per_replica(server)) == 2  # both replicas answered /metrics, each labelled
-    one = ServerProcess(model, zmq=False)
-    try:
-        assert routed == conversations(client(one), model, tag="ray", n=6)[0]  # greedy: whichever replica
-    finally:
-        one.stop()
+    with LLM(model) as one:  # greedy: the answers are one engine's, whichever replica gave them
+        greedy = SamplingParams(temperature=0, max_tokens=8)
+        ask = lambda messages: (one.chat(messages, greedy, use_tqdm=False)[0].outputs[0].text, 0)
+        assert routed == conversations(ask, tag="ray", n=6)[0]
 
 
 def test_a_client_that_leaves_aborts_its_request_on_its_replica(replicas):

@@ -18,7 +18,7 @@ import pytest
 from pagedllm.core.process.ipc import free_tcp_port
 
 from proc_helpers import wait_until
-from serve_helpers import ServerProcess, client, conversations
+from serve_helpers import ServerProcess, chat_turns, client, conversations
 
 ROUTER = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
 pytestmark = pytest.mark.skipif(
@@ -77,12 +77,12 @@ def test_vllm_router_kv_aware_sends_each_turn_to_its_cached_prefix(workers):
     for policy in ("kv_aware", "round_robin"):
         router = Router(started, policy, model)
         try:
-            routed[policy], cached = conversations(client(router), model, tag=policy)
+            routed[policy], cached = conversations(chat_turns(client(router), model), tag=policy)
         finally:
             log = router.stop()
         assert "kv_index decode batch" not in log, log  # the router read our events cleanly
         hit_rates[policy] = sum(c > 0 for c in cached) / len(cached)
     for policy, answers in routed.items():  # greedy: the same whichever engine answered
-        assert answers == conversations(client(started[0][0]), model, tag=policy)[0], policy
+        assert answers == conversations(chat_turns(client(started[0][0]), model), tag=policy)[0], policy
     print(f"follow-up turns with a prefix-cache hit: {hit_rates}")
     assert hit_rates["kv_aware"] >= 0.9 and hit_rates["round_robin"] < hit_rates["kv_aware"]

@@ -330,13 +330,19 @@ def build_app(
         ray_actor_options=actor_options,
         health_check_period_s=2,
         graceful_shutdown_timeout_s=options.shutdown_timeout,
+        graceful_shutdown_wait_loop_s=0.25,  # how often a stopping replica looks for requests still running
         request_router_config=RequestRouterConfig(
             request_router_class=PrefixAwareRouter,
             request_router_kwargs={"policy": routing, **(router_kwargs or {})},
         ),
     ).bind(engine_args, options)
     ingress = serve.deployment(
-        Ingress, name="Ingress", max_ongoing_requests=MAX_ONGOING, ray_actor_options={"num_cpus": 0}
+        Ingress,
+        name="Ingress",
+        max_ongoing_requests=MAX_ONGOING,
+        ray_actor_options={"num_cpus": 0},
+        graceful_shutdown_timeout_s=options.shutdown_timeout,
+        graceful_shutdown_wait_loop_s=0.25,
     )
     return ingress.bind(engines, options.limits.max_request_bytes)
 
