@@ -187,6 +187,24 @@ class AttentionOps(Platform):
         decoding over the logits [rows, vocab]; a backend may have a faster kernel)."""
         return scores.argmax(dim=-1)
 
+    def add_lora(
+        self,
+        out: torch.Tensor,
+        x: torch.Tensor,
+        lora_a: torch.Tensor,
+        lora_b: torch.Tensor,
+        slots: torch.Tensor,
+        scales: torch.Tensor,
+    ) -> None:
+        """Multi-LoRA (contract v7), in place: out[t] += (x[t] @ lora_a[s].T) @ lora_b[s].T *
+        scales[s] for every row t whose adapter slot s = slots[t] is >= 0 (-1: the base model
+        alone). x [T, in] and out [T, out] in the model's dtype; lora_a [S, r, in] and lora_b
+        [S, out, r] (PEFT's lora_A and lora_B weights, each adapter's rank zero-padded to r), in
+        the model's dtype; float32 scales [S]; int32 slots [T]; all on the device. One step mixes
+        rows of several adapters and of none. The default shrinks and expands each slot's rows
+        together (Punica's SGMV) with torch, in float32."""
+        add_lora(out, x, lora_a, lora_b, slots, scales)
+
     def write_kv(
         self,
         key: torch.Tensor,
@@ -253,6 +271,19 @@ class AttentionOps(Platform):
         src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=src_caches.device)
         dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=dst_caches.device)
         dst_caches[:, :, dst] = src_caches[:, :, src]
+
+
+def add_lora(
+    out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, slots: torch.Tensor, scales
+) -> None:
+    """The reference of AttentionOps.add_lora."""
+    for slot in slots.unique().tolist():
+        if slot < 0:
+            continue
+        rows = (slots == slot).nonzero().squeeze(1)
+        shrunk = x[rows].float() @ lora_a[slot].float().T
+        delta = (shrunk @ lora_b[slot].float().T) * scales[slot].float()
+        out[rows] = (out[rows].float() + delta).to(out.dtype)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:

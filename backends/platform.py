@@ -26,9 +26,9 @@ from .thread_governor import ThreadGovernor
 #    defaults of what it does not define. 4: sliding windows and soft-capping (supports_* and
 #    the kernels' window / soft_cap keywords), which an older backend does not declare. 5: 8-bit
 #    KV caches (supported_kv_cache_dtypes, kv_scales). 6: batch_invariant, the promise the
-#    conformance suite's invariance rows hold.
-CONTRACT_VERSION = 6
-SUPPORTED_CONTRACT_VERSIONS = (1, 2, 3, 4, 5, 6)
+#    conformance suite's invariance rows hold. 7: add_lora, the batched multi-LoRA product.
+CONTRACT_VERSION = 7
+SUPPORTED_CONTRACT_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 
 
 class Platform:

@@ -477,6 +477,36 @@ def check_token_bitmask(ops, device) -> CheckResult:
     return res
 
 
+def check_lora(ops, device, dtype) -> CheckResult:
+    """Multi-LoRA's product (AttentionOps.add_lora): four resident adapters of ranks 8 to 64
+    (one zero-padded from a smaller rank), rows of each and of none (slot -1) mixed in one
+    batch, in runs and alone, against float64 each row by itself."""
+    res = CheckResult(f"lora {DTYPE_NAMES[dtype]}", tolerance_text([dtype]))
+    gen = torch.Generator().manual_seed(7)
+    rand = lambda *shape, std=1.0: (torch.randn(*shape, generator=gen) * std).to(dtype)
+    for rank, rows, width_in, width_out in ((8, 13, 72, 40), (16, 37, 96, 160), (64, 96, 256, 136)):
+        lora_a, lora_b = rand(4, rank, width_in, std=0.1), rand(4, width_out, rank, std=0.1)
+        lora_a[2, rank // 2 :] = 0  # an adapter of half the rank, padded
+        lora_b[2, :, rank // 2 :] = 0
+        scales = torch.tensor([2.0, 0.5, 1.0, 16.0 / rank])
+        slots = torch.randint(-1, 4, (rows,), generator=gen, dtype=torch.int32)
+        slots[:4] = torch.tensor([3, 3, -1, 0], dtype=torch.int32)  # a run, a base row, another adapter
+        x, out = rand(rows, width_in), rand(rows, width_out)
+        want = out.double().clone()
+        for t, s in enumerate(slots.tolist()):
+            if s >= 0:
+                want[t] += (x[t].double() @ lora_a[s].double().T) @ lora_b[s].double().T * scales[s].item()
+        got = out.to(device)
+        ops.add_lora(got, x.to(device), lora_a.to(device), lora_b.to(device), slots.to(device), scales.to(device))
+        ok, err = compare(got, want, dtype)
+        failure = None
+        if not ok:
+            wrong = [t for t in range(rows) if not compare(got[t], want[t], dtype)[0]][:4]
+            failure = f"rank {rank}: rows {wrong} (slots {[slots[t].item() for t in wrong]}) off by {err:.3g}"
+        res.record(ok, err, failure)
+    return res
+
+
 def op_checks(ops, quick: bool = False, only_dtypes=None) -> list[tuple[str, object]]:
     """(name, a call that makes its rows) for every op check, so that one that raises costs
     only its own rows. only_dtypes: check just these (the backend must support them)."""
@@ -498,4 +528,5 @@ def op_checks(ops, quick: bool = False, only_dtypes=None) -> list[tuple[str, obj
         ("copy_blocks / swap_blocks", lambda: check_copy_and_swap(ops, device)),
         ("argmax", lambda: check_argmax(ops, device)),
         ("token_bitmask", lambda: check_token_bitmask(ops, device)),
+        ("lora", lambda: [check_lora(ops, device, d) for d in dtypes]),
     ]

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from pagedllm.backends.platform import CONTRACT_VERSION
 from pagedllm.backends.registry import UnknownBackend, available_backends, resolve
 from pagedllm.conformance.results import format_table
 from pagedllm.conformance.suite import run_suite
@@ -72,6 +73,7 @@ ALL_DTYPES = ("float32", "bfloat16", "float16")
         ("broken-reused-chunk-buffer", {f"decode_attention {d}" for d in ALL_DTYPES}, "a batch of 96 requests"),
         ("broken-softmax-without-max", {f"large_scores {d}" for d in ALL_DTYPES}, "off by inf"),
         ("broken-argmax-last-of-ties", {"argmax"}, "want"),
+        ("broken-lora-one-slot", {f"lora {d}" for d in ALL_DTYPES}, "(slots ["),
         ("broken-bitmask-last-word", {"token_bitmask"}, "differ from the mask"),
         ("broken-window-ignored", {f"sliding_window {d}" for d in ALL_DTYPES}, "window="),
         ("broken-soft-cap-ignored", {f"soft_cap {d}" for d in ALL_DTYPES}, "soft_cap="),
@@ -170,11 +172,11 @@ def test_cli_exits_nonzero_on_failure_and_writes_json(plugins_installed, tmp_pat
     )
     assert proc.returncode == 1
     assert "FAIL" in proc.stdout and "decode_attention float32" in proc.stdout
-    assert "contract version 6;" in proc.stdout  # the table's header says what it was written for
+    assert f"contract version {CONTRACT_VERSION};" in proc.stdout  # the table's header: what it was written for
     assert '"ok": false' in out.read_text()
     # the support matrix beside it: what it declares, and per dtype what passed
     matrix = (tmp_path / "r.md").read_text()
-    assert "## broken-no-softmax-scale" in matrix and "contract version 6" in matrix
+    assert "## broken-no-softmax-scale" in matrix and f"contract version {CONTRACT_VERSION}" in matrix
     decode = next(line for line in matrix.splitlines() if line.startswith("| decode_attention |"))
     assert decode.count("FAIL") == 3, decode  # float32, bfloat16 and float16 all fail
     assert "| write_kv | pass" in matrix

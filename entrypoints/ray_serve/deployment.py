@@ -198,6 +198,9 @@ class Ingress:
             answer = self.engines.options(stream=True).forward.remote(forwarded)
             try:
                 status, headers, first = await answer.__anext__()
+            except asyncio.CancelledError:  # the client left before the answer began
+                answer.cancel()
+                raise
             except REPLICA_FAILED:
                 logger.warning(
                     "a replica failed before answering %s %s%s",

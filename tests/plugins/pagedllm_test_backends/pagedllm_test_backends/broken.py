@@ -143,6 +143,16 @@ class ArgmaxLastOfTies(CpuAttentionOps):
         return scores.shape[-1] - 1 - scores.flip(-1).argmax(dim=-1)
 
 
+class LoraOneSlot(CpuAttentionOps):
+    """A multi-LoRA product that reads the first row's adapter for every row (one slot for the
+    whole batch): right for a batch of one adapter, wrong wherever adapters mix."""
+
+    name = "broken-lora-one-slot"
+
+    def add_lora(self, out, x, lora_a, lora_b, slots, scales):
+        super().add_lora(out, x, lora_a, lora_b, torch.full_like(slots, int(slots[0])), scales)
+
+
 class SoftmaxWithoutMax(CpuAttentionOps):
     """exp(score) / sum(exp(score)) in float32 without subtracting the max first: fine for
     scores of a few units, inf/inf = NaN once a score passes ~88."""
