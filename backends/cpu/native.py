@@ -101,6 +101,8 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         + [*[_i64] * 4, ctypes.c_int],
         "pagedllm_silu_and_mul_f32": [_p, _p, _i64, _i64, ctypes.c_int],
         "pagedllm_argmax_rows_f32": [_p, _i64, _i64, _i64, _p, ctypes.c_int],
+        # out, out stride, x, x stride, rows, in, out width, A, B, rank, slots, scales, threads
+        "pagedllm_add_lora_f32": [_p, _i64, _p, *[_i64] * 4, _p, _p, _i64, _p, _p, ctypes.c_int],
         "pagedllm_apply_token_bitmask_f32": [_p, _i64, _p, _i64, _i64, _i64, ctypes.c_int],
         "pagedllm_rotary_f32": [_p, _i64, _p, _p, _p, _i64, _i64, _i64, ctypes.c_int],
         # the replayed bfloat16 step's: the f32 signatures with a MIXED_* `formats` before threads
@@ -308,6 +310,31 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
         x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads()
     )
     return out
+
+
+def add_lora(out, x, lora_a, lora_b, slots, scales) -> None:
+    """AttentionOps.add_lora for float32 (rows of x and out may be strided, values contiguous)."""
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if out.stride(1) != 1:
+        raise ValueError("add_lora needs out's rows contiguous")
+    lora_a, lora_b = lora_a.contiguous(), lora_b.contiguous()
+    slots, scales = slots.to(torch.int32).contiguous(), scales.float().contiguous()
+    _library().pagedllm_add_lora_f32(
+        out.data_ptr(),
+        out.stride(0),
+        x.data_ptr(),
+        x.stride(0),
+        x.shape[0],
+        x.shape[1],
+        out.shape[1],
+        lora_a.data_ptr(),
+        lora_b.data_ptr(),
+        lora_a.shape[1],
+        slots.data_ptr(),
+        scales.data_ptr(),
+        torch.get_num_threads(),
+    )
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:

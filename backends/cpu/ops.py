@@ -34,6 +34,7 @@ from .step_replay import capture_step_replay
 REPLAYED_OPS = ("decode_attention", "write_kv")  # what a replayed decode step calls of this class
 DECODE_GROUPS = 4  # at most this many context-length groups per decode batch
 DECODE_GROUP_MIN = 8  # requests per group, at least
+LORA_ROWS_PER_ROW_KERNEL = 64  # add_lora: the compiled per-row product up to this many rows
 
 
 def attend(
@@ -176,6 +177,14 @@ class CpuAttentionOps(AttentionOps):
         ):
             return native.argmax_rows(scores)
         return super().argmax(scores)
+
+    def add_lora(self, out, x, lora_a, lora_b, slots, scales):
+        # per row (BGMV) where rows are few, as in decode steps; a long prefill's rows share an
+        # adapter, and torch's GEMMs per adapter (the default) read each one once
+        compiled = native.unavailable_reason() is None
+        if compiled and x.shape[0] <= LORA_ROWS_PER_ROW_KERNEL and out.dtype == x.dtype == torch.float32:
+            return native.add_lora(out, x, lora_a, lora_b, slots, scales)
+        return super().add_lora(out, x, lora_a, lora_b, slots, scales)
 
     def apply_token_bitmask(self, logits, bitmask):
         compiled = native.unavailable_reason() is None

@@ -1094,6 +1094,40 @@ void pagedllm_apply_token_bitmask_f32(float* logits, int64_t row_stride, const i
   }
 }
 
+// Multi-LoRA (BGMV: each row its own adapter), in place: out[t] += scale[s] * B[s] (A[s] x[t]) for
+// every row t whose slot s = slots[t] >= 0. A: [slots, rank, in], B: [slots, out, rank], both
+// contiguous; rows of x and out are row_stride apart. One row's rank-sized product stays on the
+// stack; the adapters' A and B are read once per row, from cache where rows share an adapter.
+void pagedllm_add_lora_f32(float* out, int64_t out_stride, const float* x, int64_t x_stride, int64_t rows,
+                           int64_t width_in, int64_t width_out, const float* lora_a, const float* lora_b,
+                           int64_t rank, const int32_t* slots, const float* scales, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * (width_in + width_out) * rank >= 262144)
+  for (int64_t t = 0; t < rows; ++t) {
+    const int32_t s = slots[t];
+    if (s < 0) continue;
+    std::vector<float> shrunk(rank);
+    const float* xt = x + t * x_stride;
+    const float* a = lora_a + s * rank * width_in;
+    for (int64_t r = 0; r < rank; ++r) {
+      const float* ar = a + r * width_in;
+      float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t i = 0; i < width_in; ++i) acc += xt[i] * ar[i];
+      shrunk[r] = acc * scales[s];
+    }
+    const float* b = lora_b + s * width_out * rank;
+    float* ot = out + t * out_stride;
+    const float* u = shrunk.data();
+    for (int64_t o = 0; o < width_out; ++o) {
+      const float* bo = b + o * rank;
+      float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t r = 0; r < rank; ++r) acc += u[r] * bo[r];
+      ot[o] += acc;
+    }
+  }
+}
+
 void pagedllm_silu_and_mul_f32(const float* x, float* out, int64_t rows, int64_t size, int num_threads) {
   silu_and_mul(x, out, rows, size, num_threads);
 }
