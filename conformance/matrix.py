@@ -30,7 +30,8 @@ def declarations(cls) -> dict:
 
     optional = ("set_device", "compute_threads", "default_dtype", "kv_cache_blocks", "pin_memory")
     optional += ("capture_graphs", "synchronize")
-    optional += ("argmax", "prepare_model", "quantized_linear", "copy_blocks", "swap_blocks")
+    optional += ("argmax", "apply_token_bitmask", "add_lora", "prepare_model", "quantized_linear", "copy_blocks")
+    optional += ("swap_blocks",)
     return {
         "contract_version": cls.contract_version,
         # members with a default the backend replaces: its graph capture, memory query, own

@@ -87,7 +87,7 @@ def test_triton_kernels_pass_the_op_checks_under_the_interpreter(tmp_path, backg
     cached prefix: multi_token_decode's long contexts check it here) and the real models'
     shapes are run by hand (README), and the sm_90 compilation is checked below."""
     checks = ["write_kv", "decode_attention", "prefill_attention", "large_scores", "sliding_window", "soft_cap"]
-    checks += ["kv_cache", "multi_token_decode", "shared_blocks", "output_buffers", "argmax", "token_bitmask"]
+    checks += ["kv_cache", "multi_token_decode", "shared_blocks", "output_buffers", "argmax", "token_bitmask", "lora"]
     proc = conformance(
         "cuda-triton",
         "--ops-only",
@@ -102,7 +102,7 @@ def test_triton_kernels_pass_the_op_checks_under_the_interpreter(tmp_path, backg
     report = json.loads((tmp_path / "r.json").read_text())
     names = [c["check"] for c in report["checks"]]
     assert report["ok"] and {"decode_attention float32", "prefill_attention float32"} <= set(names)
-    assert {"large_scores float32", "multi_token_decode float32"} <= set(names)
+    assert {"large_scores float32", "multi_token_decode float32", "lora float32"} <= set(names)
     assert not any("bfloat16" in n for n in names)
     assert all(c["cases"] > 0 for c in report["checks"])
 
@@ -160,6 +160,8 @@ STUB(launch_paged_attention, DType, void*, const void*, const void*, const void*
 STUB(launch_reduce, DType, void*, const float*, const float*, const float*, int, int, int, int, int64_t, int64_t,
      void*)
 STUB(launch_copy_blocks, DType, void*, const int64_t*, int, int, int64_t, int64_t, void*)
+STUB(launch_add_lora, DType, void*, const void*, const void*, const void*, const int*, const float*, int, int, int,
+     int, int64_t, int64_t, void*)
 }
 """
 
@@ -169,6 +171,7 @@ torch.ops.load_library(sys.argv[1])
 ops = torch.ops.pagedllm_native
 print(ops.write_kv.default._schema)
 print(ops.write_kv_codes.default._schema)
+print(ops.add_lora.default._schema)
 t = torch.zeros(2, 1, 4)
 try:
     ops.write_kv(t, t, torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4), torch.zeros(2, dtype=torch.int64), 0)
@@ -187,6 +190,7 @@ def test_torch_binding_builds_registers_its_operators_and_checks_devices(backgro
     proc = subprocess.run([sys.executable, "-c", LOAD_AND_CALL, str(lib)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "pagedllm_native::write_kv(Tensor" in proc.stdout and "pagedllm_native::write_kv_codes(Tensor" in proc.stdout
+    assert "pagedllm_native::add_lora(Tensor" in proc.stdout
     assert "refused: cuda-native: key must be a CUDA tensor" in proc.stdout, proc.stdout
 
 

@@ -51,6 +51,13 @@ extern "C" const char* emulated_write_codes(int dtype, int codes, const void* ke
       v_cache, k_scales, v_scales, slots, tokens, kv_heads, head_size, block_size, kst, ksh, vst, vsh, csb, css, csh,
       ssb, sss, nullptr);
 }
+
+extern "C" const char* emulated_add_lora(int dtype, void* out, const void* x, const void* a, const void* b,
+    const int* slots, const float* scales, int rows, int width_in, int width_out, int rank, int64_t osr, int64_t xsr) {
+  using namespace pagedllm;
+  return launch_add_lora(static_cast<DType>(dtype), out, x, a, b, slots, scales, rows, width_in, width_out, rank,
+                         osr, xsr, nullptr);
+}
 """
 
 
@@ -60,7 +67,7 @@ def emulated_source() -> str:
     with open(os.path.join(CSRC, "kernels.cu")) as f:
         source = f.read()
     source, launches = re.subn(r"([\w:]+(?:<[^<>;]*>)?)<<<([^;]*?)>>>\(", r"::emu::launch(\2, \1, ", source)
-    assert launches == 5, f"expected the five kernel launches of kernels.cu, rewrote {launches}"
+    assert launches == 6, f"expected the six kernel launches of kernels.cu, rewrote {launches}"
     return source + SHIM
 
 
@@ -81,6 +88,8 @@ def emulated(tmp_path_factory) -> ctypes.CDLL:
     attention = [i32, *[ptr] * 7, *[i32] * 6, ctypes.c_float, i32, ctypes.c_float, *[i64] * 7, i32, i32]
     lib.emulated_attention.argtypes = [*attention, *[ptr] * 3, i32, ptr, ptr, i64, i64]
     lib.emulated_write_codes.argtypes = [i32, i32, *[ptr] * 7, *[i32] * 4, *[i64] * 9]
+    lib.emulated_add_lora.restype = ctypes.c_char_p
+    lib.emulated_add_lora.argtypes = [i32, *[ptr] * 6, *[i32] * 4, i64, i64]
     return lib
 
 
@@ -262,3 +271,42 @@ def test_8bit_caches_write_as_torch_and_attend_over_codes_times_scales(emulated,
     chunk = run_attention(emulated.emulated_attention, case, request[2:], position[2:], 1, scales)
     out = torch.cat([decode[:2], chunk]).double()
     assert (out - case.expected).abs().max().item() <= TOLERANCE[torch.bfloat16] * case.expected.abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_lora_adds_each_rows_adapter_and_leaves_rows_without_one(emulated, dtype):
+    """Four adapters of rank 24 (not a multiple of the four warps' stride), rows of each and of
+    none mixed; out's rows strided (a view of a wider buffer, as a fused projection's slice is)."""
+    gen = torch.Generator().manual_seed(3)
+    rows, width_in, width_out, rank = 11, 70, 45, 24
+    a = (torch.randn(4, rank, width_in, generator=gen) * 0.1).to(dtype)
+    b = (torch.randn(4, width_out, rank, generator=gen) * 0.1).to(dtype)
+    scales = torch.tensor([2.0, 0.5, 1.0, 0.25])
+    slots = torch.tensor([3, 3, -1, 0, 1, 2, -1, 2, 0, 1, 3], dtype=torch.int32)
+    x = torch.randn(rows, width_in, generator=gen).to(dtype)
+    wide = torch.randn(rows, width_out + 7, generator=gen).to(dtype)
+    before = wide.clone()
+    out = wide[:, 3 : 3 + width_out]
+    want = out.double().clone()
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            want[t] += (x[t].double() @ a[s].double().T) @ b[s].double().T * scales[s].item()
+    error = emulated.emulated_add_lora(
+        DTYPES[dtype],
+        out.data_ptr(),
+        x.data_ptr(),
+        a.data_ptr(),
+        b.data_ptr(),
+        slots.data_ptr(),
+        scales.data_ptr(),
+        rows,
+        width_in,
+        width_out,
+        rank,
+        out.stride(0),
+        x.stride(0),
+    )
+    assert error is None, error
+    assert (out.double() - want).abs().max().item() <= TOLERANCE[dtype] * 2
+    assert torch.equal(wide[:, :3], before[:, :3]) and torch.equal(wide[:, 3 + width_out :], before[:, 3 + width_out :])
+    assert torch.equal(wide[2], before[2]) and torch.equal(wide[6], before[6])  # the rows without an adapter

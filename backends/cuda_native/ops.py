@@ -136,6 +136,15 @@ class NativeCudaAttentionOps(CudaPlatform, AttentionOps):
             query, kv_cache, meta.block_tables, request.int(), position.int(), scale, 1, window, soft_cap, kv_scales
         )
 
+    def add_lora(self, out, x, lora_a, lora_b, slots, scales):
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        if out.stride(1) != 1 or x.dtype != out.dtype:
+            return super().add_lora(out, x, lora_a, lora_b, slots, scales)
+        lora_a, lora_b = lora_a.to(out.dtype).contiguous(), lora_b.to(out.dtype).contiguous()
+        slots, scales = slots.to(torch.int32).contiguous(), scales.float().contiguous()
+        self.ext.add_lora(out, x, lora_a, lora_b, slots, scales, self._stream())
+
     def copy_blocks(self, kv_caches, pairs):
         if not pairs:
             return

@@ -8,6 +8,7 @@ token position p of a request lives in block table[p // block_size], slot p % bl
 - prefill: one program per (request, block of queries, query head), flash-attention style
   online softmax over the cached prefix and the new tokens, causal with the prefix offset.
 - copy_blocks: one program per (block pair, layer x K/V).
+- add_lora: one program per row: its adapter's shrink and expand (multi-LoRA; BGMV).
 
 8-bit KV caches (KV_CODES 1 int8, 2 fp8_e4m3, 3 fp8_e5m2; backends/kv_cache.py): the codes are
 read as int8 and widened by bit placement (the same for every GPU generation and for the
@@ -476,3 +477,48 @@ def copy_blocks_kernel(cache_ptr, pairs_ptr, stride_layer, BLOCK_ELEMS: tl.const
         offs = i + tl.arange(0, CHUNK)
         mask = offs < BLOCK_ELEMS
         tl.store(base + dst * BLOCK_ELEMS + offs, tl.load(base + src * BLOCK_ELEMS + offs, mask=mask), mask=mask)
+
+
+@triton.jit
+def add_lora_kernel(
+    out_ptr,
+    x_ptr,
+    a_ptr,
+    b_ptr,
+    slots_ptr,
+    scales_ptr,
+    stride_ot,
+    stride_xt,
+    width_in,
+    width_out,
+    rank,
+    RANK: tl.constexpr,
+    TILE_IN: tl.constexpr,
+    TILE_OUT: tl.constexpr,
+):
+    """One program per row: shrink x[t] to its adapter's rank (A [slots, rank, in]), scale,
+    expand (B [slots, out, rank]) and add into out[t], in float32; a row of slot -1 is left."""
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + t)
+    n_in = tl.where(slot >= 0, width_in, 0)  # a row without an adapter reads and writes nothing
+    n_out = tl.where(slot >= 0, width_out, 0)
+    s = tl.maximum(slot, 0).to(tl.int64)
+    r = tl.arange(0, RANK)
+    rmask = r < rank
+    a_base = a_ptr + s * rank * width_in
+    shrunk = tl.zeros([RANK], dtype=tl.float32)
+    for i0 in range(0, width_in, TILE_IN):
+        i = i0 + tl.arange(0, TILE_IN)
+        imask = i < n_in
+        xv = tl.load(x_ptr + t * stride_xt + i, mask=imask, other=0.0).to(tl.float32)
+        av = tl.load(a_base + r[:, None] * width_in + i[None, :], mask=rmask[:, None] & imask[None, :], other=0.0)
+        shrunk += tl.sum(av.to(tl.float32) * xv[None, :], axis=1)
+    shrunk = shrunk * tl.load(scales_ptr + s)
+    b_base = b_ptr + s * width_out * rank
+    for o0 in range(0, width_out, TILE_OUT):
+        o = o0 + tl.arange(0, TILE_OUT)
+        omask = o < n_out
+        bv = tl.load(b_base + o[:, None] * rank + r[None, :], mask=omask[:, None] & rmask[None, :], other=0.0)
+        delta = tl.sum(bv.to(tl.float32) * shrunk[None, :], axis=1)
+        cur = tl.load(out_ptr + t * stride_ot + o, mask=omask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + t * stride_ot + o, (cur + delta).to(out_ptr.dtype.element_ty), mask=omask)

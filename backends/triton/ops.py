@@ -268,6 +268,31 @@ class TritonAttentionOps(CudaPlatform, AttentionOps):
         )
         return out
 
+    def add_lora(self, out, x, lora_a, lora_b, slots, scales):
+        if x.shape[0] == 0:
+            return
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        if out.stride(1) != 1:  # a view of columns with a stride: the default's indexing handles it
+            return super().add_lora(out, x, lora_a, lora_b, slots, scales)
+        rank = lora_a.shape[1]
+        self.k.add_lora_kernel[(x.shape[0],)](
+            out,
+            x,
+            lora_a.contiguous(),
+            lora_b.contiguous(),
+            slots.to(torch.int32).contiguous(),
+            scales.float().contiguous(),
+            out.stride(0),
+            x.stride(0),
+            x.shape[1],
+            out.shape[1],
+            rank,
+            RANK=max(16, _next_pow2(rank)),
+            TILE_IN=min(128, max(16, _next_pow2(x.shape[1]))),
+            TILE_OUT=min(64, max(16, _next_pow2(out.shape[1]))),
+        )
+
     def copy_blocks(self, kv_caches, pairs):
         if not pairs:
             return

@@ -123,6 +123,18 @@ void copy_blocks(at::Tensor caches, at::Tensor pairs, int64_t stream) {
                "copy_blocks");
 }
 
+// out [rows, out] and x [rows, in] (values contiguous), lora_a [slots, rank, in], lora_b [slots, out, rank]
+// (contiguous, out's dtype), scales float32 [slots], slots int32 [rows]
+void add_lora(at::Tensor out, at::Tensor x, at::Tensor lora_a, at::Tensor lora_b, at::Tensor slots,
+              at::Tensor scales, int64_t stream) {
+  check_cuda(out, "out");
+  check_launch(pagedllm::launch_add_lora(dtype_of(out), out.data_ptr(), x.data_ptr(), lora_a.data_ptr(),
+                                         lora_b.data_ptr(), slots.data_ptr<int>(), scales.data_ptr<float>(),
+                                         x.size(0), x.size(1), out.size(1), lora_a.size(1), out.stride(0),
+                                         x.stride(0), stream_of(stream)),
+               "add_lora");
+}
+
 }  // namespace
 
 // Registered as torch operators (torch.ops.pagedllm_native.*) rather than a Python module: the
@@ -132,4 +144,5 @@ TORCH_LIBRARY(pagedllm_native, m) {
   m.def("write_kv_codes", &write_kv_codes);  // the same into an 8-bit cache, with each row's scale
   m.def("paged_attention", &paged_attention);  // attention over paged K/V, one query token per row
   m.def("copy_blocks", &copy_blocks);    // copy KV blocks (copy-on-write) in every layer
+  m.def("add_lora", &add_lora);          // multi-LoRA: each row's adapter's shrink and expand
 }

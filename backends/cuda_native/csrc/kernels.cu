@@ -92,6 +92,16 @@ template <typename T> struct CopyBlocks {
   }
 };
 
+template <typename T> struct AddLora {
+  static void run(void* out, const void* x, const void* lora_a, const void* lora_b, const int* slots,
+                  const float* scales, int rows, int width_in, int width_out, int rank, int64_t osr, int64_t xsr,
+                  cudaStream_t stream) {
+    add_lora_kernel<T><<<rows, kThreads, sizeof(float) * rank, stream>>>(
+        static_cast<T*>(out), static_cast<const T*>(x), static_cast<const T*>(lora_a), static_cast<const T*>(lora_b),
+        slots, scales, width_in, width_out, rank, osr, xsr);
+  }
+};
+
 // The error of the launch just made (bad configuration, no kernel image for this GPU, ...);
 // reading it also clears it, so it cannot surface later at an unrelated call.
 const char* launch_error() {
@@ -161,6 +171,15 @@ const char* launch_copy_blocks(DType dtype, void* caches, const int64_t* pairs, 
   if (num_pairs == 0) return nullptr;
   dispatch<CopyBlocks>(dtype, caches, pairs, num_pairs, layers, layer_stride, block_elems,
                        static_cast<cudaStream_t>(stream));
+  return launch_error();
+}
+
+const char* launch_add_lora(DType dtype, void* out, const void* x, const void* lora_a, const void* lora_b,
+                            const int* slots, const float* scales, int rows, int width_in, int width_out, int rank,
+                            int64_t out_stride_row, int64_t x_stride_row, void* stream) {
+  if (rows == 0 || rank == 0) return nullptr;
+  dispatch<AddLora>(dtype, out, x, lora_a, lora_b, slots, scales, rows, width_in, width_out, rank, out_stride_row,
+                    x_stride_row, static_cast<cudaStream_t>(stream));
   return launch_error();
 }
 

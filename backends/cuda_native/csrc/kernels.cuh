@@ -416,5 +416,39 @@ __global__ void copy_blocks_kernel(T* __restrict__ caches, const int64_t* __rest
     layer[dst * block_elems + i] = layer[src * block_elems + i];
 }
 
+// Multi-LoRA (BGMV: each row its own adapter): one block per row. Each warp shrinks x[row] onto
+// ranks warp, warp + kWarps, ... of its adapter's A [slots, rank, in] (lanes stride the input,
+// a shuffle sums them) into shared memory; then each thread expands outputs tid, tid + kThreads,
+// ... with B [slots, out, rank] and adds them to out[row]. A row of slot -1 is left as it is.
+template <typename T>
+__global__ void add_lora_kernel(T* __restrict__ out, const T* __restrict__ x, const T* __restrict__ lora_a,
+                                const T* __restrict__ lora_b, const int* __restrict__ slots,
+                                const float* __restrict__ scales, int width_in, int width_out, int rank,
+                                int64_t out_stride_row, int64_t x_stride_row) {
+  extern __shared__ float smem[];
+  float* shrunk = smem;  // [rank]
+  const int64_t row = blockIdx.x;
+  const int slot = slots[row];
+  if (slot < 0) return;  // the whole block leaves together: no barrier is skipped
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const T* xr = x + row * x_stride_row;
+  const T* a = lora_a + static_cast<int64_t>(slot) * rank * width_in;
+  for (int r = warp; r < rank; r += kWarps) {
+    float acc = 0.f;
+    const T* ar = a + static_cast<int64_t>(r) * width_in;
+    for (int i = lane; i < width_in; i += 32) acc += to_float(xr[i]) * to_float(ar[i]);
+    acc = lanes_sum(acc, 32);
+    if (lane == 0) shrunk[r] = acc * scales[slot];
+  }
+  __syncthreads();
+  const T* b = lora_b + static_cast<int64_t>(slot) * width_out * rank;
+  T* o = out + row * out_stride_row;
+  for (int j = threadIdx.x; j < width_out; j += blockDim.x) {
+    float acc = 0.f;
+    for (int r = 0; r < rank; ++r) acc += shrunk[r] * to_float(b[static_cast<int64_t>(j) * rank + r]);
+    o[j] = from_float<T>(to_float(o[j]) + acc);
+  }
+}
+
 }  // namespace kernels
 }  // namespace pagedllm

@@ -58,6 +58,14 @@ const char* launch_reduce(DType dtype, void* out, const float* part_out, const f
 const char* launch_copy_blocks(DType dtype, void* caches, const int64_t* pairs, int num_pairs, int layers,
                         int64_t layer_stride, int64_t block_elems, void* stream);
 
+// Multi-LoRA, in place: out[t] += scales[s] * lora_b[s] @ (lora_a[s] @ x[t]) for each row t whose
+// slot s = slots[t] >= 0. x [rows, in] and out [rows, out] (rows their strides apart, values
+// contiguous), lora_a [slots, rank, in], lora_b [slots, out, rank] contiguous, all of dtype;
+// scales float32, slots int32, on the device.
+const char* launch_add_lora(DType dtype, void* out, const void* x, const void* lora_a, const void* lora_b,
+                            const int* slots, const float* scales, int rows, int width_in, int width_out, int rank,
+                            int64_t out_stride_row, int64_t x_stride_row, void* stream);
+
 // Head sizes and GQA groups the attention kernel supports: head sizes up to 256 and a multiple of
 // 8 (whole 16-byte loads of 16-bit K/V), groups up to 16.
 constexpr int kMaxHeadSize = 256;
