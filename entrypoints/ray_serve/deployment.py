@@ -186,11 +186,12 @@ class Ingress:
         path = request.url.path
         if request.method == "GET" and path in ("/health", "/load", "/metrics"):
             return await getattr(self, path[1:])()
-        body = b""
+        received = bytearray()
         async for part in request.stream():
-            body += part
-            if len(body) > self.max_request_bytes:  # the replica refuses it, naming the limit
+            received += part
+            if len(received) > self.max_request_bytes:  # the replica refuses it, naming the limit
                 break
+        body = bytes(received)
         forwarded = ForwardedRequest(
             request.method, path, request.url.query.encode(), list(request.scope["headers"]), body, routing_prefix(body)
         )
@@ -221,7 +222,10 @@ class Ingress:
         """`method`'s answer from every running replica (None where one did not answer)."""
         ids = replica_ids(ENGINES)
         if not ids:  # this process's router starts with its first call
-            await asyncio.wait_for(self.engines.status.remote(), FANOUT_TIMEOUT_S)
+            try:
+                await asyncio.wait_for(self.engines.status.remote(), FANOUT_TIMEOUT_S)
+            except (*REPLICA_FAILED, asyncio.TimeoutError):
+                pass
             ids = replica_ids(ENGINES)
 
         answers = []
