@@ -6,6 +6,8 @@ killed under load is replaced while the endpoint keeps answering."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -97,20 +99,29 @@ def test_a_replica_killed_under_load_is_replaced_and_the_endpoint_keeps_answerin
             started.release()
             return f"failed: {e}"
 
-    with ThreadPoolExecutor(8) as pool:
+    def whole(i: int) -> str:  # not streamed: nothing reaches the client before the answer is done
+        reply = api.completions.create(
+            model=model, prompt=f"whole {i}", max_tokens=300, extra_body={"ignore_eos": True}
+        )
+        return reply.choices[0].finish_reason
+
+    with ThreadPoolExecutor(12) as pool:
+        wholes = [pool.submit(whole, i) for i in range(4)]
         results = [pool.submit(one, i) for i in range(8)]
         for _ in range(8):
             started.acquire(timeout=30)
-        import os
-        import signal
-
         os.kill(victim, signal.SIGKILL)
         outcomes = [r.result() for r in results]
+        whole_outcomes = [w.result() for w in wholes]
     completed = sum(o == "completed" for o in outcomes)
     failed = [o for o in outcomes if o != "completed"]
-    print(f"replica killed under load: {completed} of 8 requests completed, {len(failed)} failed: {failed}")
+    print(f"replica killed under load: {completed} of 8 streams completed, {len(failed)} failed: {failed}")
     # new requests go to the least loaded replica: both had some
     assert completed >= 1 and failed and all(o.startswith("failed") for o in failed)
+    # an answer not begun when its replica died was sent to the other replica: none failed
+    assert whole_outcomes == ["length"] * 4
+    retried = sum("sending it to another" in line for line in server.output)
+    print(f"{retried} of the 4 whole answers were retried on the other replica")
     # the endpoint answers at once, from the replica that is left (or the new one)
     for i in range(4):
         reply = api.completions.create(model=model, prompt=f"after {i}", max_tokens=4)
