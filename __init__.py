@@ -11,6 +11,7 @@ __all__ = [
     "SamplingParams",
     "StructuredOutputsParams",
     "BeamSearchParams",
+    "LoRARequest",
     "InvalidParameter",
     "RequestFailed",
     "RequestOutput",
@@ -32,6 +33,10 @@ def __getattr__(name):
         from pagedllm.core import sampling_params
 
         return getattr(sampling_params, name)
+    if name == "LoRARequest":
+        from pagedllm.core.lora import LoRARequest
+
+        return LoRARequest
     if name == "StructuredOutputsParams":
         from pagedllm.core.sampling_params import StructuredOutputsParams
 

@@ -23,6 +23,7 @@ class SeqInput:
     token_ids: list[int]  # the tokens computed this step
     start_pos: int  # tokens already in the cache (num_computed_tokens)
     block_ids: list[int]  # the request's block table, covering start_pos + len(token_ids)
+    lora_slot: int = -1  # its LoRA adapter's slot (backends/lora.py), -1: the base model
 
 
 @dataclass
@@ -32,6 +33,7 @@ class StepBatch:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # row of each request's last token, in the caller's order
     first_rows: np.ndarray  # row of each request's first token, in the caller's order
+    lora_rows: torch.Tensor | None = None  # int32 adapter slot of each token row; None: no adapter
 
 
 def prepare_batch(seqs: list[SeqInput], block_size: int, device="cpu") -> StepBatch:
@@ -86,12 +88,17 @@ def prepare_batch(seqs: list[SeqInput], block_size: int, device="cpu") -> StepBa
         decode=decode,
         prefill=prefill,
     )
+    lora_rows = None
+    if any(s.lora_slot >= 0 for s in seqs):
+        slots = np.array([seqs[i].lora_slot for i in order], dtype=np.int32)
+        lora_rows = torch.from_numpy(np.repeat(slots, q_lens)).to(device)
     return StepBatch(
         torch.from_numpy(input_ids).to(device),
         torch.from_numpy(positions).to(device),
         meta,
         torch.from_numpy(logits_rows).to(device),
         first_rows,
+        lora_rows,
     )
 
 
@@ -112,6 +119,7 @@ class ModelRunner:
         self.device = device
         # what replays steps (Platform.capture_graphs: gpu.DecodeGraphs, cpu.StepReplay), or None
         self.replay = None
+        self.lora = None  # backends/lora.py's LoRASlots where the engine serves adapters
 
     @torch.inference_mode()
     def execute(self, seqs: list[SeqInput]) -> torch.Tensor:
@@ -151,7 +159,10 @@ class ModelRunner:
         if wanted:
             extra = [np.arange(batch.first_rows[i], batch.first_rows[i] + n) for i, n in wanted.items()]
             keep = torch.cat([keep, torch.from_numpy(np.concatenate(extra)).to(self.device)])
-        if batch.meta.prefill is None and not wanted:  # every row is some request's last token
+        plain = batch.meta.prefill is None and not wanted  # every row is some request's last token
+        if self.lora is not None:
+            self.lora.set_rows(batch.lora_rows, None if plain else keep)
+        if plain:
             hidden = self.model(batch.input_ids, batch.positions, self.layer_caches, batch.meta, self.ops)
             return hidden[keep], {}
         hidden = self.model(batch.input_ids, batch.positions, self.layer_caches, batch.meta, self.ops, keep)

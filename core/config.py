@@ -94,6 +94,8 @@ class SchedulerConfig(_FromEngine, msgspec.Struct, kw_only=True):
     # structured outputs: tokens the grammar forces are appended at once, computed in one chunk
     jump_forward: bool = True
     speculative: SpeculativeConfig | None = None
+    enable_lora: bool = False
+    max_loras: int = 1  # distinct adapters in one step
 
     def __post_init__(self):
         _check_positive(self, ("max_num_seqs", "max_num_batched_tokens", "max_model_len"))
@@ -324,6 +326,10 @@ class EngineOptions:
         "from 1 to the host's cores shared among its ranks)",
     )
     enforce_eager: bool = option(False, "no graph capture of decode steps (GPUs: CUDA graphs)")
+    enable_lora: bool = option(False, "serve LoRA adapters (PEFT folders) beside the base model, per request")
+    max_loras: int = option(1, "LoRA adapters one step may mix (their weights resident at once)")
+    max_lora_rank: int = option(16, "the largest LoRA rank an adapter may have")
+    max_cpu_loras: int | None = option(None, "LoRA adapters kept in host memory (default: max_loras)")
     max_worker_restarts: int = option(3, "workers replaced within 10 minutes before the engine gives up")
     jump_forward: bool = option(
         True, "structured outputs: tokens the grammar forces are appended without sampling, computed in one chunk"
@@ -379,6 +385,17 @@ class EngineOptions:
     )
 
 
+def _check_lora(cfg) -> None:
+    """What LoRA serving composes with so far: one rank, no speculation, generation."""
+    _check_positive(cfg, ("max_loras", "max_lora_rank", "max_cpu_loras"))
+    if cfg.max_cpu_loras is not None and cfg.max_cpu_loras < cfg.max_loras:
+        raise InvalidParameter("max_cpu_loras", f"must be >= max_loras ({cfg.max_loras}), got {cfg.max_cpu_loras}")
+    if cfg.tensor_parallel_size > 1:
+        raise InvalidParameter("enable_lora", "LoRA adapters are served on one rank so far (tensor_parallel_size 1)")
+    if cfg.speculative_config is not None:
+        raise InvalidParameter("enable_lora", "LoRA adapters do not run with speculative decoding yet")
+
+
 class _EngineConfigChecks(msgspec.Struct, kw_only=True):
     """EngineConfig's checks; its fields are EngineOptions' (make_engine_config)."""
 
@@ -407,6 +424,8 @@ class _EngineConfigChecks(msgspec.Struct, kw_only=True):
         if not 0 < self.gpu_memory_utilization <= 1:
             raise InvalidParameter("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
         _check_positive(self, ("tensor_parallel_size", "nnodes"))
+        if self.enable_lora:
+            _check_lora(self)
         if self.max_worker_restarts < 0:
             raise InvalidParameter("max_worker_restarts", f"must be >= 0, got {self.max_worker_restarts}")
         if self.tensor_parallel_size % self.nnodes:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
+from .lora import LoRARequest
 from .sampling_params import SamplingParams
 
 
@@ -19,6 +20,7 @@ class NewRequestData(msgspec.Struct, array_like=True):
     block_ids: list[int]
     num_computed_tokens: int
     eos_token_ids: list[int] = []
+    lora: LoRARequest | None = None
 
 
 class SchedulerOutput(msgspec.Struct, kw_only=True):

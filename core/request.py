@@ -7,6 +7,7 @@ import time
 
 import msgspec
 
+from .lora import LoRARequest
 from .sampling_params import SamplingParams
 from .utils import derive_seed
 
@@ -25,6 +26,7 @@ class EngineRequest(msgspec.Struct, kw_only=True):
     # structured outputs apply from the first sampling of this token on (a reasoning model's
     # `</think>`: the grammar constrains the answer, not the thinking); None: from the start
     structured_outputs_after: int | None = None
+    lora: LoRARequest | None = None  # the adapter the request runs under (None: the base model)
 
 
 class RequestStatus(enum.IntEnum):
@@ -101,6 +103,7 @@ class Request:
         "grammar_gate",
         "spec_backoff",
         "spec_misses",
+        "lora",
     )
 
     def __init__(
@@ -141,10 +144,11 @@ class Request:
         # its proposals in a row had no token confirmed (each doubles the wait)
         self.spec_backoff = 0
         self.spec_misses = 0
+        self.lora: LoRARequest | None = None
 
     @classmethod
     def from_engine_request(cls, req: EngineRequest, max_tokens: int) -> Request:
-        return cls(
+        request = cls(
             req.request_id,
             req.prompt_token_ids,
             req.sampling_params,
@@ -152,6 +156,14 @@ class Request:
             req.arrival_time or None,
             max_tokens,
         )
+        request.lora = req.lora
+        return request
+
+    @property
+    def first_block_parent(self) -> int | None:
+        """What the first block's hash chains from: nothing, or the adapter (the same tokens
+        under another adapter, or none, are other KV). Ints only: the same in every process."""
+        return None if self.lora is None else hash((-2, self.lora.lora_int_id))
 
     @property
     def fork_point(self) -> int:

@@ -21,7 +21,7 @@ class ProtocolError(RuntimeError):
 
 
 class RequestState:
-    __slots__ = ("token_ids", "num_prompt_tokens", "params", "block_ids", "num_computed", "eos_token_ids")
+    __slots__ = ("token_ids", "num_prompt_tokens", "params", "block_ids", "num_computed", "eos_token_ids", "lora")
 
     def __init__(
         self,
@@ -31,7 +31,9 @@ class RequestState:
         block_ids: list[int],
         num_computed: int,
         eos_token_ids: list[int],
+        lora=None,
     ):
+        self.lora = lora  # its LoRARequest, or None
         self.token_ids = token_ids
         self.num_prompt_tokens = num_prompt_tokens
         self.params = params
@@ -81,6 +83,7 @@ class WorkerState:
                 list(new.block_ids),
                 new.num_computed_tokens,
                 new.eos_token_ids,
+                new.lora,
             )
         for rid, (start, ids) in plan.block_table_deltas.items():
             blocks = requests[rid].block_ids

@@ -170,5 +170,6 @@ def start_engine(args: EngineArgs) -> tuple[EngineClient, InputProcessor]:
         ready.max_model_len,
         args.max_logprobs,
         parse_pooler_config(args.pooler_config) if args.runner == "pooling" else None,
+        (folder.config, config.max_lora_rank) if config.enable_lora else None,
     )
     return engine, inputs

@@ -9,6 +9,7 @@ import functools
 import msgspec
 
 from pagedllm.core.errors import InvalidParameter
+from pagedllm.core.lora import LoRARequest, read_adapter
 from pagedllm.core.request import EngineRequest
 from pagedllm.core.sampling_params import PoolingParams, SamplingParams, StructuredOutputsParams
 from pagedllm.core.scheduling.structured import grammar_of
@@ -20,14 +21,44 @@ Prompt = tuple[str | None, list[int]]  # (text if known, token ids)
 
 class InputProcessor:
     def __init__(
-        self, tokenizer, eos_token_ids: list[int], vocab_size: int, max_model_len: int, max_logprobs=20, pooler=None
+        self,
+        tokenizer,
+        eos_token_ids: list[int],
+        vocab_size: int,
+        max_model_len: int,
+        max_logprobs=20,
+        pooler=None,
+        lora: tuple[dict, int] | None = None,
     ):
+        """lora: (the model's config.json, max_lora_rank) where the engine serves adapters."""
+        self.lora = lora
+        self.adapters: dict[int, LoRARequest] = {}  # checked, by id
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_logprobs = max_logprobs  # -1: no limit
         self.pooler: PoolingParams | None = pooler  # --runner pooling: how prompts are pooled
+
+    def adapter(self, lora: LoRARequest | None) -> LoRARequest | None:
+        """A request's adapter, checked against the model (once per adapter), or None."""
+        if lora is None:
+            return None
+        if not isinstance(lora, LoRARequest):
+            raise InvalidParameter("lora_request", f"must be a LoRARequest, got {type(lora).__name__}")
+        if self.lora is None:
+            raise InvalidParameter("lora_request", "LoRA adapters need the engine started with enable_lora")
+        known = self.adapters.get(lora.lora_int_id)
+        if known is None:
+            read_adapter(lora, *self.lora)
+            self.adapters[lora.lora_int_id] = lora
+        elif known != lora:
+            raise InvalidParameter(
+                "lora_request",
+                f"lora_int_id {lora.lora_int_id} is adapter {known.lora_name!r} ({known.lora_path}): "
+                "each adapter needs its own id",
+            )
+        return lora
 
     def embedding_params(self) -> SamplingParams:
         """An embedding request's params (the engine's pooler config); refused unless the engine
@@ -143,6 +174,7 @@ class InputProcessor:
             eos_token_ids=self.eos_token_ids,
             arrival_time=arrival_time,
             structured_outputs_after=tracker.structured_outputs_after,
+            lora=tracker.lora,
         )
 
     def render_chat(

@@ -13,6 +13,7 @@ import time
 import msgspec
 
 from pagedllm.core.errors import InvalidParameter, rejection_error
+from pagedllm.core.lora import LoRARequest
 from pagedllm.core.protocol import EngineOutputs, EngineStats, RequestRejected
 from pagedllm.core.sampling_params import BeamSearchParams, SamplingParams
 
@@ -78,14 +79,23 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: list[int] | None = None,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """lora_request: the adapter every prompt runs under, or one per prompt (None: the base
+        model); the engine needs enable_lora."""
         items = self.inputs.prompts(prompts)
         params = per_prompt(sampling_params, len(items))
         if priority is not None:
             if len(priority) != len(items):
                 raise InvalidParameter("priority", f"needs one value per prompt ({len(items)}), got {len(priority)}")
             params = [msgspec.structs.replace(p, priority=pr) for p, pr in zip(params, priority)]
+        adapters = lora_request if isinstance(lora_request, list) else [lora_request] * len(items)
+        if len(adapters) != len(items):
+            raise InvalidParameter("lora_request", f"needs one per prompt ({len(items)}), got {len(adapters)}")
+        adapters = [self.inputs.adapter(a) for a in adapters]
         trackers = [self.inputs.tracker(item, p, str(next(self._ids))) for item, p in zip(items, params)]
+        for tracker, adapter in zip(trackers, adapters):
+            tracker.lora = adapter
         return self._run(trackers, use_tqdm)
 
     def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
@@ -123,10 +133,11 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.inputs.render_chat(conv, chat_template, add_generation_prompt) for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _run(self, trackers: list[RequestTracker], use_tqdm: bool) -> list[RequestOutput]:
         """Submit the requests in one message (the core admits them in one step) and fold the

@@ -80,6 +80,7 @@ class RequestTracker:
         self.beams = None  # a finished beam search: core.outputs.BeamResult list, best first
         self.timing = RequestTiming()
         self.structured_outputs_after: int | None = None  # see EngineRequest
+        self.lora = None  # its checked LoRARequest (EngineRequest.lora)
 
     def _decode_one(self, token: int) -> str | None:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else None

@@ -15,6 +15,8 @@ from pagedllm.core.errors import InvalidParameter
 from pagedllm.core.lora import TARGETS, LoRARequest, read_adapter
 from pagedllm.core.model_folder import model_folder
 
+from model_helpers import hf_greedy, random_prompt
+
 peft = pytest.importorskip("peft")
 
 
@@ -91,3 +93,72 @@ def test_bad_adapters_are_refused_naming_the_adapter_and_the_problem(llama, adap
     assert "is not a safetensors file" in refused(str(torn))
     with pytest.raises(InvalidParameter, match="lora_int_id must be >= 1"):
         read_adapter(LoRARequest("x", 0, adapter), model_folder(llama).config, 16)
+
+
+def peft_greedy(model_dir: str, adapter: str | None, prompts: list[list[int]], max_new: int, merged: bool = False):
+    """transformers + PEFT's greedy tokens for each prompt under `adapter` (None: the base)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter is not None:
+        model = peft.PeftModel.from_pretrained(model, adapter)
+        if merged:
+            model = model.merge_and_unload()
+    model.eval()
+    with torch.no_grad():
+        return [hf_greedy(model, p, max_new) for p in prompts]
+
+
+def test_greedy_under_adapters_equals_peft_alone_and_mixed_with_the_base(llama, adapter, tmp_path):
+    """Two adapters (ranks 8 and 16, different modules) and the base in one batch, each prompt
+    under its own: transformers + PEFT's tokens, adapters unmerged and merged. The same prompt
+    under another adapter shares no prefix-cache block with it; under the same one it does."""
+    from pagedllm import LLM, LoRARequest, SamplingParams
+
+    wide = make_adapter(
+        llama, str(tmp_path / "wide"), r=16, alpha=8, targets=("q_proj", "v_proj", "o_proj", "down_proj")
+    )
+    first, second = LoRARequest("all", 1, adapter), LoRARequest("wide", 2, wide)
+    prompts = [random_prompt(n, seed) for seed, n in enumerate((5, 23, 40, 9, 17))]
+    chosen = [None, first, second, first, second]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(llama, enable_lora=True, max_loras=2, max_lora_rank=16, max_model_len=256) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=chosen)
+        got = [o.outputs[0].token_ids for o in outs]
+        # the same 40-token prompt again: a hit under its own adapter, none under the other or the base
+        again = llm.generate([prompts[2]] * 3, params, use_tqdm=False, lora_request=[second, first, None])
+        assert [o.num_cached_tokens for o in again] == [32, 0, 0]
+        assert again[0].outputs[0].token_ids == got[2]
+        with pytest.raises(InvalidParameter, match="each adapter needs its own id"):
+            llm.generate([prompts[0]], params, lora_request=LoRARequest("other", 1, wide))
+        with pytest.raises(InvalidParameter, match="rank 16 is above max_lora_rank 8"):
+            read_adapter(LoRARequest("wide", 2, wide), model_folder(llama).config, 8)
+        with pytest.raises(InvalidParameter, match="no such folder"):  # a bad adapter fails its request alone
+            llm.generate([prompts[0]], params, lora_request=LoRARequest("gone", 3, str(tmp_path / "gone")))
+        assert llm.generate([prompts[0]], params, use_tqdm=False)[0].outputs[0].token_ids == got[0]
+    # one slot, one adapter in host memory: the adapters take turns (the scheduler admits one at
+    # a time, the slot is reloaded from disk each time): the same tokens
+    with LLM(llama, enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=16, max_model_len=256) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=chosen)
+        assert [o.outputs[0].token_ids for o in outs] == got
+    for path, merged in ((adapter, False), (wide, False), (wide, True)):
+        rows = [i for i, c in enumerate(chosen) if c is not None and c.lora_path == path]
+        assert [got[i] for i in rows] == peft_greedy(llama, path, [prompts[i] for i in rows], 8, merged), path
+    base = peft_greedy(llama, None, prompts, 8)
+    assert got[0] == base[0]
+    assert sum(got[i] != base[i] for i in range(1, 5)) >= 2  # the adapters change the tokens
+
+
+def test_adapters_are_refused_where_the_engine_does_not_serve_them(llama, adapter):
+    from pagedllm import LLM, LoRARequest, SamplingParams
+
+    with LLM(llama, max_model_len=64) as llm, pytest.raises(InvalidParameter, match="started with enable_lora"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), lora_request=LoRARequest("all", 1, adapter))
+    for options, clue in (
+        ({"tensor_parallel_size": 2}, "one rank so far"),
+        ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "speculative decoding"),
+        ({"max_loras": 2, "max_cpu_loras": 1}, "max_cpu_loras"),
+    ):
+        with pytest.raises(InvalidParameter, match=clue):
+            LLM(llama, enable_lora=True, **options)

@@ -131,7 +131,8 @@ class KVCacheManager:
         tokens = request.all_token_ids
         while len(hashes) < num_full:
             i = len(hashes)
-            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tuple(tokens[i * bs : (i + 1) * bs])))
+            parent = hashes[-1] if hashes else request.first_block_parent
+            hashes.append(hash_block_tokens(parent, tuple(tokens[i * bs : (i + 1) * bs])))
         return hashes
 
     def _cache_full_blocks(self, request: Request, table: list[KVBlock], num_tokens: int) -> None:

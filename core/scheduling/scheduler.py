@@ -421,12 +421,13 @@ class Scheduler:
             return
         groups = self._running_groups()
         seats = self._seats_taken(self.running)
+        adapters = self._running_adapters()
         while self.swapped and step.budget > 0:
             if self.waiting and self._waiting_goes_first():
                 break
             request = self.swapped.peek()
             needed = self._seats_needed(request, groups)
-            if seats + needed > self.config.max_num_seqs:
+            if seats + needed > self.config.max_num_seqs or not self._adapter_fits(request, adapters):
                 break
             num_new = min(request.fork_point - request.num_computed_tokens, step.budget)
             # what its blocks and the free ones hold past its computed tokens: a prefill chunk
@@ -447,6 +448,20 @@ class Scheduler:
                 groups.add(request.beam_group)
             step.add(request, num_new, delta)
 
+    def _running_adapters(self) -> set[int]:
+        return {r.lora.lora_int_id for r in self.running if r.lora is not None}
+
+    def _adapter_fits(self, request: Request, adapters: set[int]) -> bool:
+        """Whether a step may take `request`'s adapter beside `adapters` (max_loras of them at
+        once: the worker holds that many); taken, it joins them. A request that does not fit
+        waits, and (first come, first served) those behind it too."""
+        if request.lora is None or request.lora.lora_int_id in adapters:
+            return True
+        if len(adapters) >= self.config.max_loras:
+            return False
+        adapters.add(request.lora.lora_int_id)
+        return True
+
     def _schedule_waiting(self, step: StepBuilder) -> None:
         """Waiting requests, with their prefix-cache hits, while budget, sequences and blocks allow."""
         if not self.waiting:
@@ -454,10 +469,11 @@ class Scheduler:
         max_seqs = self.config.max_num_seqs
         groups = self._running_groups()
         seats = self._seats_taken(self.running)
+        adapters = self._running_adapters()
         while self.waiting and self._waiting_goes_first() and step.budget > 0:
             request = self.waiting.peek()
             needed = self._seats_needed(request, groups)
-            if seats + needed > max_seqs:
+            if seats + needed > max_seqs or not self._adapter_fits(request, adapters):
                 break
             computed_blocks, num_hit = self.kv.get_computed_blocks(request)
             num_new = min(request.fork_point - num_hit, step.budget)

@@ -66,6 +66,7 @@ class StepBuilder:
                     self.kv.block_ids(rid),
                     request.num_computed_tokens,
                     sorted(request.eos_token_ids),
+                    request.lora,
                 )
             )
         elif delta[1]:

@@ -1,0 +1,150 @@
+"""Multi-LoRA on the worker: a fixed set of adapter slots (max_loras) whose weights sit stacked
+per projection, the projections wrapped to add each row's adapter product (AttentionOps.add_lora,
+every row its own slot, -1 for the base model), and the adapters' weights loaded from their
+PEFT folders into a slot when a step needs one that is not resident.
+
+Slots: least recently used first, never one a request of the current step uses (the scheduler
+admits at most max_loras adapters into a step, so one is always free). Adapters read from disk
+are kept in host memory for the next time (max_cpu_loras, least recently used out)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from pagedllm.core.lora import LoRARequest, module_shapes, read_adapter
+from pagedllm.core.model_folder import model_folder
+
+# each wrapped projection of a decoder layer: (its attribute, [(target module, output slice index)])
+FUSED = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+}
+
+
+class LoRAProjection(nn.Module):
+    """A projection and its adapters: base(x), then for each target module it fuses, the rows'
+    adapter products added into that module's columns of the output."""
+
+    def __init__(self, base: nn.Module, slots: LoRASlots, layer: int, parts: list[tuple[str, int, int]]):
+        super().__init__()
+        self.base, self.slots, self.layer, self.parts = base, slots, layer, parts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
+        rows = self.slots.rows_for(x.shape[0])
+        if rows is None:
+            return out
+        for module, start, end in self.parts:
+            a, b = self.slots.weights(self.layer, module, x.dtype)
+            self.slots.ops.add_lora(out[:, start:end], x, a, b, rows, self.slots.scales)
+        return out
+
+
+class LoRASlots:
+    def __init__(self, model, ops, model_dir: str, max_loras: int, max_rank: int, max_cpu_loras: int | None):
+        self.ops, self.max_rank = ops, max_rank
+        self.model_config = model_folder(model_dir).config
+        self.max_cpu_loras = max_cpu_loras or max_loras
+        shards = model.shards
+        cfg = model.config
+        q, kv = shards.num_heads * cfg.head_dim, shards.num_kv_heads * cfg.head_dim
+        widths = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": shards.intermediate_size}
+        widths["up_proj"] = shards.intermediate_size
+        shapes = module_shapes(self.model_config)
+        self.a: dict[tuple[int, str], torch.Tensor] = {}
+        self.b: dict[tuple[int, str], torch.Tensor] = {}
+        device = next(model.parameters()).device
+        for index, layer in enumerate(model.layers):
+            for attr, modules in FUSED.items():
+                base = getattr(layer, attr)
+                if base is None:  # a mixture of experts' MLP: no adapters there
+                    continue
+                parts, start = [], 0
+                for module in modules:
+                    width_in, width_out = shapes[module]
+                    end = start + widths.get(module, width_out)
+                    parts.append((module, start, end))
+                    start = end
+                    self.a[index, module] = torch.zeros(max_loras, max_rank, width_in, device=device)
+                    self.b[index, module] = torch.zeros(max_loras, width_out, max_rank, device=device)
+                setattr(layer, attr, LoRAProjection(base, self, index, parts))
+        self.scales = torch.zeros(max_loras, device=device)
+        self.resident: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, least recently used first
+        self.free = list(range(max_loras))
+        self.host: OrderedDict[int, tuple[float, dict]] = OrderedDict()  # adapter id -> (scale, tensors)
+        self.full_rows: torch.Tensor | None = None
+        self.kept_rows: torch.Tensor | None = None
+
+    # --- a step's rows -----------------------------------------------------------------------
+    def slot_of(self, lora: LoRARequest | None, busy: set[int]) -> int:
+        """The slot holding `lora` (-1 for the base model), loaded now if it is not resident;
+        `busy`: slots this step's other rows use, never given up."""
+        if lora is None:
+            return -1
+        slot = self.resident.get(lora.lora_int_id)
+        if slot is None:
+            slot = self._take_slot(busy)
+            self._load(lora, slot)
+            self.resident[lora.lora_int_id] = slot
+        self.resident.move_to_end(lora.lora_int_id)
+        return slot
+
+    def set_rows(self, rows: torch.Tensor | None, keep: torch.Tensor | None) -> None:
+        """Each token row's slot for the next forward (None: no row has an adapter), and those
+        of the rows the last layer keeps (CausalLM's keep_rows)."""
+        self.full_rows = rows
+        self.kept_rows = None if rows is None or keep is None else rows[keep]
+
+    def rows_for(self, num_rows: int) -> torch.Tensor | None:
+        if self.full_rows is None:
+            return None
+        return self.full_rows if num_rows == self.full_rows.shape[0] else self.kept_rows
+
+    def weights(self, layer: int, module: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = self.a[layer, module], self.b[layer, module]
+        if a.dtype != dtype:  # the dtype the model computes in, settled by its first forward
+            a = self.a[layer, module] = a.to(dtype)
+            b = self.b[layer, module] = b.to(dtype)
+        return a, b
+
+    # --- loading ------------------------------------------------------------------------------
+    def _take_slot(self, busy: set[int]) -> int:
+        if self.free:
+            return self.free.pop(0)
+        for adapter, slot in self.resident.items():  # least recently used first
+            if slot not in busy:
+                del self.resident[adapter]
+                return slot
+        raise RuntimeError("every LoRA slot is in use by this step (the scheduler admits at most max_loras)")
+
+    def _load(self, lora: LoRARequest, slot: int) -> None:
+        scale, tensors = self._host_copy(lora)
+        for key in self.a:
+            a, b = tensors.get(key, (None, None))
+            self.a[key][slot].zero_()
+            self.b[key][slot].zero_()
+            if a is not None:
+                self.a[key][slot, : a.shape[0]].copy_(a)
+                self.b[key][slot, :, : b.shape[1]].copy_(b)
+        self.scales[slot] = scale
+
+    def _host_copy(self, lora: LoRARequest) -> tuple[float, dict]:
+        held = self.host.get(lora.lora_int_id)
+        if held is None:
+            spec = read_adapter(lora, self.model_config, self.max_rank)
+            saved = load_file(f"{lora.lora_path}/adapter_model.safetensors")
+            pairs: dict[tuple[int, str], list] = {}
+            for key, (layer, module, side) in spec.tensors.items():
+                pairs.setdefault((layer, module), [None, None])[0 if side == "A" else 1] = saved[key]
+            held = (spec.scale, {k: tuple(v) for k, v in pairs.items()})
+            self.host[lora.lora_int_id] = held
+            while len(self.host) > self.max_cpu_loras:
+                self.host.popitem(last=False)
+        self.host.move_to_end(lora.lora_int_id)
+        return held
