@@ -19,6 +19,7 @@ import threading
 import time
 
 from pagedllm.core.errors import rejection_error
+from pagedllm.core.lora import LoRARequest
 from pagedllm.core.protocol import EngineOutputs, EngineRecovered, EngineRecovering, RequestRejected
 from pagedllm.core.sampling_params import SamplingParams
 
@@ -200,10 +201,12 @@ class AsyncEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         structured_outputs_after: int | None = None,
+        lora: LoRARequest | None = None,
     ) -> RequestStream:
         """Check and submit a request now (raising InvalidParameter or EngineOverloaded here, before
         any response is started); iterate the returned stream for its outputs.
-        structured_outputs_after: the token from whose first sampling on the constraint applies."""
+        structured_outputs_after: the token from whose first sampling on the constraint applies.
+        lora: the adapter it runs under (the engine needs enable_lora)."""
         if not self._accepting:
             raise EngineShuttingDown("the server is shutting down; it takes no new requests")
         params = params or SamplingParams()
@@ -211,6 +214,7 @@ class AsyncEngine:
         self.inputs.check_room(item, params)
         tracker = self.inputs.tracker(item, params, request_id or f"async-{next(self._ids)}")
         tracker.structured_outputs_after = structured_outputs_after
+        tracker.lora = self.inputs.adapter(lora)
         if self.max_queue_len is not None and self.num_queued >= self.max_queue_len:
             raise EngineOverloaded(
                 f"{self.num_queued} requests are waiting for their first token "

@@ -231,6 +231,14 @@ def add_commands(sub) -> None:
         help=f"where the ZMQ entrypoint binds (tcp:// or ipc://; default {DEFAULT_ZMQ_ENDPOINT}); 'none' turns it off",
     )
     srv.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT folders) a request's `model` names (needs --enable-lora); or vLLM's JSON "
+        '{"name": ..., "path": ...}',
+    )
+    srv.add_argument(
         "--data-parallel-size",
         type=int,
         default=1,
@@ -323,6 +331,7 @@ def cmd_serve(args) -> int:
         enable_server_load_tracking=args.enable_server_load_tracking,
         enable_force_include_usage=args.enable_force_include_usage,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        lora_modules=args.lora_modules,
         chat=ChatOptions(
             args.chat_template,
             args.enable_auto_tool_choice,

@@ -29,6 +29,7 @@ from .engine_client import EngineDeadError
 from .limits import RequestTooLarge, ServerLimits
 from .metrics import CONTENT_TYPE, EngineMetrics
 from .openai_embeddings import EmbeddingRequest, embedding_body, output_size
+from .openai_lora import ServedAdapters, runtime_updating
 from .openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -232,6 +233,7 @@ class OpenAIServer:
         force_usage: bool = False,
         tokens_as_ids: bool = False,
         chat: ChatOptions | None = None,
+        lora_modules: list[str] = (),
     ):
         """health_checks: callables that return why the server is unhealthy, or None (e.g. a
         ZMQ entrypoint beside it that stopped). track_load: count the completions and chat
@@ -251,6 +253,9 @@ class OpenAIServer:
         self.chat_template = self.chat.template()
         self.tool_format, self.reasoning = self.chat.tool_format, self.chat.reasoning_format
         self.reasoning_end = reasoning_end_token(engine.tokenizer, self.reasoning) if self.reasoning else None
+        self.adapters = ServedAdapters(engine.inputs, model_name, list(lora_modules))
+        runtime = [Route("/v1/load_lora_adapter", self.adapters.load, methods=["POST"])] if runtime_updating() else []
+        runtime += [Route("/v1/unload_lora_adapter", self.adapters.unload, methods=["POST"])] if runtime else []
         self.app = Starlette(
             routes=[
                 Route("/health", self.health, methods=["GET"]),
@@ -266,6 +271,7 @@ class OpenAIServer:
                 Route("/tokenize", self.tokenize, methods=["POST"]),
                 Route("/detokenize", self.detokenize, methods=["POST"]),
                 Route("/tokenizer_info", self.tokenizer_info, methods=["GET"]),
+                *runtime,
             ]
         )
         self.app.add_exception_handler(404, self._not_found)
@@ -311,7 +317,8 @@ class OpenAIServer:
                         "created": now(),
                         "owned_by": "pagedllm",
                         "max_model_len": self.engine.max_model_len,
-                    }
+                    },
+                    *self.adapters.cards(now(), self.engine.max_model_len),
                 ],
             }
         )
@@ -415,8 +422,9 @@ class OpenAIServer:
             gate, parser = None, None
             if is_chat:
                 params, gate, parser = self._chat_parsing(req, params, prepared[0]["prompt"])
+            lora = self.adapters.of(req.model)
             for prompt in prepared:
-                streams.append(self.engine.add_request(prompt, params, structured_outputs_after=gate))
+                streams.append(self.engine.add_request(prompt, params, structured_outputs_after=gate, lora=lora))
         except ADMISSION_ERRORS as e:
             return _refusal(e, streams, lambda e: e.renamed(req.wire_field(e.field)) if req is not None else e)
         if responses_api:
@@ -425,7 +433,8 @@ class OpenAIServer:
                 return EventStream(answers.events(merged(streams)))
             outputs = await self._outputs(request, streams, req.wire_field)
             return outputs if isinstance(outputs, Response) else JSONResponse(answers.body(outputs[0]))
-        meta = {"id": new_id("chatcmpl" if is_chat else "cmpl"), "created": now(), "model": self.model_name}
+        model = req.model if lora is not None else self.model_name  # an adapter answers under its name
+        meta = {"id": new_id("chatcmpl" if is_chat else "cmpl"), "created": now(), "model": model}
         if is_chat:
             responses = ChatResponses(req, params, meta, self.force_usage, self.tokens_as_ids, parser)
         else:
@@ -462,8 +471,9 @@ class OpenAIServer:
                 e = e.renamed(wire_field(e.field))
             return failure_response(e)
 
-    def _unknown_model(self, req) -> Response | None:
-        if req.model is None or req.model == self.model_name:
+    def _unknown_model(self, req, adapters: bool = True) -> Response | None:
+        """A 404 for a `model` this server does not serve (adapters: its LoRA adapters count)."""
+        if req.model is None or req.model == self.model_name or (adapters and self.adapters.of(req.model)):
             return None
         return error_response(
             404,
@@ -485,7 +495,7 @@ class OpenAIServer:
         streams: list[RequestStream] = []
         try:
             req = decode_body(body if body is not None else await read_body(request, self.limits), EmbeddingRequest)
-            if (unknown := self._unknown_model(req)) is not None:
+            if (unknown := self._unknown_model(req, adapters=False)) is not None:  # adapters generate
                 return unknown
             params = self.engine.inputs.embedding_params()
             config = model_folder(self.engine.engine.config.model).config  # read once: model_folder caches

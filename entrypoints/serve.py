@@ -47,6 +47,7 @@ class ServeOptions:
     enable_force_include_usage: bool = False  # usage on every streamed chunk
     return_tokens_as_token_ids: bool = False  # logprobs name tokens `token_id:N`
     chat: ChatOptions = field(default_factory=ChatOptions)  # template, tool-call and reasoning parsers
+    lora_modules: list[str] = field(default_factory=list)  # name=path: LoRA adapters a request's `model` names
 
     def check(self) -> None:
         """Refusals that need no engine: run before one starts."""
@@ -76,6 +77,7 @@ def openai_server(engine: AsyncEngine, name: str, options: ServeOptions, metrics
         force_usage=options.enable_force_include_usage,
         tokens_as_ids=options.return_tokens_as_token_ids,
         chat=options.chat,
+        lora_modules=options.lora_modules,
     )
 
 

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import urllib.request
 
 import pytest
 
@@ -162,3 +163,62 @@ def test_adapters_are_refused_where_the_engine_does_not_serve_them(llama, adapte
     ):
         with pytest.raises(InvalidParameter, match=clue):
             LLM(llama, enable_lora=True, **options)
+
+
+def test_adapters_through_the_openai_api_named_listed_loaded_and_unloaded(llama, adapter, tmp_path):
+    """`--lora-modules` names an adapter; another is loaded at run time (vLLM's endpoints, on
+    with VLLM_ALLOW_RUNTIME_LORA_UPDATING); the base and both adapters stream at once, each its
+    own tokens (transformers + PEFT's); an unknown or unloaded adapter is a 404 naming it."""
+    import openai
+
+    from serve_helpers import ServerProcess, client, post
+
+    wide = make_adapter(
+        llama, str(tmp_path / "wide"), r=16, alpha=8, targets=("q_proj", "v_proj", "o_proj", "down_proj")
+    )
+
+    def admin(path: str, body: dict) -> tuple[int, str]:  # vLLM answers these in plain text
+        req = urllib.request.Request(server.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"}
+    server = ServerProcess(llama, "--enable-lora", "--max-loras", "2", "--lora-modules", f"all={adapter}", env=env)
+    try:
+        api = client(server)
+        models = {m.id: m for m in api.models.list().data}
+        assert set(models) == {llama, "all"} and models["all"].model_extra["parent"] == llama
+        assert admin("/v1/load_lora_adapter", {"lora_name": "wide", "lora_path": wide}) == (
+            200,
+            "Success: LoRA adapter 'wide' added successfully.",
+        )
+        status, text = admin("/v1/load_lora_adapter", {"lora_name": "wide", "lora_path": wide})
+        assert status == 400 and "already been loaded" in text
+        status, text = admin("/v1/load_lora_adapter", {"lora_name": "bad", "lora_path": str(tmp_path / "nowhere")})
+        assert status == 400 and "no such folder" in text
+        prompt = random_prompt(23, 1)
+        extra = {"ignore_eos": True, "return_token_ids": True, "temperature": 0}
+        names = (llama, "all", "wide")
+        streams = [
+            api.completions.create(model=m, prompt=prompt, max_tokens=8, stream=True, extra_body=extra) for m in names
+        ]
+        texts = ["".join(c.choices[0].text for c in s if c.choices) for s in streams]
+        whole = [
+            post(server, "/v1/completions", {"model": m, "prompt": prompt, "max_tokens": 8, **extra})[1] for m in names
+        ]
+        assert [w["model"] for w in whole] == list(names)
+        assert texts == [w["choices"][0]["text"] for w in whole]
+        tokens = [w["choices"][0]["token_ids"] for w in whole]
+        assert tokens == [peft_greedy(llama, path, [prompt], 8)[0] for path in (None, adapter, wide)]
+        with pytest.raises(openai.NotFoundError, match="'nope'"):
+            api.completions.create(model="nope", prompt=prompt, max_tokens=2)
+        assert admin("/v1/unload_lora_adapter", {"lora_name": "wide"})[0] == 200
+        assert admin("/v1/unload_lora_adapter", {"lora_name": "wide"})[0] == 404
+        with pytest.raises(openai.NotFoundError, match="'wide'"):
+            api.completions.create(model="wide", prompt=prompt, max_tokens=2)
+        assert {m.id for m in api.models.list().data} == {llama, "all"}
+    finally:
+        server.stop()

@@ -1,0 +1,116 @@
+"""LoRA adapters on the OpenAI API, as vLLM serves them: `--lora-modules name=path ...` names
+adapters that a request's `model` field picks (the base model's name: none), /v1/models lists
+them with the base as their parent, and where VLLM_ALLOW_RUNTIME_LORA_UPDATING is true (vLLM's
+switch), POST /v1/load_lora_adapter and /v1/unload_lora_adapter change them at run time."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from pagedllm.core.errors import InvalidParameter
+from pagedllm.core.lora import LoRARequest
+
+from .openai_protocol import error_body
+
+RUNTIME_UPDATING_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+MAX_BODY = 64 << 10  # a name and a path
+
+
+def runtime_updating() -> bool:
+    return os.environ.get(RUNTIME_UPDATING_ENV, "").lower() in ("1", "true")
+
+
+def parse_lora_module(spec: str) -> tuple[str, str]:
+    """`name=path`, or vLLM's JSON form {"name": ..., "path": ...}: (name, path)."""
+    if spec.lstrip().startswith("{"):
+        try:
+            obj = json.loads(spec)
+            return str(obj["name"]), str(obj["path"])
+        except (ValueError, KeyError, TypeError):
+            raise InvalidParameter("lora_modules", f'{spec!r} is not {{"name": ..., "path": ...}}') from None
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        raise InvalidParameter("lora_modules", f"{spec!r} is not name=path")
+    return name, path
+
+
+class ServedAdapters:
+    """The adapters a server answers to, by name; each checked (engine.inputs.adapter) when named."""
+
+    def __init__(self, inputs, base_name: str, modules: list[str]):
+        self.inputs, self.base_name = inputs, base_name
+        self.by_name: dict[str, LoRARequest] = {}
+        self.ids = itertools.count(1)
+        for spec in modules:
+            try:
+                self._add(*parse_lora_module(spec))
+            except InvalidParameter as e:  # named as the flag that gave it
+                raise e.renamed("lora_modules") from None
+
+    def _add(self, name: str, path: str) -> LoRARequest:
+        if name == self.base_name or name in self.by_name:
+            raise InvalidParameter("lora_name", f"the lora adapter {name!r} has already been loaded")
+        lora = self.inputs.adapter(LoRARequest(name, next(self.ids), path))
+        self.by_name[name] = lora
+        return lora
+
+    def of(self, model: str | None) -> LoRARequest | None:
+        return self.by_name.get(model) if model else None
+
+    def cards(self, created: int, max_model_len: int) -> list[dict]:
+        return [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "pagedllm",
+                "root": lora.lora_path,
+                "parent": self.base_name,
+                "max_model_len": max_model_len,
+            }
+            for name, lora in self.by_name.items()
+        ]
+
+    async def load(self, request: Request) -> Response:
+        body = await _json_body(request)
+        if isinstance(body, Response):
+            return body
+        try:
+            name, path = body.get("lora_name"), body.get("lora_path")
+            if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+                raise InvalidParameter("lora_name", "both lora_name and lora_path are required")
+            self._add(name, path)
+        except InvalidParameter as e:
+            return JSONResponse(error_body(str(e), "invalid_request_error", e.field, None), status_code=400)
+        return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+
+    async def unload(self, request: Request) -> Response:
+        body = await _json_body(request)
+        if isinstance(body, Response):
+            return body
+        name = body.get("lora_name")
+        if name not in self.by_name:
+            message = f"the lora adapter {name!r} cannot be found"
+            return JSONResponse(error_body(message, "invalid_request_error", "lora_name", None), status_code=404)
+        del self.by_name[name]
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
+
+
+async def _json_body(request: Request) -> dict | Response:
+    received = bytearray()
+    async for part in request.stream():
+        received += part
+        if len(received) > MAX_BODY:
+            return JSONResponse(error_body(f"the body is over {MAX_BODY} bytes", "invalid_request_error"), 413)
+    try:
+        body = json.loads(received)
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        return JSONResponse(error_body("the body must be a JSON object", "invalid_request_error"), status_code=400)
+    return body
