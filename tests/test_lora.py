@@ -8,6 +8,8 @@ import json
 import os
 import re
 import shutil
+import signal
+import threading
 import urllib.request
 
 import pytest
@@ -222,3 +224,51 @@ def test_adapters_through_the_openai_api_named_listed_loaded_and_unloaded(llama,
         assert {m.id for m in api.models.list().data} == {llama, "all"}
     finally:
         server.stop()
+
+
+def test_adapters_through_int8_weights_and_kv_preemption_both_ways_n_samples_and_a_worker_kill(
+    llama, adapter, tmp_path
+):
+    """Where LoRA meets the engine's other features: int8 base weights and an int8 KV cache, a
+    pool small enough to preempt (swap, then recompute), prompts sharing a prefix under different
+    adapters, n = 2 seeded samples and a choice constraint, a worker killed mid-run: every token
+    as a roomy pool gives them (the cpu backend's batch invariance makes that exact)."""
+    from pagedllm import LLM, LoRARequest, SamplingParams, StructuredOutputsParams
+
+    from proc_helpers import workers_of
+
+    wide = make_adapter(
+        llama, str(tmp_path / "wide"), r=16, alpha=8, targets=("q_proj", "v_proj", "o_proj", "down_proj")
+    )
+    first, second = LoRARequest("all", 1, adapter), LoRARequest("wide", 2, wide)
+    shared = list(range(5, 53))
+    prompts = [shared + [60 + i] * (i + 1) for i in range(9)] + [[7 + i] * 30 for i in range(3)]
+    chosen = [(None, first, second)[i % 3] for i in range(len(prompts))]
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, n=2, seed=3, max_tokens=12, ignore_eos=True)
+    choice = SamplingParams(
+        temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["left", "right", "up"])
+    )
+    common = dict(enable_lora=True, max_loras=2, kv_cache_dtype="int8", quantization="int8", max_model_len=256)
+
+    def run(llm):
+        out = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False, lora_request=chosen)]
+        samples = llm.generate(prompts[:3], sampled, use_tqdm=False, lora_request=chosen[:3])
+        out += [c.token_ids for o in samples for c in o.outputs]
+        picks = llm.generate(["Pick:"] * 3, choice, use_tqdm=False, lora_request=[None, first, second])
+        return out + [o.outputs[0].text for o in picks]
+
+    with LLM(llama, **common) as llm:
+        expected = run(llm)
+    assert {t for t in expected[-3:]} <= {"left", "right", "up"}
+    for mode in ("swap", "recompute"):
+        tight = dict(num_kv_blocks=24, preemption_mode=mode, max_num_batched_tokens=128, max_worker_restarts=2)
+        with LLM(llama, **common, **tight, **({"swap_space": 0.01} if mode == "swap" else {})) as llm:
+            assert run(llm) == expected, mode
+            stats = llm.last_stats.scheduler
+            assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0, mode
+            if mode == "recompute":  # a worker killed while the adapters' requests run
+                victim = workers_of(llm.engine.pid, llm.engine.ready.launcher_pid)[0]
+                threading.Timer(0.3, os.kill, (victim, signal.SIGKILL)).start()
+                assert run(llm) + run(llm) == expected + expected
+                assert llm.last_stats.worker_restarts >= 1
