@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 
 from pagedllm.core.errors import InvalidParameter, validation_error_parts
+from pagedllm.core.lora import LoRARequest
 from pagedllm.core.sampling_params import SamplingParams
 
 
@@ -113,7 +114,20 @@ def invalid_message(error: msgspec.ValidationError) -> tuple[str | None, str]:
     return field, message
 
 
+def lora_request(params: dict[str, Any]) -> LoRARequest | None:
+    """params.lora: {"lora_name", "lora_int_id", "lora_path"} (vLLM's LoRARequest), or None."""
+    lora = params.get("lora")
+    if lora is None:
+        return None
+    try:
+        return msgspec.convert(lora, LoRARequest)
+    except msgspec.ValidationError as e:
+        path, text = validation_error_parts(e)
+        raise InvalidParameter("params.lora" + (f".{path}" if path else ""), text) from None
+
+
 def sampling_params(params: dict[str, Any]) -> SamplingParams:
+    params = {k: v for k, v in params.items() if k != "lora"}  # the adapter: lora_request()
     unknown = sorted(set(params) - _SAMPLING_FIELDS)
     if unknown:
         raise InvalidParameter(

@@ -34,6 +34,7 @@ from .zmq_protocol import (
     Ready,
     Usage,
     invalid_message,
+    lora_request,
     readable_request_id,
     sampling_params,
     wire_field,
@@ -152,7 +153,11 @@ class ZmqServer:
             lens = [len(prompt["prompt_token_ids"])]
             params = self.engine.logprobs_asked(params)
             self.limits.check_logprob_entries(params, lens, self.engine.max_model_len, wire_field)
-            stream = self.engine.add_request(prompt, params, request_id=f"zmq-{next(self._ids)}")
+            lora = lora_request(msg.params)
+            try:
+                stream = self.engine.add_request(prompt, params, request_id=f"zmq-{next(self._ids)}", lora=lora)
+            except InvalidParameter as e:  # the adapter's refusal, named as this protocol names it
+                raise e.renamed("params.lora") if e.field == "lora_request" else e from None
         except InvalidParameter as e:
             self._reply_soon(identity, Error(msg.request_id, 400, wire_field(e.field), str(e)))
             return

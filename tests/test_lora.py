@@ -173,6 +173,8 @@ def test_adapters_through_the_openai_api_named_listed_loaded_and_unloaded(llama,
     own tokens (transformers + PEFT's); an unknown or unloaded adapter is a 404 naming it."""
     import openai
 
+    from pagedllm.entrypoints.zmq_client import ZmqClient, ZmqRequestError
+
     from serve_helpers import ServerProcess, client, post
 
     wide = make_adapter(
@@ -222,6 +224,16 @@ def test_adapters_through_the_openai_api_named_listed_loaded_and_unloaded(llama,
         with pytest.raises(openai.NotFoundError, match="'wide'"):
             api.completions.create(model="wide", prompt=prompt, max_tokens=2)
         assert {m.id for m in api.models.list().data} == {llama, "all"}
+        # the ZMQ entrypoint: params.lora, vLLM's LoRARequest as a map
+        with ZmqClient(server.zmq_endpoint, timeout_s=30) as zc:
+            lora = {"lora_name": "wide", "lora_int_id": 7, "lora_path": wide}
+            final = zc.generate(prompt_token_ids=prompt, max_tokens=8, temperature=0, ignore_eos=True, lora=lora)
+            assert final.completions[0].token_ids == tokens[2]
+            with pytest.raises(ZmqRequestError) as e:
+                zc.generate(
+                    prompt_token_ids=prompt, max_tokens=2, lora={**lora, "lora_int_id": 8, "lora_path": str(tmp_path)}
+                )
+            assert e.value.code == 400 and e.value.field == "params.lora" and "no adapter_config.json" in str(e.value)
     finally:
         server.stop()
 
