@@ -98,6 +98,8 @@ def read_adapter(lora: LoRARequest, model_config: dict, max_lora_rank: int) -> A
             cfg = json.load(f)
     except (OSError, ValueError) as e:
         raise refuse(f"{CONFIG_FILE} is not JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise refuse(f"{CONFIG_FILE} is not a JSON object")
     if cfg.get("peft_type", "LORA") != "LORA":
         raise refuse(f"peft_type {cfg.get('peft_type')!r}: only LORA adapters are served")
     rank = cfg.get("r")
@@ -166,5 +168,7 @@ def _read_header(path: str, refuse) -> dict:
             header = json.loads(f.read(length))
     except (OSError, ValueError, struct.error) as e:
         raise refuse(f"{WEIGHTS_FILE} is not a safetensors file ({e})") from None
+    if not isinstance(header, dict) or not all(isinstance(v, dict) for v in header.values()):
+        raise refuse(f"{WEIGHTS_FILE} is not a safetensors file (its header is not a map of tensors)")
     header.pop("__metadata__", None)
     return header

@@ -40,10 +40,11 @@ def parse_lora_module(spec: str) -> tuple[str, str]:
 
 
 class ServedAdapters:
-    """The adapters a server answers to, by name; each checked (engine.inputs.adapter) when named."""
+    """The adapters a server answers to, by name; each checked (engine.inputs.adapter) when named.
+    `engine`: an AsyncEngine."""
 
-    def __init__(self, inputs, base_name: str, modules: list[str]):
-        self.inputs, self.base_name = inputs, base_name
+    def __init__(self, engine, base_name: str, modules: list[str]):
+        self.engine, self.base_name = engine, base_name
         self.by_name: dict[str, LoRARequest] = {}
         self.ids = itertools.count(1)
         for spec in modules:
@@ -55,7 +56,7 @@ class ServedAdapters:
     def _add(self, name: str, path: str) -> LoRARequest:
         if name == self.base_name or name in self.by_name:
             raise InvalidParameter("lora_name", f"the lora adapter {name!r} has already been loaded")
-        lora = self.inputs.adapter(LoRARequest(name, next(self.ids), path))
+        lora = self.engine.inputs.adapter(LoRARequest(name, next(self.ids), path))
         self.by_name[name] = lora
         return lora
 

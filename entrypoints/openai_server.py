@@ -253,7 +253,7 @@ class OpenAIServer:
         self.chat_template = self.chat.template()
         self.tool_format, self.reasoning = self.chat.tool_format, self.chat.reasoning_format
         self.reasoning_end = reasoning_end_token(engine.tokenizer, self.reasoning) if self.reasoning else None
-        self.adapters = ServedAdapters(engine.inputs, model_name, list(lora_modules))
+        self.adapters = ServedAdapters(engine, model_name, list(lora_modules))
         runtime = [Route("/v1/load_lora_adapter", self.adapters.load, methods=["POST"])] if runtime_updating() else []
         runtime += [Route("/v1/unload_lora_adapter", self.adapters.unload, methods=["POST"])] if runtime else []
         self.app = Starlette(

@@ -91,6 +91,9 @@ def test_bad_adapters_are_refused_naming_the_adapter_and_the_problem(llama, adap
         cfg = json.loads((changed / "adapter_config.json").read_text())
         (changed / "adapter_config.json").write_text(json.dumps({**cfg, field: value}))
         assert clue in refused(str(changed)), field
+    listed = shutil.copytree(adapter, tmp_path / "listed")
+    (listed / "adapter_config.json").write_text("[1, 2]")
+    assert "is not a JSON object" in refused(str(listed))
     torn = shutil.copytree(adapter, tmp_path / "torn")
     (torn / "adapter_model.safetensors").write_bytes(b"\x10\x00")
     assert "is not a safetensors file" in refused(str(torn))
