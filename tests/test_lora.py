@@ -287,3 +287,11 @@ def test_adapters_through_int8_weights_and_kv_preemption_both_ways_n_samples_and
                 threading.Timer(0.3, os.kill, (victim, signal.SIGKILL)).start()
                 assert run(llm) + run(llm) == expected + expected
                 assert llm.last_stats.worker_restarts >= 1
+
+
+def test_the_benchmarks_adapters_are_what_peft_saves(llama, tmp_path):
+    """benchmarks/bench_lora.py writes its random adapters without PEFT: they read as PEFT's do."""
+    from pagedllm.benchmarks.bench_lora import write_adapter
+
+    spec = read(llama, write_adapter(llama, str(tmp_path / "bench"), seed=0), max_rank=16)
+    assert (spec.rank, spec.scale, spec.modules) == (16, 2.0, TARGETS)
