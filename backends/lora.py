@@ -1,4 +1,5 @@
-"""Multi-LoRA on the worker: a fixed set of adapter slots (max_loras) whose weights sit stacked
+"""Multi-LoRA on the worker (AdapterExecutor, the step executor executor_for picks under
+enable_lora): a fixed set of adapter slots (max_loras) whose weights sit stacked
 per projection, the projections wrapped to add each row's adapter product (AttentionOps.add_lora,
 every row its own slot, -1 for the base model), and the adapters' weights loaded from their
 PEFT folders into a slot when a step needs one that is not resident.
@@ -17,6 +18,9 @@ from torch import nn
 
 from pagedllm.core.lora import LoRARequest, module_shapes, read_adapter
 from pagedllm.core.model_folder import model_folder
+
+from .runner import SeqInput
+from .step_executor import StepExecutor
 
 # each wrapped projection of a decoder layer: (its attribute, [(target module, output slice index)])
 FUSED = {
@@ -148,3 +152,27 @@ class LoRASlots:
                 self.host.popitem(last=False)
         self.host.move_to_end(lora.lora_int_id)
         return held
+
+
+class AdapterExecutor(StepExecutor):
+    """The step with adapters: the projections wrapped once the backend has prepared the model
+    (attach), each chunk run under its adapter's slot, and no step replayed (a replay would
+    leave the adapters out): the step executor's hooks, so the worker knows nothing of LoRA."""
+
+    def attach(self, runner, make_runner) -> None:
+        super().attach(runner, make_runner)
+        cfg = self.config
+        runner.lora = LoRASlots(self.model, self.ops, cfg.model, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras)
+
+    def runners(self) -> tuple:
+        return ()
+
+    def seq_inputs(self, chunks) -> list[SeqInput]:
+        """Each chunk with its adapter's slot (-1: the base model), loaded where it is not."""
+        slots, busy = self.runner.lora, set()
+        seqs = []
+        for c in chunks:
+            slot = slots.slot_of(c.state.lora, busy)
+            busy.add(slot)
+            seqs.append(SeqInput(c.token_ids, c.start, c.state.block_ids, slot))
+        return seqs

@@ -120,7 +120,7 @@ class StepExecutor:
         """(logits of each chunk's last token; {chunk index: logits of each of its rows} for the
         chunks in `every`; {chunk index: hidden states of its first `wanted[i]` rows}). Logits
         are rank 0's (None on the others); the LM head reads all its weights once for both."""
-        seqs = [SeqInput(c.token_ids, c.start, c.state.block_ids, slot) for c, slot in zip(chunks, self._slots(chunks))]
+        seqs = self.seq_inputs(chunks)
         if not every and not wanted:
             return self.runner.execute(seqs), {}, {}
         last, hidden = self.runner.hidden_states(seqs, {**wanted, **every})
@@ -133,18 +133,9 @@ class StepExecutor:
             logits = logits[:n]
         return logits, every_row, {i: hidden[i] for i in wanted}
 
-    def _slots(self, chunks) -> list[int]:
-        """Each chunk's LoRA slot (-1: the base model), adapters loaded where they are not."""
-        lora = self.runner.lora
-        if lora is None:
-            return [-1] * len(chunks)
-        busy: set[int] = set()
-        slots = []
-        for c in chunks:
-            slot = lora.slot_of(c.state.lora, busy)
-            busy.add(slot)
-            slots.append(slot)
-        return slots
+    def seq_inputs(self, chunks: list[ScheduledChunk]) -> list[SeqInput]:
+        """The runner's view of the step's chunks (an adapter executor adds their adapters)."""
+        return [SeqInput(c.token_ids, c.start, c.state.block_ids) for c in chunks]
 
     def choose(self, chunks, logits, every_row, proposals, masks, result: StepResult) -> None:
         """Sample each chunk that reaches its last known token (beyond what a hook took)."""
@@ -227,6 +218,10 @@ def executor_for(config: EngineConfig, *args) -> StepExecutor:
         from .speculation import speculative_executor
 
         return speculative_executor(config, *args)
+    if config.enable_lora:  # (not with speculation: the engine's configuration refuses both)
+        from .lora import AdapterExecutor
+
+        return AdapterExecutor(config, *args)
     return StepExecutor(config, *args)
 
 

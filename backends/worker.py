@@ -52,7 +52,6 @@ from pagedllm.core.protocol import (
 from pagedllm.core.worker_state import WorkerState
 
 from .kv_cache import allocate_pool, kv_spec_of, pool_dtype, pool_shape
-from .lora import LoRASlots
 from .models.config import ModelConfig
 from .models.loader import load_model
 from .models.parallel import SINGLE, TensorParallel
@@ -167,11 +166,7 @@ class Worker:
 
         self.runner = make_runner(self.model)
         self.executor.attach(self.runner, make_runner)
-        if cfg.enable_lora:  # the projections wrapped after the backend prepared them; steps run eager
-            self.runner.lora = LoRASlots(
-                self.model, self.ops, cfg.model, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras
-            )
-        elif not cfg.enforce_eager:
+        if not cfg.enforce_eager:
             for runner in self.executor.runners():
                 runner.replay = self.ops.capture_graphs(
                     runner.model, runner.layer_caches, bs, cfg.max_num_seqs, msg.max_model_len
