@@ -9,7 +9,7 @@ import itertools
 import json
 import os
 
-from starlette.requests import Request
+import msgspec
 from starlette.responses import JSONResponse, Response
 
 from pagedllm.core.errors import InvalidParameter
@@ -18,7 +18,7 @@ from pagedllm.core.lora import LoRARequest
 from .openai_protocol import error_body
 
 RUNTIME_UPDATING_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
-MAX_BODY = 64 << 10  # a name and a path
+ADMIN_BODY_BYTES = 64 << 10  # the load and unload bodies: a name and a path
 
 
 def runtime_updating() -> bool:
@@ -37,6 +37,15 @@ def parse_lora_module(spec: str) -> tuple[str, str]:
     if not sep or not name or not path:
         raise InvalidParameter("lora_modules", f"{spec!r} is not name=path")
     return name, path
+
+
+class LoadLoRAAdapter(msgspec.Struct):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapter(msgspec.Struct):
+    lora_name: str
 
 
 class ServedAdapters:
@@ -77,41 +86,15 @@ class ServedAdapters:
             for name, lora in self.by_name.items()
         ]
 
-    async def load(self, request: Request) -> Response:
-        body = await _json_body(request)
-        if isinstance(body, Response):
-            return body
-        try:
-            name, path = body.get("lora_name"), body.get("lora_path")
-            if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
-                raise InvalidParameter("lora_name", "both lora_name and lora_path are required")
-            self._add(name, path)
-        except InvalidParameter as e:
-            return JSONResponse(error_body(str(e), "invalid_request_error", e.field, None), status_code=400)
-        return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+    def load(self, req: LoadLoRAAdapter) -> Response:
+        if not req.lora_name or not req.lora_path:
+            raise InvalidParameter("lora_name", "both lora_name and lora_path are required")
+        self._add(req.lora_name, req.lora_path)
+        return Response(f"Success: LoRA adapter '{req.lora_name}' added successfully.", media_type="text/plain")
 
-    async def unload(self, request: Request) -> Response:
-        body = await _json_body(request)
-        if isinstance(body, Response):
-            return body
-        name = body.get("lora_name")
-        if name not in self.by_name:
-            message = f"the lora adapter {name!r} cannot be found"
+    def unload(self, req: UnloadLoRAAdapter) -> Response:
+        if req.lora_name not in self.by_name:
+            message = f"the lora adapter {req.lora_name!r} cannot be found"
             return JSONResponse(error_body(message, "invalid_request_error", "lora_name", None), status_code=404)
-        del self.by_name[name]
-        return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
-
-
-async def _json_body(request: Request) -> dict | Response:
-    received = bytearray()
-    async for part in request.stream():
-        received += part
-        if len(received) > MAX_BODY:
-            return JSONResponse(error_body(f"the body is over {MAX_BODY} bytes", "invalid_request_error"), 413)
-    try:
-        body = json.loads(received)
-    except ValueError:
-        body = None
-    if not isinstance(body, dict):
-        return JSONResponse(error_body("the body must be a JSON object", "invalid_request_error"), status_code=400)
-    return body
+        del self.by_name[req.lora_name]
+        return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.", media_type="text/plain")

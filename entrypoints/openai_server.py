@@ -8,6 +8,7 @@ field, and an unexpected one is logged here and answered with a 500 that carries
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hmac
 import json
@@ -29,7 +30,7 @@ from .engine_client import EngineDeadError
 from .limits import RequestTooLarge, ServerLimits
 from .metrics import CONTENT_TYPE, EngineMetrics
 from .openai_embeddings import EmbeddingRequest, embedding_body, output_size
-from .openai_lora import ServedAdapters, runtime_updating
+from .openai_lora import ADMIN_BODY_BYTES, LoadLoRAAdapter, ServedAdapters, UnloadLoRAAdapter, runtime_updating
 from .openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -100,14 +101,14 @@ class EventStream(Response):
         try:
             try:
                 async for chunk in self.chunks:
-                    await send({"type": "http.response.body", "body": _event(chunk), "more_body": True})
+                    await send({"type": "http.response.body", "body": sse_event(chunk), "more_body": True})
             except (InvalidParameter, RequestFailed, EngineDeadError) as e:  # once the stream had started
                 error = error_body(*failure_parts(e))
-                await send({"type": "http.response.body", "body": _event(error), "more_body": True})
+                await send({"type": "http.response.body", "body": sse_event(error), "more_body": True})
             except Exception:
                 logger.exception("a streamed response failed")
                 error = error_body("internal error (the server log has why)", "server_error", None, "internal_error")
-                await send({"type": "http.response.body", "body": _event(error), "more_body": True})
+                await send({"type": "http.response.body", "body": sse_event(error), "more_body": True})
             await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
         except asyncio.CancelledError:
             if not gone:
@@ -125,7 +126,7 @@ def _json(obj) -> bytes:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
 
 
-def _event(obj) -> bytes:
+def sse_event(obj) -> bytes:
     return b"data: " + _json(obj) + b"\n\n"
 
 
@@ -254,8 +255,12 @@ class OpenAIServer:
         self.tool_format, self.reasoning = self.chat.tool_format, self.chat.reasoning_format
         self.reasoning_end = reasoning_end_token(engine.tokenizer, self.reasoning) if self.reasoning else None
         self.adapters = ServedAdapters(engine, model_name, list(lora_modules))
-        runtime = [Route("/v1/load_lora_adapter", self.adapters.load, methods=["POST"])] if runtime_updating() else []
-        runtime += [Route("/v1/unload_lora_adapter", self.adapters.unload, methods=["POST"])] if runtime else []
+        runtime = []
+        if runtime_updating():
+            runtime = [
+                Route("/v1/load_lora_adapter", self.load_lora_adapter, methods=["POST"]),
+                Route("/v1/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"]),
+            ]
         self.app = Starlette(
             routes=[
                 Route("/health", self.health, methods=["GET"]),
@@ -571,6 +576,28 @@ class OpenAIServer:
             if (unknown := self._unknown_model(req)) is not None:
                 return unknown
             return JSONResponse(answer(req))
+        except (ClientDisconnect, RequestTooLarge, InvalidParameter) as e:
+            return _refusal(e, [])
+
+    # --- LoRA adapters at run time (VLLM_ALLOW_RUNTIME_LORA_UPDATING) ----------------------------
+    async def load_lora_adapter(self, request: Request) -> Response:
+        return await self._adapter_change(request, LoadLoRAAdapter, self.adapters.load)
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        return await self._adapter_change(request, UnloadLoRAAdapter, self.adapters.unload)
+
+    async def _adapter_change(self, request: Request, kind, change) -> Response:
+        """The API key, media type and body checks of every route (a body of at most
+        ADMIN_BODY_BYTES), then `change(req)`: its plain-text answer, as vLLM's."""
+        if (denied := self._check_key(request)) is not None:
+            return denied
+        if (refused := _not_json(request)) is not None:
+            return refused
+        limits = dataclasses.replace(
+            self.limits, max_request_bytes=min(self.limits.max_request_bytes, ADMIN_BODY_BYTES)
+        )
+        try:
+            return change(decode_body(await read_body(request, limits), kind))
         except (ClientDisconnect, RequestTooLarge, InvalidParameter) as e:
             return _refusal(e, [])
 

@@ -40,6 +40,7 @@ from pagedllm.backends.registry import device_count, resolve_alias
 from ..async_engine import AsyncEngine
 from ..metrics import CONTENT_TYPE, EngineMetrics
 from ..openai_protocol import error_body
+from ..openai_server import sse_event
 from ..serve import ServeOptions, openai_server, prepare_options
 from .registry import replica_ids
 from .router import TARGETED, PrefixAwareRouter
@@ -295,13 +296,7 @@ class ForwardedResponse(Response):
                     error = error_body(
                         "the replica serving this request failed", "server_error", None, "replica_failed"
                     )
-                    await send(
-                        {
-                            "type": "http.response.body",
-                            "body": b"data: " + json.dumps(error).encode() + b"\n\n",
-                            "more_body": True,
-                        }
-                    )
+                    await send({"type": "http.response.body", "body": sse_event(error), "more_body": True})
             ended = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
