@@ -19,6 +19,7 @@ from torch import nn
 from pagedllm.core.lora import LoRARequest, module_shapes, read_adapter
 from pagedllm.core.model_folder import model_folder
 
+from .models.loader import SPLITS, shard_range
 from .runner import SeqInput
 from .step_executor import StepExecutor
 
@@ -29,6 +30,8 @@ FUSED = {
     "gate_up_proj": ("gate_proj", "up_proj"),
     "down_proj": ("down_proj",),
 }
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 class LoRAProjection(nn.Module):
@@ -55,12 +58,15 @@ class LoRASlots:
         self.ops, self.max_rank = ops, max_rank
         self.model_config = model_folder(model_dir).config
         self.max_cpu_loras = max_cpu_loras or max_loras
-        shards = model.shards
-        cfg = model.config
-        q, kv = shards.num_heads * cfg.head_dim, shards.num_kv_heads * cfg.head_dim
-        widths = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": shards.intermediate_size}
-        widths["up_proj"] = shards.intermediate_size
         shapes = module_shapes(self.model_config)
+        # each module's slice on this rank (tensor parallelism): A split as a row-parallel base
+        # weight (by input), B as a column-parallel one (by output); the partial products of a
+        # row-parallel projection add up in its all-reduce as the base ones do
+        self.splits: dict[str, tuple[int, slice]] = {}
+        for module in shapes:
+            dim, kind = SPLITS[("self_attn." if module in ATTENTION else "mlp.") + module]
+            start, size = shard_range(kind, model.shards, model.config)
+            self.splits[module] = (dim, slice(start, start + size))
         self.a: dict[tuple[int, str], torch.Tensor] = {}
         self.b: dict[tuple[int, str], torch.Tensor] = {}
         device = next(model.parameters()).device
@@ -72,9 +78,13 @@ class LoRASlots:
                 parts, start = [], 0
                 for module in modules:
                     width_in, width_out = shapes[module]
-                    end = start + widths.get(module, width_out)
-                    parts.append((module, start, end))
-                    start = end
+                    dim, part = self.splits[module]
+                    if dim == 0:
+                        width_out = part.stop - part.start
+                    else:
+                        width_in = part.stop - part.start
+                    parts.append((module, start, start + width_out))
+                    start += width_out
                     self.a[index, module] = torch.zeros(max_loras, max_rank, width_in, device=device)
                     self.b[index, module] = torch.zeros(max_loras, width_out, max_rank, device=device)
                 setattr(layer, attr, LoRAProjection(base, self, index, parts))
@@ -134,6 +144,8 @@ class LoRASlots:
             self.a[key][slot].zero_()
             self.b[key][slot].zero_()
             if a is not None:
+                dim, part = self.splits[key[1]]
+                a, b = (a, b[part]) if dim == 0 else (a[:, part], b)
                 self.a[key][slot, : a.shape[0]].copy_(a)
                 self.b[key][slot, :, : b.shape[1]].copy_(b)
         self.scales[slot] = scale

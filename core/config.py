@@ -386,12 +386,10 @@ class EngineOptions:
 
 
 def _check_lora(cfg) -> None:
-    """What LoRA serving composes with so far: one rank, no speculation, generation."""
+    """What LoRA serving composes with so far: everything but speculative decoding."""
     _check_positive(cfg, ("max_loras", "max_lora_rank", "max_cpu_loras"))
     if cfg.max_cpu_loras is not None and cfg.max_cpu_loras < cfg.max_loras:
         raise InvalidParameter("max_cpu_loras", f"must be >= max_loras ({cfg.max_loras}), got {cfg.max_cpu_loras}")
-    if cfg.tensor_parallel_size > 1:
-        raise InvalidParameter("enable_lora", "LoRA adapters are served on one rank so far (tensor_parallel_size 1)")
     if cfg.speculative_config is not None:
         raise InvalidParameter("enable_lora", "LoRA adapters do not run with speculative decoding yet")
 

@@ -156,13 +156,52 @@ def test_greedy_under_adapters_equals_peft_alone_and_mixed_with_the_base(llama, 
     assert sum(got[i] != base[i] for i in range(1, 5)) >= 2  # the adapters change the tokens
 
 
+def test_four_adapters_and_the_base_on_an_odd_shaped_model_equal_peft_and_tp2_equals_tp1(tiny_model, tmp_path):
+    """Qwen2 with biases, 6 heads of 10 over 36 wide, one KV head (replicated on both ranks),
+    an intermediate size of 54 (27 a rank): four adapters of ranks 8 and 16 over different
+    modules and the base in one batch equal PEFT's; two ranks (each adapter's A and B split as
+    their base weights) give the tokens of one."""
+    from pagedllm import LLM, LoRARequest, SamplingParams
+
+    odd = tiny_model(
+        "qwen2", hidden_size=36, num_attention_heads=6, num_key_value_heads=1, head_dim=10, intermediate_size=54
+    )
+    shapes = [
+        (8, TARGETS),
+        (16, TARGETS),
+        (8, ("k_proj", "o_proj", "up_proj")),
+        (16, ("q_proj", "v_proj", "gate_proj", "down_proj")),
+    ]
+    adapters = [
+        LoRARequest(f"a{i}", i + 1, make_adapter(odd, str(tmp_path / f"a{i}"), r=r, alpha=2 * r, targets=t))
+        for i, (r, t) in enumerate(shapes)
+    ]
+    prompts = [random_prompt(n, seed) for seed, n in enumerate((7, 19, 33, 12, 26, 5))]
+    chosen = [adapters[0], None, adapters[1], adapters[2], adapters[3], adapters[0]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    got = {}
+    for tp in (1, 2):
+        with LLM(
+            odd, enable_lora=True, max_loras=4, max_lora_rank=16, max_model_len=128, tensor_parallel_size=tp
+        ) as llm:
+            got[tp] = [
+                o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False, lora_request=chosen)
+            ]
+    assert got[2] == got[1]
+    for lora in adapters:
+        rows = [i for i, c in enumerate(chosen) if c is lora]
+        assert [got[1][i] for i in rows] == peft_greedy(odd, lora.lora_path, [prompts[i] for i in rows], 8), lora
+    base = peft_greedy(odd, None, prompts, 8)
+    assert got[1][1] == base[1]
+    assert sum(got[1][i] != base[i] for i in (0, 2, 3, 4, 5)) >= 3  # the adapters change the tokens
+
+
 def test_adapters_are_refused_where_the_engine_does_not_serve_them(llama, adapter):
     from pagedllm import LLM, LoRARequest, SamplingParams
 
     with LLM(llama, max_model_len=64) as llm, pytest.raises(InvalidParameter, match="started with enable_lora"):
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), lora_request=LoRARequest("all", 1, adapter))
     for options, clue in (
-        ({"tensor_parallel_size": 2}, "one rank so far"),
         ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "speculative decoding"),
         ({"max_loras": 2, "max_cpu_loras": 1}, "max_cpu_loras"),
     ):

@@ -238,13 +238,14 @@ def _install_quantized(model, saved: dict, method: str, params: dict, cfg, tp, d
 def _rank_share(weight: QuantizedWeight, hf: str, shards: Shards, cfg: ModelConfig, tp: TensorParallel):
     if tp.size == 1:
         return weight
-    dim, what = _SPLITS[hf]
-    start, size = _range(what, shards, cfg)
+    dim, what = SPLITS[hf]
+    start, size = shard_range(what, shards, cfg)
     return weight.rows(start, size) if dim == 0 else weight.columns(start, size)
 
 
-# HF weight (stem suffix) -> how it splits across ranks: (dimension, which Shards range)
-_SPLITS = {
+# HF weight (stem suffix) -> how it splits across ranks: (dimension, which Shards range);
+# LoRA adapters (backends/lora.py) split as their base weights
+SPLITS = {
     "self_attn.q_proj": (0, "heads"),
     "self_attn.k_proj": (0, "kv_heads"),
     "self_attn.v_proj": (0, "kv_heads"),
@@ -256,10 +257,11 @@ _SPLITS = {
     "lm_head": (0, "vocab"),
 }
 # our projections split by input channel (dimension 1) across ranks: o_proj, down_proj
-_ROW_PARALLEL = frozenset(_LAYER_NAMES[hf][0] for hf, (dim, _) in _SPLITS.items() if dim == 1)
+_ROW_PARALLEL = frozenset(_LAYER_NAMES[hf][0] for hf, (dim, _) in SPLITS.items() if dim == 1)
 
 
-def _range(kind: str, shards: Shards, cfg: ModelConfig) -> tuple[int, int]:
+def shard_range(kind: str, shards: Shards, cfg: ModelConfig) -> tuple[int, int]:
+    """(start, size) of this rank's slice of a split dimension (a Shards range by name)."""
     d = cfg.head_dim
     return {
         "heads": (shards.head_start * d, shards.num_heads * d),
@@ -274,7 +276,7 @@ def _read_slice(f, name: str, shards: Shards, cfg: ModelConfig, tp: TensorParall
     """This rank's part of weight `name`. A row-parallel layer's bias is added once, by rank 0;
     rows past the vocabulary (its padding) are zeros."""
     stem, _, kind = name.rpartition(".")
-    split = next((v for k, v in _SPLITS.items() if stem == k or stem.endswith("." + k)), None)
+    split = next((v for k, v in SPLITS.items() if stem == k or stem.endswith("." + k)), None)
     layer = _LAYER.match(stem)
     expert = _EXPERT.match(layer.group(2)) if layer else None
     if expert:  # every expert's slice of the intermediate dimension (models/moe.py)
@@ -286,7 +288,7 @@ def _read_slice(f, name: str, shards: Shards, cfg: ModelConfig, tp: TensorParall
     if kind == "bias" and dim == 1:
         tensor = view[:]
         return tensor if tp.is_first else torch.zeros_like(tensor)
-    start, size = _range(what, shards, cfg)
+    start, size = shard_range(what, shards, cfg)
     end = min(start + size, view.get_shape()[dim])
     part = view[start:end] if dim == 0 else view[:, start:end]
     if end - start < size:  # the vocabulary's padding
@@ -307,7 +309,7 @@ def _fused_parts(f, name: str, shards: Shards, cfg: ModelConfig, tp: TensorParal
     for what in ranges:
         piece = tensor[offset : offset + whole[what]]
         offset += whole[what]
-        start, size = _range(what, shards, cfg)
+        start, size = shard_range(what, shards, cfg)
         parts.append(piece[start : start + size])
     return f"layers.{m.group(1)}.{ours}.weight", parts
 
