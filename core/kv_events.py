@@ -88,9 +88,10 @@ def batch_of(pool_events: list[tuple], block_size: int) -> KVEventBatch:
     events: list[Any] = []
     for record in pool_events:
         if record[0] == "stored":
-            _, key, parent, token_ids = record
+            _, key, parent, token_ids, lora = record
             parent = wire_hash(parent) if parent is not None else None
-            events.append(BlockStored([wire_hash(key)], parent, list(token_ids), block_size, None, "GPU", None))
+            lora_id, lora_name = (lora.lora_int_id, lora.lora_name) if lora is not None else (None, None)
+            events.append(BlockStored([wire_hash(key)], parent, list(token_ids), block_size, lora_id, "GPU", lora_name))
         elif record[0] == "removed":
             events.append(BlockRemoved([wire_hash(record[1])], "GPU"))
         else:

@@ -60,6 +60,7 @@ class CacheView:
         self.replay_port = replay
         self.decoder = msgspec.msgpack.Decoder(KVEventBatch)
         self.blocks: dict[int, list[int]] = {}
+        self.loras: dict[int, tuple[int | None, str | None]] = {}  # hash -> (lora_id, lora_name)
         self.next_seq = 0
         self.cleared = 0
         self.removed = 0
@@ -76,6 +77,7 @@ class CacheView:
                 for h in event.block_hashes:
                     assert event.parent_block_hash is None or event.parent_block_hash in self.blocks
                     self.blocks[h] = event.token_ids
+                    self.loras[h] = (event.lora_id, event.lora_name)
             elif isinstance(event, BlockRemoved):
                 for h in event.block_hashes:
                     del self.blocks[h]  # a block removed was stored before

@@ -13,6 +13,7 @@ import threading
 import urllib.request
 
 import pytest
+import zmq
 
 from pagedllm.core.errors import InvalidParameter
 from pagedllm.core.lora import TARGETS, LoRARequest, read_adapter
@@ -194,6 +195,33 @@ def test_four_adapters_and_the_base_on_an_odd_shaped_model_equal_peft_and_tp2_eq
     base = peft_greedy(odd, None, prompts, 8)
     assert got[1][1] == base[1]
     assert sum(got[1][i] != base[i] for i in (0, 2, 3, 4, 5)) >= 3  # the adapters change the tokens
+
+
+def test_kv_events_name_the_adapter_a_block_was_computed_under(llama, adapter):
+    """vLLM's BlockStored carries lora_id (and lora_name): the same prompt's blocks under the
+    adapter and under the base are two sets of blocks, each named by its adapter or none."""
+    from pagedllm import LLM, LoRARequest, SamplingParams
+    from pagedllm.core.process.ipc import free_tcp_port
+
+    from test_kv_events import CacheView
+
+    pub, replay = free_tcp_port(), free_tcp_port()
+    events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{pub}",
+        "replay_endpoint": f"tcp://*:{replay}",
+    }
+    prompt = random_prompt(40, 3)
+    params = SamplingParams(temperature=0, max_tokens=1)
+    with LLM(llama, enable_lora=True, kv_events_config=events, block_size=16, max_model_len=128) as llm:
+        view = CacheView(pub, replay)
+        view.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        llm.generate([prompt, prompt], params, use_tqdm=False, lora_request=[LoRARequest("all", 1, adapter), None])
+        view.replay_missed()
+        view.drain()
+        view.close()
+    assert sorted(view.loras.values(), key=str) == [(1, "all")] * 2 + [(None, None)] * 2
 
 
 def test_adapters_are_refused_where_the_engine_does_not_serve_them(llama, adapter):

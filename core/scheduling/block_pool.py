@@ -28,7 +28,18 @@ def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...]) -> in
 
 
 class KVBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "parent", "parent_serial", "serial", "prev", "next")
+    __slots__ = (
+        "block_id",
+        "ref_cnt",
+        "block_hash",
+        "token_ids",
+        "parent",
+        "parent_serial",
+        "serial",
+        "lora",
+        "prev",
+        "next",
+    )
 
     def __init__(self, block_id: int):
         self.block_id = block_id
@@ -39,6 +50,7 @@ class KVBlock:
         self.parent: KVBlock | None = None
         self.parent_serial = 0
         self.serial = 0  # which registration in the cache this is (a block is reused after eviction)
+        self.lora = None  # the LoRARequest its K/V were computed under (KV events name it)
         self.prev: KVBlock | None = None
         self.next: KVBlock | None = None
 
@@ -94,7 +106,7 @@ class BlockPool:
         self._cached: dict[int, KVBlock] = {}
         self._registrations = 0
         # the prefix cache's changes, kept for KV events (core/kv_events.py) while a list:
-        # ("stored", hash, parent hash, token ids), ("removed", hash), ("cleared",)
+        # ("stored", hash, parent hash, token ids, LoRARequest | None), ("removed", hash), ("cleared",)
         self.events: list[tuple] | None = None
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found
@@ -181,7 +193,7 @@ class BlockPool:
         return block
 
     def cache_full_block(
-        self, block: KVBlock, block_hash: int, token_ids: tuple[int, ...], parent: KVBlock | None
+        self, block: KVBlock, block_hash: int, token_ids: tuple[int, ...], parent: KVBlock | None, lora=None
     ) -> None:
         """Register a block whose slots are all written, as following `parent`. If a block is
         already registered under the key, or the parent is not cached (no lookup could reach
@@ -193,9 +205,11 @@ class BlockPool:
         self._registrations += 1
         block.block_hash, block.token_ids, block.serial = block_hash, token_ids, self._registrations
         block.parent, block.parent_serial = parent, parent.serial if parent is not None else 0
+        block.lora = lora
         self._cached[block_hash] = block
         if self.events is not None:
-            self.events.append(("stored", block_hash, parent.block_hash if parent is not None else None, token_ids))
+            parent_hash = parent.block_hash if parent is not None else None
+            self.events.append(("stored", block_hash, parent_hash, token_ids, lora))
 
     def record_lookup(self, queried_tokens: int, hit_tokens: int) -> None:
         self.prefix_queries += queried_tokens
@@ -219,7 +233,7 @@ class BlockPool:
         self.events.append(("cleared",))
         for block in sorted(self._cached.values(), key=lambda b: b.serial):
             parent = block.parent.block_hash if block.parent is not None else None
-            self.events.append(("stored", block.block_hash, parent, block.token_ids))
+            self.events.append(("stored", block.block_hash, parent, block.token_ids, block.lora))
 
     @property
     def num_cached(self) -> int:
@@ -244,7 +258,7 @@ class BlockPool:
             del self._cached[block.block_hash]
             if self.events is not None:
                 self.events.append(("removed", block.block_hash))
-            block.block_hash = block.token_ids = block.parent = None
+            block.block_hash = block.token_ids = block.parent = block.lora = None
 
     # --- checks ---------------------------------------------------------------------------
     def check_invariants(self, ref_counts: dict[int, int]) -> None:

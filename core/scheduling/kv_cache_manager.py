@@ -146,7 +146,7 @@ class KVCacheManager:
         bs, tokens = self.block_size, request.all_token_ids
         for i in range(done, full):
             parent = table[i - 1] if i else None
-            self.pool.cache_full_block(table[i], hashes[i], tuple(tokens[i * bs : (i + 1) * bs]), parent)
+            self.pool.cache_full_block(table[i], hashes[i], tuple(tokens[i * bs : (i + 1) * bs]), parent, request.lora)
         self._num_hashed[rid] = full
 
     def cache_planned_blocks(self, request: Request) -> None:
