@@ -89,21 +89,34 @@ class LLM:
             if len(priority) != len(items):
                 raise InvalidParameter("priority", f"needs one value per prompt ({len(items)}), got {len(priority)}")
             params = [msgspec.structs.replace(p, priority=pr) for p, pr in zip(params, priority)]
-        adapters = lora_request if isinstance(lora_request, list) else [lora_request] * len(items)
-        if len(adapters) != len(items):
-            raise InvalidParameter("lora_request", f"needs one per prompt ({len(items)}), got {len(adapters)}")
-        adapters = [self.inputs.adapter(a) for a in adapters]
+        adapters = self._adapters(lora_request, len(items))
         trackers = [self.inputs.tracker(item, p, str(next(self._ids))) for item, p in zip(items, params)]
         for tracker, adapter in zip(trackers, adapters):
             tracker.lora = adapter
         return self._run(trackers, use_tqdm)
 
-    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+    def _adapters(self, lora_request, count: int) -> list[LoRARequest | None]:
+        adapters = lora_request if isinstance(lora_request, list) else [lora_request] * count
+        if len(adapters) != count:
+            raise InvalidParameter("lora_request", f"needs one per prompt ({count}), got {len(adapters)}")
+        return [self.inputs.adapter(a) for a in adapters]
+
+    def beam_search(
+        self,
+        prompts,
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+    ) -> list[BeamSearchOutput]:
         """Beam search, as transformers' generate(num_beams=W, do_sample=False) runs it. The beams
         are forked requests in the engine: they share the prompt's blocks and every common full
-        block, and a beam group is preempted as a whole."""
+        block, and a beam group is preempted as a whole. lora_request: as generate's."""
         sampling = params.to_sampling_params()
-        trackers = [self.inputs.tracker(item, sampling, str(next(self._ids))) for item in self.inputs.prompts(prompts)]
+        items = self.inputs.prompts(prompts)
+        adapters = self._adapters(lora_request, len(items))
+        trackers = [self.inputs.tracker(item, sampling, str(next(self._ids))) for item in items]
+        for tracker, adapter in zip(trackers, adapters):
+            tracker.lora = adapter
         self._run(trackers, use_tqdm)
         return [BeamSearchOutput([self._beam_sequence(t, b, params) for b in (t.beams or [])]) for t in trackers]
 

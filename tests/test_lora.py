@@ -121,7 +121,11 @@ def test_greedy_under_adapters_equals_peft_alone_and_mixed_with_the_base(llama, 
     """Two adapters (ranks 8 and 16, different modules) and the base in one batch, each prompt
     under its own: transformers + PEFT's tokens, adapters unmerged and merged. The same prompt
     under another adapter shares no prefix-cache block with it; under the same one it does."""
-    from pagedllm import LLM, LoRARequest, SamplingParams
+    import torch
+    from test_beam_search import hf_beams
+
+    from pagedllm import LLM, BeamSearchParams, LoRARequest, SamplingParams
+    from pagedllm.fixtures.tiny_models import load_hf
 
     wide = make_adapter(
         llama, str(tmp_path / "wide"), r=16, alpha=8, targets=("q_proj", "v_proj", "o_proj", "down_proj")
@@ -144,6 +148,8 @@ def test_greedy_under_adapters_equals_peft_alone_and_mixed_with_the_base(llama, 
         with pytest.raises(InvalidParameter, match="no such folder"):  # a bad adapter fails its request alone
             llm.generate([prompts[0]], params, lora_request=LoRARequest("gone", 3, str(tmp_path / "gone")))
         assert llm.generate([prompts[0]], params, use_tqdm=False)[0].outputs[0].token_ids == got[0]
+        beams = llm.beam_search([prompts[4]], BeamSearchParams(beam_width=2, max_tokens=12), lora_request=second)
+        beams = [s.tokens[len(prompts[4]) :] for s in beams[0].sequences]
     # one slot, one adapter in host memory: the adapters take turns (the scheduler admits one at
     # a time, the slot is reloaded from disk each time): the same tokens
     with LLM(llama, enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=16, max_model_len=256) as llm:
@@ -152,6 +158,8 @@ def test_greedy_under_adapters_equals_peft_alone_and_mixed_with_the_base(llama, 
     for path, merged in ((adapter, False), (wide, False), (wide, True)):
         rows = [i for i, c in enumerate(chosen) if c is not None and c.lora_path == path]
         assert [got[i] for i in rows] == peft_greedy(llama, path, [prompts[i] for i in rows], 8, merged), path
+    with torch.no_grad():  # beams as transformers' generate(num_beams=2) finds them under the adapter
+        assert beams == hf_beams(peft.PeftModel.from_pretrained(load_hf(llama), wide), prompts[4], 2)
     base = peft_greedy(llama, None, prompts, 8)
     assert got[0] == base[0]
     assert sum(got[i] != base[i] for i in range(1, 5)) >= 2  # the adapters change the tokens
@@ -200,10 +208,10 @@ def test_four_adapters_and_the_base_on_an_odd_shaped_model_equal_peft_and_tp2_eq
 def test_kv_events_name_the_adapter_a_block_was_computed_under(llama, adapter):
     """vLLM's BlockStored carries lora_id (and lora_name): the same prompt's blocks under the
     adapter and under the base are two sets of blocks, each named by its adapter or none."""
+    from test_kv_events import CacheView
+
     from pagedllm import LLM, LoRARequest, SamplingParams
     from pagedllm.core.process.ipc import free_tcp_port
-
-    from test_kv_events import CacheView
 
     pub, replay = free_tcp_port(), free_tcp_port()
     events = {
