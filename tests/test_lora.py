@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import signal
+import tempfile
 import threading
 import urllib.request
 
@@ -203,6 +204,31 @@ def test_four_adapters_and_the_base_on_an_odd_shaped_model_equal_peft_and_tp2_eq
     base = peft_greedy(odd, None, prompts, 8)
     assert got[1][1] == base[1]
     assert sum(got[1][i] != base[i] for i in (0, 2, 3, 4, 5)) >= 3  # the adapters change the tokens
+
+
+def test_the_demo_model_under_adapters_of_rank_8_and_16_equals_peft():
+    """The shipped demo model (computed in float32, as transformers is here) under a rank-8
+    adapter of every projection and a rank-16 one of attention, beside the base in one batch."""
+    from pagedllm import LLM, LoRARequest, SamplingParams
+    from pagedllm.entrypoints.default_model import shipped_model_dir
+
+    demo = shipped_model_dir()
+    if not os.path.isfile(os.path.join(demo, "config.json")):
+        pytest.skip("the demo model is not in this checkout")
+    with tempfile.TemporaryDirectory() as tmp:
+        eight = LoRARequest("eight", 1, make_adapter(demo, f"{tmp}/eight", r=8, alpha=16))
+        sixteen = make_adapter(demo, f"{tmp}/sixteen", r=16, alpha=16, targets=("q_proj", "k_proj", "v_proj", "o_proj"))
+        sixteen = LoRARequest("sixteen", 2, sixteen)
+        prompts = [random_prompt(n, seed, vocab=4096) for seed, n in enumerate((11, 30, 20, 7))]
+        chosen = [eight, sixteen, None, sixteen]
+        params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+        with LLM(demo, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16, max_model_len=128) as llm:
+            got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False, lora_request=chosen)]
+        for lora in (eight, sixteen):
+            rows = [i for i, c in enumerate(chosen) if c is lora]
+            assert [got[i] for i in rows] == peft_greedy(demo, lora.lora_path, [prompts[i] for i in rows], 10), lora
+    base = peft_greedy(demo, None, prompts, 10)
+    assert got[2] == base[2] and all(got[i] != base[i] for i in (0, 1, 3))
 
 
 def test_kv_events_name_the_adapter_a_block_was_computed_under(llama, adapter):
