@@ -42,6 +42,14 @@ class LoRAProjection(nn.Module):
         super().__init__()
         self.base, self.slots, self.layer, self.parts = base, slots, layer, parts
 
+    @property
+    def in_features(self) -> int:
+        return self.base.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.base.out_features
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
         rows = self.slots.rows_for(x.shape[0])
@@ -168,8 +176,9 @@ class LoRASlots:
 
 class AdapterExecutor(StepExecutor):
     """The step with adapters: the projections wrapped once the backend has prepared the model
-    (attach), each chunk run under its adapter's slot, and no step replayed (a replay would
-    leave the adapters out): the step executor's hooks, so the worker knows nothing of LoRA."""
+    (attach), each chunk run under its adapter's slot, and steps replayed only where the
+    backend's replay adds the adapters' products (replays_lora): the step executor's hooks, so
+    the worker knows nothing of LoRA."""
 
     def attach(self, runner, make_runner) -> None:
         super().attach(runner, make_runner)
@@ -177,7 +186,9 @@ class AdapterExecutor(StepExecutor):
         runner.lora = LoRASlots(self.model, self.ops, cfg.model, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras)
 
     def runners(self) -> tuple:
-        return ()
+        # a backend whose replay reads each row's slot (the cpu backend's step replay); a GPU
+        # graph would be captured without the adapters' products
+        return (self.runner,) if getattr(self.ops, "replays_lora", False) else ()
 
     def seq_inputs(self, chunks) -> list[SeqInput]:
         """Each chunk with its adapter's slot (-1: the base model), loaded where it is not."""

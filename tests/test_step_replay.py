@@ -354,3 +354,44 @@ def test_a_replay_keeps_rows_for_any_mix_of_decodes_verifications_chunks_and_pro
             torch.equal(eager_rows[i], replayed_rows[i]) for i in wanted
         ), case
         assert torch.equal(eager_kv, replayed_kv), case
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_steps_under_adapters_replay_with_the_eager_bits(dtype):
+    """Each row adds its adapter slot's product after every adapted linear layer (the compiled
+    kernel up to 64 rows, torch's GEMMs past them, as the eager step chooses): decodes in mixed
+    slots and none, a 100-token prefill beside a chunk with its rows' hidden states kept."""
+    from pagedllm.backends.lora import LoRASlots
+
+    model = load_model(shipped_model_dir(), dtype=dtype)
+    ops = CpuAttentionOps()
+    slots = LoRASlots(model, ops, shipped_model_dir(), max_loras=2, max_rank=16, max_cpu_loras=None)
+    gen = torch.Generator().manual_seed(0)
+    for key in slots.a:
+        slots.a[key].normal_(std=0.05, generator=gen)
+        slots.b[key].normal_(std=0.05, generator=gen)
+    slots.scales.copy_(torch.tensor([2.0, 0.5]))
+    kv = allocate_kv_caches(model, 64, BLOCK)
+    runner = ModelRunner(model, ops, kv, BLOCK)
+    runner.lora = slots
+    replay = ops.capture_graphs(model, kv, BLOCK, 8, 512)
+    assert isinstance(replay, StepReplay) and any(s.kind == "lora" for s in replay.steps)
+    tables = [list(range(1 + 10 * i, 11 + 10 * i)) for i in range(4)]
+    decodes = [SeqInput([5 + i], 20 + i, tables[i], lora_slot=[0, -1, 1, 0][i]) for i in range(4)]
+    prefill = [SeqInput([7] * 100, 0, tables[0], lora_slot=1), SeqInput(list(range(9, 30)), 4, tables[1], lora_slot=0)]
+    runner.kv_caches.normal_(generator=gen)
+    before = runner.kv_caches.clone()
+    results = []
+    for graphs in (None, replay):
+        runner.kv_caches.copy_(before)
+        runner.replay = graphs
+        plain = runner.execute([SeqInput([5], 20, tables[0])])
+        results.append((runner.execute(decodes), runner.execute_with_hidden(prefill, {1: 21}), plain))
+        results[-1] += (runner.kv_caches.clone(),)
+    (eager, eager_prefill, eager_plain, eager_kv), (replayed, replayed_prefill, replayed_plain, replayed_kv) = results
+    assert torch.equal(eager, replayed) and torch.equal(eager_plain, replayed_plain)
+    assert torch.equal(eager_prefill[0], replayed_prefill[0]) and torch.equal(
+        eager_prefill[1][1], replayed_prefill[1][1]
+    )
+    assert torch.equal(eager_kv, replayed_kv)
+    assert not torch.equal(eager[0], eager_plain[0])  # the adapter changed the logits

@@ -37,10 +37,10 @@ VIEW_CALLS = frozenset(
 class Step(NamedTuple):
     """One step of the eager forward pass."""
 
-    kind: str  # "norm", "linear", "rotate", "write_kv", "attend" or "act"
+    kind: str  # "norm", "linear", "lora" (the adapters' products after it), "rotate", "write_kv", "attend" or "act"
     index: int  # the decoder layer's index (its KV cache); -1 after the last layer
     layer: DecoderLayer | None
-    module: object = None  # the norm or linear layer
+    module: object = None  # the norm or linear layer (lora: backends/lora.py's LoRAProjection)
     residual: bool = False  # a norm that adds the residual stream to its input
     options: tuple = ()  # attention: the keywords the layer passed (window, soft_cap, KV scales)
 
@@ -113,6 +113,8 @@ def record_forward(model: CausalLM, kv_caches) -> list[Step] | None:
 
         return hook
 
+    from ..lora import LoRAProjection
+
     handles, saved = [], []
     try:
         for module in model.modules():
@@ -120,6 +122,8 @@ def record_forward(model: CausalLM, kv_caches) -> list[Step] | None:
                 kind = "norm"
             elif isinstance(module, RECORDED_LINEARS):
                 kind = "linear"
+            elif isinstance(module, LoRAProjection):
+                kind = "lora"  # its base layer's step comes first
             elif module is model.embed_tokens:
                 kind = None  # the replay looks the embedding up itself
             else:

@@ -31,7 +31,7 @@ from .packed_linear import bfloat16_dot_products, pack_linear_layers
 from .quantized_linear import cpu_quantized_linear
 from .step_replay import capture_step_replay
 
-REPLAYED_OPS = ("decode_attention", "write_kv")  # what a replayed decode step calls of this class
+REPLAYED_OPS = ("decode_attention", "write_kv", "add_lora")  # what a replayed step calls of this class
 DECODE_GROUPS = 4  # at most this many context-length groups per decode batch
 DECODE_GROUP_MIN = 8  # requests per group, at least
 LORA_ROWS_PER_ROW_KERNEL = 64  # add_lora: the compiled per-row product up to this many rows
@@ -135,6 +135,9 @@ class CpuAttentionOps(AttentionOps):
     # work across rows, never within one; experts run on the dense kernels); the conformance
     # suite's invariance rows check it
     batch_invariant = True
+    # its step replay adds each row's adapter product (backends/lora.py asks; other backends'
+    # replays would be captured without them, so their LoRA steps run eagerly)
+    replays_lora = True
 
     def prepare_process(self) -> None:
         keep_freed_memory()

@@ -29,7 +29,8 @@ the GEMMs (docs/bench): a 2,040-token prefill step replayed takes 16 instead of 
 Captured only where the eager pass is all compiled kernels: float32 or 16-bit weights on the
 panel kernel (or on oneDNN's packed GEMM, called through torch), weight-only quantized layers
 of a float32 model (their GEMV; past its rows, their own forward), fused norms and activation,
-one rank; else None (eager steps).
+LoRA adapters' products (backends/lora.py: each row's slot, added into the step's float32
+buffers after each adapted layer), one rank; else None (eager steps).
 """
 
 from __future__ import annotations
@@ -90,7 +91,9 @@ class StepReplay:
         # prefill steps replay too, their buffers grown on first need up to REPLAY_BUFFER_BYTES
         self.row_cap = max(max_batch, min(MAX_REPLAY_ROWS, REPLAY_BUFFER_BYTES // self._bytes_per_row()))
         self.steps = steps  # the eager pass's, recorded (forward_recorder.py)
-        self.products_in_place = self._onednn_throughout(steps, kv_caches.dtype)
+        # adapters add into each product: in the step's float32 buffers, from float32 inputs
+        lora = any(s.kind == "lora" for s in steps)
+        self.products_in_place = None if lora else self._onednn_throughout(steps, kv_caches.dtype)
         self._build(max_batch)
 
     def _bytes_per_row(self) -> int:
@@ -118,6 +121,7 @@ class StepReplay:
         self.tables = torch.zeros(n, self.max_blocks, dtype=torch.int32)
         self.context = torch.ones(n, dtype=torch.int32)
         self.rows = torch.arange(n, dtype=torch.int32)  # row r attends with table row rows[r]
+        self.lora_rows = torch.full((n,), -1, dtype=torch.int32)  # each row's adapter slot (-1: none)
         self.cos, self.sin = torch.zeros(n, d, dtype=f32), torch.zeros(n, d, dtype=f32)
         self.residual, self.normed = torch.zeros(n, hidden, dtype=f32), torch.zeros(n, hidden, dtype=f32)
         self.q, self.attn = torch.zeros(n, heads, d, dtype=f32), torch.zeros(n, heads, d, dtype=f32)
@@ -155,9 +159,11 @@ class StepReplay:
         # a linear layer writes where the step after it reads
         linear_out = {"rotate": self.qkv, "norm": self.out, "act": self.gate_up}
         bfloat16_inputs: dict[int, torch.Tensor] = {}  # in_features -> the rounded rows, shared by the layers
+        linear_input = [None]  # the last linear layer's, which its adapters read too
 
         def linear(step, x: torch.Tensor, after: str | None):
             module, out = step.module, linear_out.get(after)
+            linear_input[0] = x
             _check(out is not None, f"a linear layer followed by {after}")
             _check(isinstance(module, RECORDED_LINEARS), f"a {type(module).__name__} layer")
             if isinstance(module, Bfloat16Linear):
@@ -196,12 +202,35 @@ class StepReplay:
             {
                 "norm": norm,
                 "linear": linear,
+                "lora": lambda step, out, after: (self._lora_calls(step.module, linear_input[0], out), out),
                 "rotate": rotate,
                 "write_kv": lambda step, x, after: ([self._write_kv(step.index, row_bytes)], x),
                 "attend": lambda step, x, after: ([self._attend_step(step, dot_products)], self.attn),
                 "act": act,
             }
         )
+
+    def _lora_calls(self, projection, x: torch.Tensor, out: torch.Tensor) -> list[KernelOp]:
+        """Each adapted module's product added into its columns of the linear layer's output, as
+        LoRAProjection.forward adds it: the compiled kernel up to LORA_ROWS_PER_ROW_KERNEL rows,
+        the backend's add_lora (torch's GEMMs) past them, as the eager step chooses."""
+        from .ops import LORA_ROWS_PER_ROW_KERNEL
+
+        slots, x = projection.slots, x.view(x.shape[0], -1)
+        _check(out.dim() == 2 and out.stride(1) == 1 and x.stride(1) == 1, "adapters on strided rows")
+        scales, rows_slot = slots.scales, self.lora_rows
+        calls = []
+        for module, start, end in projection.parts:
+            a, b = slots.weights(projection.layer, module, torch.float32)
+            _check(a.is_contiguous() and b.is_contiguous() and scales.dtype == torch.float32, "adapters' weights")
+            args = [_ptr(out, start), out.stride(0), _ptr(x), x.stride(0), x.shape[1], end - start]
+            args += [_ptr(a), _ptr(b), a.shape[1], _ptr(rows_slot), _ptr(scales)]
+
+            def fallback(rows, threads, a=a, b=b, start=start, end=end):
+                slots.ops.add_lora(out[:rows, start:end], x[:rows], a, b, rows_slot[:rows], scales)
+
+            calls.append(KernelOp("add_lora", args, max_rows=LORA_ROWS_PER_ROW_KERNEL, fallback=fallback))
+        return calls
 
     def _quantized_call(self, module: CpuQuantizedLinear, x: torch.Tensor, out: torch.Tensor) -> KernelOp:
         """A weight-only quantized layer of a float32 model, as its forward runs it: the GEMV up
@@ -226,9 +255,13 @@ class StepReplay:
         wrote, the next step's kind) -> (calls, what this one writes)`: a step reads what the
         one before it wrote and writes where the one after it reads."""
         calls, value = [], self.residual  # the embedding, looked up in run()
-        kinds = [s.kind for s in self.steps] + [None]
+        # what comes after each step, an adapter's product (which adds into the linear layer's) aside
+        following, after = [], None
+        for step in reversed(self.steps):
+            following.append(after)
+            after = after if step.kind == "lora" else step.kind
         prune_at = 0
-        for step, after in zip(self.steps, kinds[1:]):
+        for step, after in zip(self.steps, reversed(following)):
             new, value = binders[step.kind](step, value, after)
             calls += new
             if step.kind == "attend":
@@ -509,6 +542,7 @@ class StepReplay:
             index = torch.from_numpy(np.asarray(keep, dtype=np.int64))
             self.attn[: len(keep)] = self.attn[index]
             self.residual[: len(keep)] = self.residual[index]
+            self.lora_rows[: len(keep)] = self.lora_rows[index]
             rows = len(keep)
         for call in self.tail:
             call(rows, threads)
@@ -519,6 +553,7 @@ class StepReplay:
         bs = self.block_size
         ids, positions, slots = self.ids.numpy(), self.positions.numpy(), self.slots.numpy()
         tables, context, table_of = self.tables.numpy(), self.context.numpy(), self.rows.numpy()
+        adapters = self.lora_rows.numpy()
         r = 0
         for j, s in enumerate(seqs):
             blocks = s.block_ids[: self.max_blocks]
@@ -527,11 +562,11 @@ class StepReplay:
             if n == 1:  # a decode row: numpy's per-call cost is more than the row's
                 pos = s.start_pos
                 ids[r], positions[r], context[r], table_of[r] = s.token_ids[0], pos, pos + 1, j
-                slots[r] = blocks[pos // bs] * bs + pos % bs
+                slots[r], adapters[r] = blocks[pos // bs] * bs + pos % bs, s.lora_slot
             else:
                 pos = np.arange(s.start_pos, s.start_pos + n)
                 ids[r : r + n], positions[r : r + n], context[r : r + n] = s.token_ids, pos, pos + 1
-                table_of[r : r + n] = j
+                table_of[r : r + n], adapters[r : r + n] = j, s.lora_slot
                 slots[r : r + n] = tables[j, pos // bs] * bs + pos % bs
             r += n
 
@@ -552,6 +587,7 @@ OP_KINDS = {
             "attention_f16",
             "silu_and_mul",
             "quantized_gemv",
+            "add_lora",
         ),
         start=1,
     )

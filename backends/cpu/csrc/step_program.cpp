@@ -35,6 +35,9 @@ void pagedllm_quantized_gemv_f32(int kind, const float* x, int64_t m, const uint
                                  int64_t n, int64_t k, int64_t group, float* out, int num_threads);
 void pagedllm_argmax_rows_f32(const float* x, int64_t row_stride, int64_t rows, int64_t n, int64_t* out,
                               int num_threads);
+void pagedllm_add_lora_f32(float* out, int64_t out_stride, const float* x, int64_t x_stride, int64_t rows,
+                           int64_t width_in, int64_t width_out, const float* lora_a, const float* lora_b,
+                           int64_t rank, const int32_t* slots, const float* scales, int num_threads);
 int64_t pagedllm_run_ops(const int64_t* ops, int64_t count, int64_t rows, int num_threads);
 }
 
@@ -53,6 +56,7 @@ enum Kind : int64_t {
   ATTENTION_F16,
   SILU_AND_MUL,
   QUANTIZED_GEMV,
+  ADD_LORA,
 };
 constexpr int64_t WORDS = 20;
 
@@ -126,6 +130,11 @@ int64_t pagedllm_run_ops(const int64_t* ops, int64_t count, int64_t rows, int nu
         pagedllm_quantized_gemv_f32(static_cast<int>(a[0]), ptr<const float>(a[1]), rows, ptr<const uint8_t>(a[2]),
                                     a[3], ptr<const float>(a[4]), ptr<const float>(a[5]), ptr<const float>(a[6]),
                                     ptr<const float>(a[7]), a[8], a[9], a[10], ptr<float>(a[11]), num_threads);
+        break;
+      case ADD_LORA:
+        pagedllm_add_lora_f32(ptr<float>(a[0]), a[1], ptr<const float>(a[2]), a[3], rows, a[4], a[5],
+                              ptr<const float>(a[6]), ptr<const float>(a[7]), a[8], ptr<const int32_t>(a[9]),
+                              ptr<const float>(a[10]), num_threads);
         break;
       default:
         return i;
