@@ -109,6 +109,10 @@ class AttentionOps(Platform):
     # the model. A backend whose fast paths are not invariant everywhere takes its invariant
     # ones where it is set, and says where the promise holds in batch_invariant_for.
     batch_invariant_mode: bool = False
+    # add_lora's lora_b (v7): with True, the worker keeps each B as [S, r, out] storage and
+    # passes its transposed view (shape [S, out, r], stride(1) == 1), for an expand that reads
+    # a rank's outputs contiguously; with False, contiguous [S, out, r]
+    lora_b_transposed: bool = False
 
     def batch_invariant_for(self, quantized: bool) -> bool:
         """Whether `batch_invariant` holds for a model with quantized layers (`quantized`) or
@@ -199,8 +203,8 @@ class AttentionOps(Platform):
         """Multi-LoRA (contract v7), in place: out[t] += (x[t] @ lora_a[s].T) @ lora_b[s].T *
         scales[s] for every row t whose adapter slot s = slots[t] is >= 0 (-1: the base model
         alone). x [T, in] and out [T, out] in the model's dtype; lora_a [S, r, in] and lora_b
-        [S, out, r] (PEFT's lora_A and lora_B weights, each adapter's rank zero-padded to r), in
-        the model's dtype; float32 scales [S]; int32 slots [T]; all on the device. One step mixes
+        [S, out, r] (PEFT's lora_A and lora_B weights, each adapter's rank zero-padded to r; B a
+        transposed view where the backend declares lora_b_transposed), in the model's dtype; float32 scales [S]; int32 slots [T]; all on the device. One step mixes
         rows of several adapters and of none. The default shrinks and expands each slot's rows
         together (Punica's SGMV) with torch, in float32."""
         add_lora(out, x, lora_a, lora_b, slots, scales)

@@ -67,6 +67,8 @@ class LoRASlots:
         self.model_config = model_folder(model_dir).config
         self.max_cpu_loras = max_cpu_loras or max_loras
         shapes = module_shapes(self.model_config)
+        # B kept as [S, r, out] where the backend's expand wants it (AttentionOps.lora_b_transposed)
+        self.b_transposed = ops.lora_b_transposed
         # each module's slice on this rank (tensor parallelism): A split as a row-parallel base
         # weight (by input), B as a column-parallel one (by output); the partial products of a
         # row-parallel projection add up in its all-reduce as the base ones do
@@ -94,7 +96,8 @@ class LoRASlots:
                     parts.append((module, start, start + width_out))
                     start += width_out
                     self.a[index, module] = torch.zeros(max_loras, max_rank, width_in, device=device)
-                    self.b[index, module] = torch.zeros(max_loras, width_out, max_rank, device=device)
+                    b_shape = (max_rank, width_out) if self.b_transposed else (width_out, max_rank)
+                    self.b[index, module] = torch.zeros(max_loras, *b_shape, device=device)
                 setattr(layer, attr, LoRAProjection(base, self, index, parts))
         self.scales = torch.zeros(max_loras, device=device)
         self.resident: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, least recently used first
@@ -129,11 +132,12 @@ class LoRASlots:
         return self.full_rows if num_rows == self.full_rows.shape[0] else self.kept_rows
 
     def weights(self, layer: int, module: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """A [S, r, in] and B [S, out, r] (a view where kept transposed) as add_lora takes them."""
         a, b = self.a[layer, module], self.b[layer, module]
         if a.dtype != dtype:  # the dtype the model computes in, settled by its first forward
             a = self.a[layer, module] = a.to(dtype)
             b = self.b[layer, module] = b.to(dtype)
-        return a, b
+        return a, (b.transpose(1, 2) if self.b_transposed else b)
 
     # --- loading ------------------------------------------------------------------------------
     def _take_slot(self, busy: set[int]) -> int:
@@ -155,7 +159,10 @@ class LoRASlots:
                 dim, part = self.splits[key[1]]
                 a, b = (a, b[part]) if dim == 0 else (a[:, part], b)
                 self.a[key][slot, : a.shape[0]].copy_(a)
-                self.b[key][slot, :, : b.shape[1]].copy_(b)
+                if self.b_transposed:
+                    self.b[key][slot, : b.shape[1]].copy_(b.T)
+                else:
+                    self.b[key][slot, :, : b.shape[1]].copy_(b)
         self.scales[slot] = scale
 
     def _host_copy(self, lora: LoRARequest) -> tuple[float, dict]:

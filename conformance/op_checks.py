@@ -480,7 +480,8 @@ def check_token_bitmask(ops, device) -> CheckResult:
 def check_lora(ops, device, dtype) -> CheckResult:
     """Multi-LoRA's product (AttentionOps.add_lora): four resident adapters of ranks 8 to 64
     (one zero-padded from a smaller rank), rows of each and of none (slot -1) mixed in one
-    batch, in runs and alone, against float64 each row by itself."""
+    batch, in runs and alone, against float64 each row by itself; B in the layout the backend
+    declares (lora_b_transposed)."""
     res = CheckResult(f"lora {DTYPE_NAMES[dtype]}", tolerance_text([dtype]))
     gen = torch.Generator().manual_seed(7)
     rand = lambda *shape, std=1.0: (torch.randn(*shape, generator=gen) * std).to(dtype)
@@ -496,8 +497,10 @@ def check_lora(ops, device, dtype) -> CheckResult:
         for t, s in enumerate(slots.tolist()):
             if s >= 0:
                 want[t] += (x[t].double() @ lora_a[s].double().T) @ lora_b[s].double().T * scales[s].item()
-        got = out.to(device)
-        ops.add_lora(got, x.to(device), lora_a.to(device), lora_b.to(device), slots.to(device), scales.to(device))
+        got, b = out.to(device), lora_b.to(device)
+        if ops.lora_b_transposed:  # as the worker keeps it for this backend: [S, r, out] storage
+            b = b.transpose(1, 2).contiguous().transpose(1, 2)
+        ops.add_lora(got, x.to(device), lora_a.to(device), b, slots.to(device), scales.to(device))
         ok, err = compare(got, want, dtype)
         failure = None
         if not ok:

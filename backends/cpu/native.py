@@ -101,8 +101,8 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         + [*[_i64] * 4, ctypes.c_int],
         "pagedllm_silu_and_mul_f32": [_p, _p, _i64, _i64, ctypes.c_int],
         "pagedllm_argmax_rows_f32": [_p, _i64, _i64, _i64, _p, ctypes.c_int],
-        # out, out stride, x, x stride, rows, in, out width, A, B, rank, slots, scales, threads
-        "pagedllm_add_lora_f32": [_p, _i64, _p, *[_i64] * 4, _p, _p, _i64, _p, _p, ctypes.c_int],
+        # out, out stride, x, x stride, rows, in, out width, A, B, rank, slots, scales, B transposed, threads
+        "pagedllm_add_lora_f32": [_p, _i64, _p, *[_i64] * 4, _p, _p, _i64, _p, _p, ctypes.c_int, ctypes.c_int],
         "pagedllm_apply_token_bitmask_f32": [_p, _i64, _p, _i64, _i64, _i64, ctypes.c_int],
         "pagedllm_rotary_f32": [_p, _i64, _p, _p, _p, _i64, _i64, _i64, ctypes.c_int],
         # the replayed bfloat16 step's: the f32 signatures with a MIXED_* `formats` before threads
@@ -318,7 +318,10 @@ def add_lora(out, x, lora_a, lora_b, slots, scales) -> None:
         x = x.contiguous()
     if out.stride(1) != 1:
         raise ValueError("add_lora needs out's rows contiguous")
-    lora_a, lora_b = lora_a.contiguous(), lora_b.contiguous()
+    lora_a = lora_a.contiguous()
+    transposed = lora_b_transposed(lora_b)
+    if not transposed:
+        lora_b = lora_b.contiguous()
     slots, scales = slots.to(torch.int32).contiguous(), scales.float().contiguous()
     _library().pagedllm_add_lora_f32(
         out.data_ptr(),
@@ -333,8 +336,15 @@ def add_lora(out, x, lora_a, lora_b, slots, scales) -> None:
         lora_a.shape[1],
         slots.data_ptr(),
         scales.data_ptr(),
+        transposed,
         torch.get_num_threads(),
     )
+
+
+def lora_b_transposed(lora_b: torch.Tensor) -> bool:
+    """Whether B [S, out, r] is the transposed view of contiguous [S, r, out] storage."""
+    slots, width_out, rank = lora_b.shape
+    return lora_b.stride() == (rank * width_out, 1, width_out)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:

@@ -138,6 +138,7 @@ class CpuAttentionOps(AttentionOps):
     # its step replay adds each row's adapter product (backends/lora.py asks; other backends'
     # replays would be captured without them, so their LoRA steps run eagerly)
     replays_lora = True
+    lora_b_transposed = True  # the compiled expand reads a rank's outputs in a row
 
     def prepare_process(self) -> None:
         keep_freed_memory()

@@ -222,9 +222,11 @@ class StepReplay:
         calls = []
         for module, start, end in projection.parts:
             a, b = slots.weights(projection.layer, module, torch.float32)
-            _check(a.is_contiguous() and b.is_contiguous() and scales.dtype == torch.float32, "adapters' weights")
+            transposed = native.lora_b_transposed(b)
+            _check(a.is_contiguous() and (transposed or b.is_contiguous()), "adapters' weights in another layout")
+            _check(scales.dtype == torch.float32, "adapters' scales in another dtype")
             args = [_ptr(out, start), out.stride(0), _ptr(x), x.stride(0), x.shape[1], end - start]
-            args += [_ptr(a), _ptr(b), a.shape[1], _ptr(rows_slot), _ptr(scales)]
+            args += [_ptr(a), _ptr(b), a.shape[1], _ptr(rows_slot), _ptr(scales), int(transposed)]
 
             def fallback(rows, threads, a=a, b=b, start=start, end=end):
                 slots.ops.add_lora(out[:rows, start:end], x[:rows], a, b, rows_slot[:rows], scales)

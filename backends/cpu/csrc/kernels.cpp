@@ -839,6 +839,44 @@ void silu_and_mul(const TX* x, TO* out, int64_t rows, int64_t size, int num_thre
   }
 }
 
+// add_lora's halves (pagedllm_add_lora_f32): NR ranks of one row, and the 16 outputs at o0 of
+// NK rows, each with NR / NK independent vector accumulators.
+constexpr int64_t LORA_W = 16;
+
+template <int NR>
+inline void lora_shrink(const float* __restrict x, const float* __restrict a, int64_t width_in, float* u,
+                        float scale) {
+  float acc[NR][LORA_W] = {};
+  const int64_t whole = width_in / LORA_W * LORA_W;
+  for (int64_t i = 0; i < whole; i += LORA_W)
+    for (int q = 0; q < NR; ++q) {
+#pragma omp simd
+      for (int64_t l = 0; l < LORA_W; ++l) acc[q][l] += x[i + l] * a[q * width_in + i + l];
+    }
+  for (int q = 0; q < NR; ++q) {
+    float sum = 0.f;
+    for (int64_t l = 0; l < LORA_W; ++l) sum += acc[q][l];
+    for (int64_t i = whole; i < width_in; ++i) sum += x[i] * a[q * width_in + i];
+    u[q] = sum * scale;
+  }
+}
+
+template <int NK>
+inline void lora_expand(const float* __restrict tile, int64_t tile_stride, int64_t rank, const float* u,
+                        const int64_t* rows, float* out, int64_t out_stride, int64_t o0, int64_t width) {
+  float acc[NK][LORA_W] = {};
+  for (int64_t r = 0; r < rank; ++r)
+    for (int q = 0; q < NK; ++q) {
+      const float ur = u[q * rank + r];
+#pragma omp simd
+      for (int64_t j = 0; j < LORA_W; ++j) acc[q][j] += ur * tile[r * tile_stride + j];
+    }
+  for (int q = 0; q < NK; ++q) {
+    float* ot = out + rows[q] * out_stride + o0;
+    for (int64_t j = 0; j < width; ++j) ot[j] += acc[q][j];
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -1098,14 +1136,18 @@ void pagedllm_apply_token_bitmask_f32(float* logits, int64_t row_stride, const i
 // every row t whose slot s = slots[t] >= 0. A: [slots, rank, in], B: [slots, out, rank], both
 // contiguous; rows of x and out are row_stride apart. One row's rank-sized product stays on the
 // stack; the adapters' A and B are read once per row, from cache where rows share an adapter.
-// Rows grouped by slot; the shrink is a dot product per (row, rank); the expand goes over
-// 16 outputs at a time, with the slot's B for them transposed once into a [rank][16] tile, so
-// each row of the slot adds 16 outputs per rank with one vector FMA (a dot product per output
-// over B's rank-long rows would end each in a horizontal sum, ~8x slower at rank 16).
+// Rows grouped by slot. Both halves keep several independent accumulators in flight (a
+// single chain of FMAs waits on each one's latency, ~4x slower): the shrink takes 4 ranks of
+// a row at a time over 16 inputs a step; the expand goes over 16 outputs at a time for 4 rows
+// of the slot at once, each adding 16 outputs per rank with one vector FMA, from B stored
+// [S, rank, out] (b_transposed: the worker keeps it so for this backend) or else from the
+// slot's B for those outputs transposed into a [rank][16] tile first (as long as the expand
+// itself at 4 rows a slot). The counts are template arguments so the accumulators stay in
+// registers.
 void pagedllm_add_lora_f32(float* out, int64_t out_stride, const float* x, int64_t x_stride, int64_t rows,
                            int64_t width_in, int64_t width_out, const float* lora_a, const float* lora_b,
-                           int64_t rank, const int32_t* slots, const float* scales, int num_threads) {
-  constexpr int64_t W = 16;
+                           int64_t rank, const int32_t* slots, const float* scales, int b_transposed,
+                           int num_threads) {
   std::vector<int64_t> order;
   order.reserve(rows);
   for (int64_t t = 0; t < rows; ++t)
@@ -1113,49 +1155,48 @@ void pagedllm_add_lora_f32(float* out, int64_t out_stride, const float* x, int64
   if (order.empty()) return;
   std::stable_sort(order.begin(), order.end(), [&](int64_t p, int64_t q) { return slots[p] < slots[q]; });
   const int64_t n = static_cast<int64_t>(order.size());
-  const bool parallel = n * (width_in + width_out) * rank >= 65536;
+  const int64_t blocks = (width_out + LORA_W - 1) / LORA_W;
   std::vector<float> shrunk(n * rank);
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (parallel)
-  for (int64_t k = 0; k < n; ++k) {
-    const int64_t t = order[k];
-    const int32_t s = slots[t];
-    const float* xt = x + t * x_stride;
-    const float* a = lora_a + s * rank * width_in;
-    for (int64_t r = 0; r < rank; ++r) {
-      const float* ar = a + r * width_in;
-      float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-      for (int64_t i = 0; i < width_in; ++i) acc += xt[i] * ar[i];
-      shrunk[k * rank + r] = acc * scales[s];
-    }
-  }
-  const int64_t blocks = (width_out + W - 1) / W;
-#pragma omp parallel num_threads(num_threads) if (parallel)
+#pragma omp parallel num_threads(num_threads) if (n * (width_in + width_out) * rank >= 65536)
   {
-    std::vector<float> tile(rank * W);
+#pragma omp for schedule(static)
+    for (int64_t k = 0; k < n; ++k) {
+      const int32_t s = slots[order[k]];
+      const float* xt = x + order[k] * x_stride;
+      const float* a = lora_a + s * rank * width_in;
+      float* u = &shrunk[k * rank];
+      int64_t r = 0;
+      for (; r + 4 <= rank; r += 4) lora_shrink<4>(xt, a + r * width_in, width_in, u + r, scales[s]);
+      for (; r < rank; ++r) lora_shrink<1>(xt, a + r * width_in, width_in, u + r, scales[s]);
+    }
+    std::vector<float> tile(rank * LORA_W);
 #pragma omp for schedule(static)
     for (int64_t ob = 0; ob < blocks; ++ob) {
-      const int64_t o0 = ob * W, width = std::min(W, width_out - o0);
+      const int64_t o0 = ob * LORA_W, width = std::min(LORA_W, width_out - o0);
       for (int64_t first = 0; first < n;) {
         const int32_t s = slots[order[first]];
         int64_t last = first;
         while (last < n && slots[order[last]] == s) ++last;
-        const float* b = lora_b + (s * width_out + o0) * rank;
-        std::fill(tile.begin(), tile.end(), 0.f);
-        for (int64_t j = 0; j < width; ++j)
-          for (int64_t r = 0; r < rank; ++r) tile[r * W + j] = b[j * rank + r];
-        for (int64_t k = first; k < last; ++k) {
-          const float* u = &shrunk[k * rank];
-          float acc[W] = {};
-          for (int64_t r = 0; r < rank; ++r) {
-            const float* tr = &tile[r * W];
-            const float ur = u[r];
-#pragma omp simd
-            for (int64_t j = 0; j < W; ++j) acc[j] += ur * tr[j];
-          }
-          float* ot = out + order[k] * out_stride + o0;
-          for (int64_t j = 0; j < width; ++j) ot[j] += acc[j];
+        const float* b = lora_b + s * width_out * rank;
+        const float* from = tile.data();
+        int64_t stride = LORA_W;
+        if (b_transposed && width == LORA_W) {  // a [rank][16] tile in place
+          from = b + o0;
+          stride = width_out;
+        } else if (b_transposed) {
+          std::fill(tile.begin(), tile.end(), 0.f);
+          for (int64_t r = 0; r < rank; ++r)
+            for (int64_t j = 0; j < width; ++j) tile[r * LORA_W + j] = b[r * width_out + o0 + j];
+        } else {
+          std::fill(tile.begin(), tile.end(), 0.f);
+          for (int64_t j = 0; j < width; ++j)
+            for (int64_t r = 0; r < rank; ++r) tile[r * LORA_W + j] = b[(o0 + j) * rank + r];
         }
+        int64_t k = first;
+        for (; k + 4 <= last; k += 4)
+          lora_expand<4>(from, stride, rank, &shrunk[k * rank], &order[k], out, out_stride, o0, width);
+        for (; k < last; ++k)
+          lora_expand<1>(from, stride, rank, &shrunk[k * rank], &order[k], out, out_stride, o0, width);
         first = last;
       }
     }

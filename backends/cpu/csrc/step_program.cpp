@@ -37,7 +37,8 @@ void pagedllm_argmax_rows_f32(const float* x, int64_t row_stride, int64_t rows, 
                               int num_threads);
 void pagedllm_add_lora_f32(float* out, int64_t out_stride, const float* x, int64_t x_stride, int64_t rows,
                            int64_t width_in, int64_t width_out, const float* lora_a, const float* lora_b,
-                           int64_t rank, const int32_t* slots, const float* scales, int num_threads);
+                           int64_t rank, const int32_t* slots, const float* scales, int b_transposed,
+                           int num_threads);
 int64_t pagedllm_run_ops(const int64_t* ops, int64_t count, int64_t rows, int num_threads);
 }
 
@@ -134,7 +135,7 @@ int64_t pagedllm_run_ops(const int64_t* ops, int64_t count, int64_t rows, int nu
       case ADD_LORA:
         pagedllm_add_lora_f32(ptr<float>(a[0]), a[1], ptr<const float>(a[2]), a[3], rows, a[4], a[5],
                               ptr<const float>(a[6]), ptr<const float>(a[7]), a[8], ptr<const int32_t>(a[9]),
-                              ptr<const float>(a[10]), num_threads);
+                              ptr<const float>(a[10]), static_cast<int>(a[11]), num_threads);
         break;
       default:
         return i;
