@@ -204,9 +204,10 @@ class AttentionOps(Platform):
         scales[s] for every row t whose adapter slot s = slots[t] is >= 0 (-1: the base model
         alone). x [T, in] and out [T, out] in the model's dtype; lora_a [S, r, in] and lora_b
         [S, out, r] (PEFT's lora_A and lora_B weights, each adapter's rank zero-padded to r; B a
-        transposed view where the backend declares lora_b_transposed), in the model's dtype; float32 scales [S]; int32 slots [T]; all on the device. One step mixes
-        rows of several adapters and of none. The default shrinks and expands each slot's rows
-        together (Punica's SGMV) with torch, in float32."""
+        transposed view where the backend declares lora_b_transposed), in the model's dtype;
+        float32 scales [S]; int32 slots [T]; all on the device. One step mixes rows of several
+        adapters and of none. The default shrinks and expands each slot's rows together
+        (Punica's SGMV) with torch, in float32."""
         add_lora(out, x, lora_a, lora_b, slots, scales)
 
     def write_kv(

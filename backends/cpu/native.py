@@ -343,7 +343,7 @@ def add_lora(out, x, lora_a, lora_b, slots, scales) -> None:
 
 def lora_b_transposed(lora_b: torch.Tensor) -> bool:
     """Whether B [S, out, r] is the transposed view of contiguous [S, r, out] storage."""
-    slots, width_out, rank = lora_b.shape
+    _, width_out, rank = lora_b.shape
     return lora_b.stride() == (rank * width_out, 1, width_out)
 
 
