@@ -26,6 +26,7 @@ def make_scheduler(
     block_placement="lru",
     priority_preemption=True,
     sliding_window=None,
+    max_loras=None,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -35,6 +36,8 @@ def make_scheduler(
             policy=policy,
             preemption_mode=preemption_mode,
             priority_preemption=priority_preemption,
+            enable_lora=max_loras is not None,
+            max_loras=max_loras or 1,
         ),
         CacheConfig(
             block_size=block_size,

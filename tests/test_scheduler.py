@@ -540,3 +540,33 @@ def test_a_beam_group_is_preempted_whole_for_a_higher_priority_request():
     beams = {r for r in plan.preempted_request_ids if r.startswith("beams")}
     assert len(beams) == 2 and not {"other", "other2"} & set(plan.preempted_request_ids)
     assert "urgent" in plan.num_scheduled_tokens
+
+
+def test_a_step_holds_at_most_max_loras_adapters_and_those_waiting_for_a_slot_are_passed_over():
+    """Two adapter slots: requests of a third adapter wait while two others run, and the base
+    model's and the running adapters' requests behind them go first (as vLLM's scheduler);
+    every request finishes, in every step at most two adapters."""
+    from pagedllm.core import EngineRequest, SamplingParams
+    from pagedllm.core.lora import LoRARequest
+
+    sched = make_scheduler(max_loras=2, max_model_len=64)
+    adapters = {name: LoRARequest(name, i + 1, f"/adapters/{name}") for i, name in enumerate("abc")}
+    order = ["a", "b", "c", None, "a", "c", None]
+    for i, name in enumerate(order):
+        sched.add_request(
+            EngineRequest(
+                request_id=f"r{i}",
+                prompt_token_ids=list(range(1 + i, 9 + i)),
+                sampling_params=SamplingParams(max_tokens=4 + 4 * (name == "a"), ignore_eos=True),
+                lora=adapters[name] if name else None,
+            )
+        )
+    worker = FakeWorker(4, 64)
+    first = sched.schedule()
+    assert set(first.num_scheduled_tokens) == {"r0", "r1", "r3", "r4", "r6"}  # c's wait
+    outputs = {out.request_id: out.new_token_ids for out in sched.update(first, worker.execute(first))}
+    rest, _, plans = run_to_completion(sched, worker)
+    assert sorted({**outputs, **rest}) == [f"r{i}" for i in range(len(order))]
+    for plan in [first, *plans]:
+        held = {order[int(rid[1:])] for rid in plan.num_scheduled_tokens} - {None}
+        assert len(held) <= 2, plan.num_scheduled_tokens

@@ -27,6 +27,7 @@ from ..errors import InvalidParameter
 from ..outputs import Fragmentation, RequestOutputDelta, SchedulerOutput, SchedulerStats
 from ..request import EngineRequest, Request, RequestStatus, child_request_id, child_seed, sample_request_ids
 from ..sampling_params import SamplingParams
+from .adapters import Adapters
 from .beam_search import BeamSearches, check_beams_fit
 from .kv_cache_manager import KVCacheManager, whole_prompt_pooled
 from .request_queue import RequestQueue
@@ -73,6 +74,7 @@ class Scheduler:
         self._fragmentation, self._fragmentation_at = None, -1e9
         spec = scheduler_config.speculative
         self.spec = Speculation(spec, scheduler_config.max_model_len) if spec else None
+        self.adapters = Adapters(scheduler_config.max_loras) if scheduler_config.enable_lora else None
 
     # --- requests in and out --------------------------------------------------------------
     def add_request(self, engine_request: EngineRequest, matcher=None) -> Request:
@@ -421,13 +423,13 @@ class Scheduler:
             return
         groups = self._running_groups()
         seats = self._seats_taken(self.running)
-        adapters = self._running_adapters()
+        adapters = self.adapters.for_step(self.running) if self.adapters else None
         while self.swapped and step.budget > 0:
             if self.waiting and self._waiting_goes_first():
                 break
             request = self.swapped.peek()
             needed = self._seats_needed(request, groups)
-            if seats + needed > self.config.max_num_seqs or not self._adapter_fits(request, adapters):
+            if seats + needed > self.config.max_num_seqs or (adapters and not adapters.admits(request)):
                 break
             num_new = min(request.fork_point - request.num_computed_tokens, step.budget)
             # what its blocks and the free ones hold past its computed tokens: a prefill chunk
@@ -448,20 +450,6 @@ class Scheduler:
                 groups.add(request.beam_group)
             step.add(request, num_new, delta)
 
-    def _running_adapters(self) -> set[int]:
-        return {r.lora.lora_int_id for r in self.running if r.lora is not None}
-
-    def _adapter_fits(self, request: Request, adapters: set[int]) -> bool:
-        """Whether a step may take `request`'s adapter beside `adapters` (max_loras of them at
-        once: the worker holds that many); taken, it joins them. A request that does not fit
-        waits, and (first come, first served) those behind it too."""
-        if request.lora is None or request.lora.lora_int_id in adapters:
-            return True
-        if len(adapters) >= self.config.max_loras:
-            return False
-        adapters.add(request.lora.lora_int_id)
-        return True
-
     def _schedule_waiting(self, step: StepBuilder) -> None:
         """Waiting requests, with their prefix-cache hits, while budget, sequences and blocks allow."""
         if not self.waiting:
@@ -469,33 +457,41 @@ class Scheduler:
         max_seqs = self.config.max_num_seqs
         groups = self._running_groups()
         seats = self._seats_taken(self.running)
-        adapters = self._running_adapters()
-        while self.waiting and self._waiting_goes_first() and step.budget > 0:
-            request = self.waiting.peek()
-            needed = self._seats_needed(request, groups)
-            if seats + needed > max_seqs or not self._adapter_fits(request, adapters):
-                break
-            computed_blocks, num_hit = self.kv.get_computed_blocks(request)
-            num_new = min(request.fork_point - num_hit, step.budget)
-            delta = self.kv.allocate_slots(request, num_new, computed_blocks)
-            if delta is None:
-                break
-            self.waiting.pop()
-            if self.kv.enable_caching:
-                self.kv.pool.record_lookup(request.num_tokens, num_hit)
-            if request.num_cached_tokens < 0:  # first admission
-                request.num_cached_tokens = num_hit
-                request.queued_seconds = time.monotonic() - request.arrival_time
-            request.num_computed_tokens = num_hit
-            request.status = RUNNING
-            self.running.append(request)
-            seats += needed
-            if request.beam_group is not None:
-                groups.add(request.beam_group)
-            if num_new == 0:  # n > 1 and nothing to compute before forking
-                self._fork_samples(request)
-            else:
-                step.add(request, num_new, delta)
+        adapters = self.adapters.for_step(self.running) if self.adapters else None
+        passed_over = []  # waiting for an adapter slot: those behind may go first (as vLLM's)
+        try:
+            while self.waiting and self._waiting_goes_first() and step.budget > 0:
+                request = self.waiting.peek()
+                needed = self._seats_needed(request, groups)
+                if seats + needed > max_seqs:
+                    break
+                if adapters and not adapters.admits(request):
+                    passed_over.append(self.waiting.pop())
+                    continue
+                computed_blocks, num_hit = self.kv.get_computed_blocks(request)
+                num_new = min(request.fork_point - num_hit, step.budget)
+                delta = self.kv.allocate_slots(request, num_new, computed_blocks)
+                if delta is None:
+                    break
+                self.waiting.pop()
+                if self.kv.enable_caching:
+                    self.kv.pool.record_lookup(request.num_tokens, num_hit)
+                if request.num_cached_tokens < 0:  # first admission
+                    request.num_cached_tokens = num_hit
+                    request.queued_seconds = time.monotonic() - request.arrival_time
+                request.num_computed_tokens = num_hit
+                request.status = RUNNING
+                self.running.append(request)
+                seats += needed
+                if request.beam_group is not None:
+                    groups.add(request.beam_group)
+                if num_new == 0:  # n > 1 and nothing to compute before forking
+                    self._fork_samples(request)
+                else:
+                    step.add(request, num_new, delta)
+        finally:
+            for request in passed_over:
+                self.waiting.add(request)
 
     # --- results --------------------------------------------------------------------------
     def update(
