@@ -39,6 +39,10 @@ PROMPT_LOGPROB_ROWS = 256  # prompt positions whose logits are made at once
 class StepExecutor:
     """The plain step: nothing proposed; every chunk that reaches its last known token samples."""
 
+    # a greedy decode run may go whole through the replay's greedy_step, none of the hooks
+    # called but seq_inputs: an executor whose hooks change a step otherwise says False
+    greedy_runs_whole = True
+
     def __init__(self, config: EngineConfig, model, ops, tp, threads, state: WorkerState):
         self.config, self.model, self.ops, self.tp, self.threads, self.state = config, model, ops, tp, threads, state
         self.sampler = Sampler(config.seed, argmax=ops.argmax, apply_bitmask=ops.apply_token_bitmask)
@@ -89,11 +93,11 @@ class StepExecutor:
     def greedy_run(self, plan: SchedulerOutput, steps: int):
         """A decode run's `steps` later steps (StepResults, one a step, made as they are asked
         for) where the replay takes each whole in one compiled call (its greedy_step: the same
-        bits as forward and choose), or None where it does not: a hook overrides a step, more
+        bits as forward and choose), or None where it does not: a hook changes the step, more
         than one rank, or some request that samples, asks for logprobs, biases or penalizes
         tokens, or may not end yet (min_tokens)."""
         replay = self.runner.replay
-        if type(self) is not StepExecutor or self.tp.size != 1 or not hasattr(replay, "greedy_fits"):
+        if not self.greedy_runs_whole or self.tp.size != 1 or not hasattr(replay, "greedy_fits"):
             return None
         states = [self.state.requests[rid] for rid in plan.num_scheduled_tokens]
         if not replay.greedy_fits(len(states)) or not all(map(plain_greedy, states)):
@@ -105,7 +109,7 @@ class StepExecutor:
         for step in range(steps):
             t0 = time.perf_counter()
             chunks = self.state.apply(plan.next_in_run())
-            seqs = [SeqInput(c.token_ids, c.start, c.state.block_ids) for c in chunks] if step == 0 else None
+            seqs = self.seq_inputs(chunks) if step == 0 else None
             sampled = replay.greedy_step(seqs, torch.get_num_threads()).copy()  # its buffer is the next step's
             for chunk, token in zip(chunks, sampled.tolist()):
                 self.state.add_sampled(chunk.state, token)

@@ -365,15 +365,14 @@ def test_steps_under_adapters_replay_with_the_eager_bits(dtype):
 
     model = load_model(shipped_model_dir(), dtype=dtype)
     ops = CpuAttentionOps()
-    slots = LoRASlots(model, ops, shipped_model_dir(), max_loras=2, max_rank=16, max_cpu_loras=None)
+    kv = allocate_kv_caches(model, 64, BLOCK)
+    runner = ModelRunner(model, ops, kv, BLOCK)  # the backend prepares the model, then the adapters wrap it
+    runner.lora = slots = LoRASlots(model, ops, shipped_model_dir(), max_loras=2, max_rank=16, max_cpu_loras=None)
     gen = torch.Generator().manual_seed(0)
     for key in slots.a:
         slots.a[key].normal_(std=0.05, generator=gen)
         slots.b[key].normal_(std=0.05, generator=gen)
     slots.scales.copy_(torch.tensor([2.0, 0.5]))
-    kv = allocate_kv_caches(model, 64, BLOCK)
-    runner = ModelRunner(model, ops, kv, BLOCK)
-    runner.lora = slots
     replay = ops.capture_graphs(model, kv, BLOCK, 8, 512)
     assert isinstance(replay, StepReplay) and any(s.kind == "lora" for s in replay.steps)
     tables = [list(range(1 + 10 * i, 11 + 10 * i)) for i in range(4)]
@@ -395,3 +394,8 @@ def test_steps_under_adapters_replay_with_the_eager_bits(dtype):
     )
     assert torch.equal(eager_kv, replayed_kv)
     assert not torch.equal(eager[0], eager_plain[0])  # the adapter changed the logits
+    if replay.greedy_fits(len(decodes)):  # a decode run's step, whole in one compiled call
+        runner.kv_caches.copy_(before)
+        runner.execute([SeqInput([5], 20, tables[0])])
+        chosen = replay.greedy_step(decodes, torch.get_num_threads())
+        assert chosen.tolist() == eager.argmax(-1).tolist()

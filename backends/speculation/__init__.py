@@ -30,6 +30,8 @@ from .verify import verify
 class SpeculativeSteps(StepExecutor):
     """Proposals from the plan (the n-gram method's, made in the core)."""
 
+    greedy_runs_whole = False  # a run's steps propose and verify
+
     def propose(self, plan: SchedulerOutput, chunks: list[ScheduledChunk]) -> dict[int, list[int]]:
         drafts = plan.draft_token_ids
         if not drafts:
