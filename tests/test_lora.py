@@ -169,8 +169,9 @@ def test_greedy_under_adapters_equals_peft_alone_and_mixed_with_the_base(llama, 
 def test_four_adapters_and_the_base_on_an_odd_shaped_model_equal_peft_and_tp2_equals_tp1(tiny_model, tmp_path):
     """Qwen2 with biases, 6 heads of 10 over 36 wide, one KV head (replicated on both ranks),
     an intermediate size of 54 (27 a rank): four adapters of ranks 8 and 16 over different
-    modules and the base in one batch equal PEFT's; two ranks (each adapter's A and B split as
-    their base weights) give the tokens of one."""
+    modules and the base in one batch equal PEFT's, and each request alone gets what it got in
+    the batch; two ranks (each adapter's A and B split as their base weights) give the tokens
+    of one."""
     from pagedllm import LLM, LoRARequest, SamplingParams
 
     odd = tiny_model(
@@ -194,9 +195,12 @@ def test_four_adapters_and_the_base_on_an_odd_shaped_model_equal_peft_and_tp2_eq
         with LLM(
             odd, enable_lora=True, max_loras=4, max_lora_rank=16, max_model_len=128, tensor_parallel_size=tp
         ) as llm:
-            got[tp] = [
-                o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False, lora_request=chosen)
-            ]
+            outs = llm.generate(prompts, params, use_tqdm=False, lora_request=chosen)
+            got[tp] = [o.outputs[0].token_ids for o in outs]
+            if tp == 1:  # each request alone: what it got in the mixed batch
+                for prompt, lora, tokens in zip(prompts, chosen, got[1]):
+                    alone = llm.generate([prompt], params, use_tqdm=False, lora_request=lora)
+                    assert alone[0].outputs[0].token_ids == tokens
     assert got[2] == got[1]
     for lora in adapters:
         rows = [i for i, c in enumerate(chosen) if c is lora]
