@@ -4,9 +4,9 @@ with the machine record; and what max_loras costs in memory (the stacked slot we
 
     python -m pagedllm.benchmarks.bench_lora [--model DIR] [--requests 64] [--rounds 3]
 
-"base, LoRA off" is an engine without enable_lora (its decode steps replayed); "base, LoRA on"
-the LoRA engine's rows without an adapter (its steps eager). Goal: 4 adapters at rank 16 cost at
-most 1.3x the base step."""
+"base, LoRA off" is an engine without enable_lora; "base, LoRA on" the LoRA engine's rows without
+an adapter (both replay their steps on the cpu backend). Goal: 4 adapters at rank 16 cost at most
+1.3x the base step."""
 
 from __future__ import annotations
 
