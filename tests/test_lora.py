@@ -211,28 +211,35 @@ def test_four_adapters_and_the_base_on_an_odd_shaped_model_equal_peft_and_tp2_eq
 
 
 def test_the_demo_model_under_adapters_of_rank_8_and_16_equals_peft():
-    """The shipped demo model (computed in float32, as transformers is here) under a rank-8
-    adapter of every projection and a rank-16 one of attention, beside the base in one batch."""
+    """The shipped demo model (computed in float32, as transformers is here) under four adapters
+    of ranks 8 and 16 over different modules, beside the base in one batch, and each request
+    alone: PEFT's tokens (one adapter merged into the weights too)."""
     from pagedllm import LLM, LoRARequest, SamplingParams
     from pagedllm.entrypoints.default_model import shipped_model_dir
 
     demo = shipped_model_dir()
     if not os.path.isfile(os.path.join(demo, "config.json")):
         pytest.skip("the demo model is not in this checkout")
+    shapes = [(8, TARGETS), (16, TARGETS[:4]), (8, TARGETS[4:]), (16, ("q_proj", "v_proj", "down_proj"))]
+    prompts = [random_prompt(n, seed, vocab=4096) for seed, n in enumerate((11, 30, 20, 7, 16))]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     with tempfile.TemporaryDirectory() as tmp:
-        eight = LoRARequest("eight", 1, make_adapter(demo, f"{tmp}/eight", r=8, alpha=16))
-        sixteen = make_adapter(demo, f"{tmp}/sixteen", r=16, alpha=16, targets=("q_proj", "k_proj", "v_proj", "o_proj"))
-        sixteen = LoRARequest("sixteen", 2, sixteen)
-        prompts = [random_prompt(n, seed, vocab=4096) for seed, n in enumerate((11, 30, 20, 7))]
-        chosen = [eight, sixteen, None, sixteen]
-        params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-        with LLM(demo, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16, max_model_len=128) as llm:
+        adapters = [
+            LoRARequest(f"a{i}", i + 1, make_adapter(demo, f"{tmp}/a{i}", r=r, alpha=16, targets=t))
+            for i, (r, t) in enumerate(shapes)
+        ]
+        chosen = [adapters[0], adapters[1], None, adapters[2], adapters[3]]
+        with LLM(demo, dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=16, max_model_len=128) as llm:
             got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False, lora_request=chosen)]
-        for lora in (eight, sixteen):
-            rows = [i for i, c in enumerate(chosen) if c is lora]
-            assert [got[i] for i in rows] == peft_greedy(demo, lora.lora_path, [prompts[i] for i in rows], 10), lora
+            for prompt, lora, tokens in zip(prompts, chosen, got):
+                assert (
+                    llm.generate([prompt], params, use_tqdm=False, lora_request=lora)[0].outputs[0].token_ids == tokens
+                )
+        for i, lora in enumerate(chosen):
+            if lora is not None:
+                assert [got[i]] == peft_greedy(demo, lora.lora_path, [prompts[i]], 10, merged=i == 4), lora
     base = peft_greedy(demo, None, prompts, 10)
-    assert got[2] == base[2] and all(got[i] != base[i] for i in (0, 1, 3))
+    assert got[2] == base[2] and sum(got[i] != base[i] for i in (0, 1, 3, 4)) >= 3
 
 
 def test_kv_events_name_the_adapter_a_block_was_computed_under(llama, adapter):

@@ -221,10 +221,11 @@ class StepReplay:
         scales, rows_slot = slots.scales, self.lora_rows
         calls = []
         for module, start, end in projection.parts:
-            a, b = slots.weights(projection.layer, module, torch.float32)
+            # as they are (converting them would leave the eager step's copies unbound)
+            a, b = slots.weights(projection.layer, module, slots.a[projection.layer, module].dtype)
             transposed = native.lora_b_transposed(b)
             _check(a.is_contiguous() and (transposed or b.is_contiguous()), "adapters' weights in another layout")
-            _check(scales.dtype == torch.float32, "adapters' scales in another dtype")
+            _check(a.dtype == scales.dtype == torch.float32, "adapters' weights in another dtype")
             args = [_ptr(out, start), out.stride(0), _ptr(x), x.stride(0), x.shape[1], end - start]
             args += [_ptr(a), _ptr(b), a.shape[1], _ptr(rows_slot), _ptr(scales), int(transposed)]
 
