@@ -39,6 +39,16 @@ def post(server, path: str, body, content_type: str = "application/json") -> tup
         return e.code, json.loads(e.read())
 
 
+def post_text(server, path: str, body: dict) -> tuple[int, str]:
+    """POST a JSON body to a route that answers in plain text (vLLM's adapter routes)."""
+    req = urllib.request.Request(server.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
 class ServerProcess:
     def __init__(self, model: str, *flags: str, env: dict | None = None, zmq: bool = True):
         """zmq=False: no ZMQ entrypoint (replicas on Ray Serve have none)."""

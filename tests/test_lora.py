@@ -11,7 +11,6 @@ import shutil
 import signal
 import tempfile
 import threading
-import urllib.request
 
 import pytest
 import zmq
@@ -290,19 +289,11 @@ def test_adapters_through_the_openai_api_named_listed_loaded_and_unloaded(llama,
 
     from pagedllm.entrypoints.zmq_client import ZmqClient, ZmqRequestError
 
-    from serve_helpers import ServerProcess, client, post
+    from serve_helpers import ServerProcess, client, post, post_text
 
     wide = make_adapter(
         llama, str(tmp_path / "wide"), r=16, alpha=8, targets=("q_proj", "v_proj", "o_proj", "down_proj")
     )
-
-    def admin(path: str, body: dict) -> tuple[int, str]:  # vLLM answers these in plain text
-        req = urllib.request.Request(server.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=30) as r:
-                return r.status, r.read().decode()
-        except urllib.error.HTTPError as e:
-            return e.code, e.read().decode()
 
     env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"}
     server = ServerProcess(llama, "--enable-lora", "--max-loras", "2", "--lora-modules", f"all={adapter}", env=env)
@@ -310,13 +301,15 @@ def test_adapters_through_the_openai_api_named_listed_loaded_and_unloaded(llama,
         api = client(server)
         models = {m.id: m for m in api.models.list().data}
         assert set(models) == {llama, "all"} and models["all"].model_extra["parent"] == llama
-        assert admin("/v1/load_lora_adapter", {"lora_name": "wide", "lora_path": wide}) == (
+        assert post_text(server, "/v1/load_lora_adapter", {"lora_name": "wide", "lora_path": wide}) == (
             200,
             "Success: LoRA adapter 'wide' added successfully.",
         )
-        status, text = admin("/v1/load_lora_adapter", {"lora_name": "wide", "lora_path": wide})
+        status, text = post_text(server, "/v1/load_lora_adapter", {"lora_name": "wide", "lora_path": wide})
         assert status == 400 and "already been loaded" in text
-        status, text = admin("/v1/load_lora_adapter", {"lora_name": "bad", "lora_path": str(tmp_path / "nowhere")})
+        status, text = post_text(
+            server, "/v1/load_lora_adapter", {"lora_name": "bad", "lora_path": str(tmp_path / "nowhere")}
+        )
         assert status == 400 and "no such folder" in text
         prompt = random_prompt(23, 1)
         extra = {"ignore_eos": True, "return_token_ids": True, "temperature": 0}
@@ -334,8 +327,8 @@ def test_adapters_through_the_openai_api_named_listed_loaded_and_unloaded(llama,
         assert tokens == [peft_greedy(llama, path, [prompt], 8)[0] for path in (None, adapter, wide)]
         with pytest.raises(openai.NotFoundError, match="'nope'"):
             api.completions.create(model="nope", prompt=prompt, max_tokens=2)
-        assert admin("/v1/unload_lora_adapter", {"lora_name": "wide"})[0] == 200
-        assert admin("/v1/unload_lora_adapter", {"lora_name": "wide"})[0] == 404
+        assert post_text(server, "/v1/unload_lora_adapter", {"lora_name": "wide"})[0] == 200
+        assert post_text(server, "/v1/unload_lora_adapter", {"lora_name": "wide"})[0] == 404
         with pytest.raises(openai.NotFoundError, match="'wide'"):
             api.completions.create(model="wide", prompt=prompt, max_tokens=2)
         assert {m.id for m in api.models.list().data} == {llama, "all"}

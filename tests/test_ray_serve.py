@@ -1,8 +1,9 @@
 """`pagedllm serve --data-parallel-size 2`: two engine replicas on Ray Serve behind one
 endpoint and the prefix-aware router, through the real `openai` client. A conversation's
 follow-up turns find their prefix cached, answers equal one engine's, a client that leaves
-aborts its request on its replica, /metrics and /health cover both replicas, and a replica
-killed under load is replaced while the endpoint keeps answering."""
+aborts its request on its replica, /metrics and /health cover both replicas, an adapter loaded
+at run time is loaded on both, and a replica killed under load is replaced (adapter included)
+while the endpoint keeps answering."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 from pagedllm import LLM, SamplingParams
 
 from proc_helpers import children_of, is_running, segments_of, wait_until
-from serve_helpers import ServerProcess, chat_turns, client, conversations
+from serve_helpers import ServerProcess, chat_turns, client, conversations, post_text
 
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install 'pagedllm[ray]')")
 
@@ -40,10 +41,32 @@ def running_per_replica(server) -> dict[str, float]:
     return {k: v for k, v in values.items() if k.startswith("vllm:num_requests_running{")}
 
 
+def finished_per_replica(server) -> dict[str, float]:
+    finished: dict[str, float] = {}
+    for key, value in server.metrics().items():
+        if key.startswith("pagedllm:request_success_total{"):
+            replica = key.split("replica=")[1].split(",")[0].rstrip("}")
+            finished[replica] = finished.get(replica, 0) + value
+    return finished
+
+
+def every_replica_answers_under(server, adapter: str, tag: str) -> None:
+    """Requests under `adapter` until each replica has answered some (the router takes turns
+    among replicas equally loaded): none refused."""
+    before, api = finished_per_replica(server), client(server)
+    for i in range(6):
+        reply = api.completions.create(model=adapter, prompt=f"{tag} {i}", max_tokens=2)
+        assert reply.model == adapter and reply.choices[0].finish_reason == "length"
+    after = finished_per_replica(server)
+    assert len(after) == 2 and all(after[r] > before.get(r, 0) for r in after), (before, after)
+
+
 @pytest.fixture(scope="module")
 def replicas(tiny_model):
     model = tiny_model("llama")
-    server = ServerProcess(model, "--data-parallel-size", "2", "--max-num-seqs", "16", zmq=False)
+    env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"}
+    args = ("--data-parallel-size", "2", "--max-num-seqs", "16", "--enable-lora", "--max-lora-rank", "8")
+    server = ServerProcess(model, *args, zmq=False, env=env)
     yield model, server
     server.stop()
 
@@ -74,6 +97,21 @@ def test_a_client_that_leaves_aborts_its_request_on_its_replica(replicas):
     assert wait_until(lambda: count() - before == 8, timeout_s=10), count() - before
     assert wait_until(lambda: sum(running_per_replica(server).values()) == 0, timeout_s=10)
     assert server.get("/health")[0] == 200
+
+
+def test_an_adapter_loaded_at_run_time_is_loaded_on_every_replica(replicas, tmp_path_factory):
+    from pagedllm.benchmarks.bench_lora import write_adapter
+
+    model, server = replicas
+    path = write_adapter(model, str(tmp_path_factory.mktemp("lora") / "sql"), seed=0, rank=8)
+    assert post_text(server, "/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": path})[0] == 200
+    status, text = post_text(server, "/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": path})
+    assert status == 400 and "already been loaded" in text
+    every_replica_answers_under(server, "sql", "before")
+    assert post_text(server, "/v1/load_lora_adapter", {"lora_name": "gone", "lora_path": path})[0] == 200
+    assert post_text(server, "/v1/unload_lora_adapter", {"lora_name": "gone"})[0] == 200
+    for _ in range(4):  # whichever replica answers
+        assert {m.id for m in client(server).models.list().data} == {model, "sql"}
 
 
 def test_a_replica_killed_under_load_is_replaced_and_the_endpoint_keeps_answering(replicas):
@@ -132,6 +170,7 @@ def test_a_replica_killed_under_load_is_replaced_and_the_endpoint_keeps_answerin
     assert all(not segments_of(p) for p in engine)
     assert wait_until(lambda: len(replica_pids(server)) == 2 and len(running_per_replica(server)) == 2, timeout_s=60)
     assert victim not in replica_pids(server)
+    every_replica_answers_under(server, "sql", "after")  # the new replica got the adapter loaded at run time
 
 
 # --- the router's policy, apart from Ray ---------------------------------------------------

@@ -11,7 +11,9 @@ Two deployments:
 - `Ingress` (the HTTP entry): forwards each request, whole, to the replica the
   PrefixAwareRouter picks, and streams the answer back. It answers three routes itself from
   all replicas: /health (200 while any replica serves), /load (their sum) and /metrics
-  (each replica's series with a `replica` label, as Ray labels its replicas' metrics).
+  (each replica's series with a `replica` label, as Ray labels its replicas' metrics); and it
+  sends /v1/load_lora_adapter and /v1/unload_lora_adapter to every replica, the adapters
+  loaded so to a replica that starts later (one Ray Serve put in place of a dead one) too.
 
 A request whose replica dies before answering is sent to another one once (nothing reached the
 client yet); a stream whose replica dies midway ends with an error event. Ray Serve replaces
@@ -51,6 +53,7 @@ REPLICA_FAILED = (RayActorError, ActorUnavailableError)  # the replica's process
 ENGINES = "EngineReplica"  # the engines' deployment name: the ingress finds their router by it
 MAX_ONGOING = 1024  # requests one replica takes at once (Ray's default, 5, would queue a batch in the router)
 FANOUT_TIMEOUT_S = 5.0
+ADAPTER_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
 
 @dataclass
@@ -155,6 +158,12 @@ class EngineReplica:
                 except (asyncio.TimeoutError, asyncio.CancelledError):
                     app.cancel()
 
+    async def answer(self, request: ForwardedRequest, **_) -> tuple[int, list, bytes]:
+        """The whole answer to `request` (a short one, sent to every replica)."""
+        parts = [part async for part in self.forward(request)]
+        status, headers, first = parts[0]
+        return status, headers, first + b"".join(parts[1:])
+
     async def status(self, **_) -> dict:
         return {
             "pid": os.getpid(),
@@ -182,6 +191,11 @@ class Ingress:
     def __init__(self, engines, max_request_bytes: int):
         self.engines = engines
         self.max_request_bytes = max_request_bytes
+        # adapters loaded at run time: their load requests by name (a replica that starts later
+        # gets them), and the replicas that have them all
+        self.adapters: dict[str, ForwardedRequest] = {}
+        self.synced: set[str] = set()
+        self.syncing = asyncio.Lock()
 
     async def __call__(self, request: Request) -> Response:
         path = request.url.path
@@ -196,6 +210,10 @@ class Ingress:
         forwarded = ForwardedRequest(
             request.method, path, request.url.query.encode(), list(request.scope["headers"]), body, routing_prefix(body)
         )
+        if request.method == "POST" and path in ADAPTER_ROUTES:
+            return await self._change_adapters(forwarded)
+        if self.adapters:
+            await self._sync_new_replicas()
         for attempt in range(2):
             answer = self.engines.options(stream=True).forward.remote(forwarded)
             try:
@@ -219,7 +237,47 @@ class Ingress:
             status_code=503,
         )
 
-    async def _each_replica(self, method: str) -> list:
+    async def _change_adapters(self, forwarded: ForwardedRequest) -> Response:
+        """A load or unload of an adapter, on every replica: the first success's answer (the
+        change is then kept for replicas to come), else the first replica's."""
+        await self._sync_new_replicas()
+        async with self.syncing:
+            answers = await self._each_replica("answer", forwarded)
+            done = [a for _, a in answers if a is not None and a[0] == 200]
+            if done:
+                name = json.loads(forwarded.body)["lora_name"]  # the replicas read and checked it
+                if forwarded.path == ADAPTER_ROUTES[0]:
+                    self.adapters[name] = forwarded
+                else:
+                    self.adapters.pop(name, None)
+                self.synced = {replica for replica, a in answers if a is not None}
+        given = [a for _, a in answers if a is not None]
+        if not given:
+            return JSONResponse(error_body("no replica answered", "server_error", None), status_code=503)
+        status, headers, body = (done or given)[0]
+        answer = Response(body, status_code=status)
+        answer.raw_headers = headers
+        return answer
+
+    async def _sync_new_replicas(self) -> None:
+        """The adapters loaded at run time, loaded on each replica that started since."""
+        if set(replica_ids(ENGINES)) <= self.synced:
+            return
+        async with self.syncing:
+            ids = set(replica_ids(ENGINES))
+            self.synced &= ids
+            for replica in ids - self.synced:
+                for load in self.adapters.values():
+                    try:
+                        call = self.engines.answer.remote(load, **{TARGETED: replica})
+                        await asyncio.wait_for(call, FANOUT_TIMEOUT_S)
+                    except (*REPLICA_FAILED, asyncio.TimeoutError):
+                        logger.warning("replica %s did not take the adapters loaded at run time", replica)
+                        break
+                else:
+                    self.synced.add(replica)
+
+    async def _each_replica(self, method: str, *args) -> list:
         """`method`'s answer from every running replica (None where one did not answer)."""
         ids = replica_ids(ENGINES)
         if not ids:  # this process's router starts with its first call
@@ -232,7 +290,7 @@ class Ingress:
         answers = []
         for replica in ids:  # one at a time: Ray routes an ingress request's calls by its one request id
             try:
-                call = getattr(self.engines, method).remote(**{TARGETED: replica})
+                call = getattr(self.engines, method).remote(*args, **{TARGETED: replica})
                 answers.append((replica, await asyncio.wait_for(call, FANOUT_TIMEOUT_S)))
             except (*REPLICA_FAILED, asyncio.TimeoutError):
                 answers.append((replica, None))
