@@ -120,11 +120,14 @@ def peft_greedy(model_dir: str, adapter: str | None, prompts: list[list[int]], m
 def test_greedy_under_adapters_equals_peft_alone_and_mixed_with_the_base(llama, adapter, tmp_path):
     """Two adapters (ranks 8 and 16, different modules) and the base in one batch, each prompt
     under its own: transformers + PEFT's tokens, adapters unmerged and merged. The same prompt
-    under another adapter shares no prefix-cache block with it; under the same one it does."""
+    under another adapter shares no prefix-cache block with it; under the same one it does; KV
+    events name each block's adapter."""
     import torch
     from test_beam_search import hf_beams
+    from test_kv_events import CacheView
 
     from pagedllm import LLM, BeamSearchParams, LoRARequest, SamplingParams
+    from pagedllm.core.process.ipc import free_tcp_port
     from pagedllm.fixtures.tiny_models import load_hf
 
     wide = make_adapter(
@@ -134,13 +137,23 @@ def test_greedy_under_adapters_equals_peft_alone_and_mixed_with_the_base(llama, 
     prompts = [random_prompt(n, seed) for seed, n in enumerate((5, 23, 40, 9, 17))]
     chosen = [None, first, second, first, second]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    with LLM(llama, enable_lora=True, max_loras=2, max_lora_rank=16, max_model_len=256) as llm:
+    pub, replay = free_tcp_port(), free_tcp_port()
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}"}
+    events["replay_endpoint"] = f"tcp://*:{replay}"
+    with LLM(llama, enable_lora=True, max_loras=2, max_lora_rank=16, max_model_len=256, kv_events_config=events) as llm:
+        view = CacheView(pub, replay)
+        view.sub.setsockopt(zmq.SUBSCRIBE, b"")
         outs = llm.generate(prompts, params, use_tqdm=False, lora_request=chosen)
         got = [o.outputs[0].token_ids for o in outs]
         # the same 40-token prompt again: a hit under its own adapter, none under the other or the base
         again = llm.generate([prompts[2]] * 3, params, use_tqdm=False, lora_request=[second, first, None])
         assert [o.num_cached_tokens for o in again] == [32, 0, 0]
         assert again[0].outputs[0].token_ids == got[2]
+        # KV events name the adapter each block was computed under (vLLM's lora_id, and lora_name)
+        view.replay_missed()
+        view.drain(0.2)
+        view.close()
+        assert set(view.loras.values()) == {(None, None), (1, "all"), (2, "wide")}
         with pytest.raises(InvalidParameter, match="each adapter needs its own id"):
             llm.generate([prompts[0]], params, lora_request=LoRARequest("other", 1, wide))
         with pytest.raises(InvalidParameter, match="rank 16 is above max_lora_rank 8"):
@@ -239,33 +252,6 @@ def test_the_demo_model_under_adapters_of_rank_8_and_16_equals_peft():
                 assert [got[i]] == peft_greedy(demo, lora.lora_path, [prompts[i]], 10, merged=i == 4), lora
     base = peft_greedy(demo, None, prompts, 10)
     assert got[2] == base[2] and sum(got[i] != base[i] for i in (0, 1, 3, 4)) >= 3
-
-
-def test_kv_events_name_the_adapter_a_block_was_computed_under(llama, adapter):
-    """vLLM's BlockStored carries lora_id (and lora_name): the same prompt's blocks under the
-    adapter and under the base are two sets of blocks, each named by its adapter or none."""
-    from test_kv_events import CacheView
-
-    from pagedllm import LLM, LoRARequest, SamplingParams
-    from pagedllm.core.process.ipc import free_tcp_port
-
-    pub, replay = free_tcp_port(), free_tcp_port()
-    events = {
-        "enable_kv_cache_events": True,
-        "publisher": "zmq",
-        "endpoint": f"tcp://*:{pub}",
-        "replay_endpoint": f"tcp://*:{replay}",
-    }
-    prompt = random_prompt(40, 3)
-    params = SamplingParams(temperature=0, max_tokens=1)
-    with LLM(llama, enable_lora=True, kv_events_config=events, block_size=16, max_model_len=128) as llm:
-        view = CacheView(pub, replay)
-        view.sub.setsockopt(zmq.SUBSCRIBE, b"")
-        llm.generate([prompt, prompt], params, use_tqdm=False, lora_request=[LoRARequest("all", 1, adapter), None])
-        view.replay_missed()
-        view.drain()
-        view.close()
-    assert sorted(view.loras.values(), key=str) == [(1, "all")] * 2 + [(None, None)] * 2
 
 
 def test_adapters_are_refused_where_the_engine_does_not_serve_them(llama, adapter):
