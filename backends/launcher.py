@@ -38,6 +38,7 @@ def openmp_wait_defaults(env) -> dict[str, str]:
 os.environ.update(openmp_wait_defaults(os.environ))  # before torch loads libgomp, which reads it once
 keep_freed_memory(os.environ)  # forked workers inherit the heap's settings
 from . import worker  # noqa: E402 - imports torch and the backends: every fork has them ready
+from .cpu import CpuAttentionOps  # noqa: E402, F401 - the default backend's modules too (~60 ms a worker)
 
 
 def _fork_worker(head: str, rank: int) -> int:

@@ -47,6 +47,8 @@ def available_backends() -> dict[str, BackendSpec]:
 
 
 def resolve(name: str) -> BackendSpec:
+    if name in BUILTIN_BACKENDS:  # no plugin takes a built-in's name: every package's entry points unread
+        return BackendSpec(name, BUILTIN_BACKENDS[name], True)
     specs = available_backends()
     if name not in specs:
         known = sorted(specs) + sorted(ALIASES)

@@ -103,7 +103,7 @@ def test_shared_three_block_prefix_allocates_only_new_blocks(first_still_running
     assert sched.kv.pool.prefix_queries - queries_before == 17
     shared = b_blocks[:3]
     expected_refs = 2 if first_still_running else 1
-    assert [sched.kv.pool.blocks[i].ref_cnt for i in shared] == [expected_refs] * 3
+    assert [sched.kv.pool.block(i).ref_cnt for i in shared] == [expected_refs] * 3
     sched.update(plan, worker.execute(plan))  # the fake worker checks b reads a's KV
     sched.check_invariants()
 
@@ -116,7 +116,7 @@ def test_fork_then_one_append_each_copies_the_shared_block_once():
     sched.update(plan, worker.execute(plan))
     child = sched.fork_request("p", "c")
     assert sched.kv.block_ids("c") == sched.kv.block_ids("p")
-    assert all(sched.kv.pool.blocks[i].ref_cnt == 2 for i in sched.kv.block_ids("p"))
+    assert all(sched.kv.pool.block(i).ref_cnt == 2 for i in sched.kv.block_ids("p"))
     used = sched.kv.pool.num_used
     plan = sched.schedule()
     assert plan.num_scheduled_tokens == {"p": 1, "c": 1}
@@ -299,7 +299,7 @@ def test_recovery_recomputes_a_request_whose_block_was_copied_on_write_in_the_fa
     assert dst in sched.kv.block_ids("a")
     sched.recover([plan], kv_lost=False)
     worker.restart()
-    assert sched.kv.pool.blocks[src].ref_cnt == 0  # free: what it holds may be gone by the next step
+    assert sched.kv.pool.block(src).ref_cnt == 0  # free: what it holds may be gone by the next step
     assert {r.request_id for r in sched.waiting} == {"a", "b"}
     outputs, _, _ = run_to_completion(sched, worker)  # the fake worker checks every position it reads
     assert len(outputs["a"]) == 5 and len(outputs["b"]) == 5

@@ -240,7 +240,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert not self.worker.state.requests, f"the worker still holds {sorted(self.worker.state.requests)}"
         pool = sched.kv.pool
         assert pool.num_used == 0, "blocks still held after every request ended"
-        assert all(b.ref_cnt == 0 for b in pool.blocks)
+        assert all(pool.block(i).ref_cnt == 0 for i in range(pool.num_blocks))
         assert pool.num_free == pool.num_usable  # every block free or cached
         assert sched.kv.num_free_swap_blocks == sched.kv.num_swap_blocks
         assert not any(r.status == RequestStatus.RUNNING for r in sched.running)

@@ -100,7 +100,10 @@ class BlockPool:
             raise ValueError("num_blocks must be >= 2: block 0 is reserved")
         self.num_blocks = num_blocks
         self.placement = placement
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # each id's KVBlock, made when the block is first taken: a pool has ~100k blocks, and
+        # making them all took ~0.1 s of every engine start (block(i) is the way in)
+        self._blocks: list[KVBlock | None] = [None] * num_blocks
+        self._blocks[0] = KVBlock(0)
         self._free = make_free_blocks(placement, range(1, num_blocks))
         self._lru = _LRUList()
         self._cached: dict[int, KVBlock] = {}
@@ -139,6 +142,12 @@ class BlockPool:
         """Lengths of the runs of consecutive never-cached free block ids."""
         return self._free.runs()
 
+    def block(self, block_id: int) -> KVBlock:
+        block = self._blocks[block_id]
+        if block is None:
+            block = self._blocks[block_id] = KVBlock(block_id)
+        return block
+
     # --- allocation -----------------------------------------------------------------------
     def allocate(self, n: int, after: int | None = None) -> list[KVBlock]:
         """n blocks, never-cached ones first (`after`: the block they follow in a table, for
@@ -146,7 +155,7 @@ class BlockPool:
         if n > self.num_free:
             raise RuntimeError(f"asked for {n} blocks, {self.num_free} free")
         plain = min(n, len(self._free))
-        out = [self.blocks[i] for i in self._free.take(plain, after)] if plain else []
+        out = [self.block(i) for i in self._free.take(plain, after)] if plain else []
         for _ in range(n - plain):
             block = self._lru.pop_oldest()
             self._evict(block)
@@ -269,9 +278,12 @@ class BlockPool:
         assert len(lru_ids) == self._lru.size, "LRU size out of step with its links"
         assert not set(free_ids) & set(lru_ids), "a block is in both free lists"
         assert 0 not in ref_counts and 0 not in free_ids and 0 not in lru_ids, "null block 0 in use"
-        assert self.blocks[0].ref_cnt == 0
+        assert self._blocks[0].ref_cnt == 0
         free_set, lru_set = set(free_ids), set(lru_ids)
-        for block in self.blocks[1:]:
+        for block_id, block in enumerate(self._blocks[1:], start=1):
+            if block is None:  # never taken
+                assert block_id in free_set and block_id not in ref_counts, f"block {block_id} was never allocated"
+                continue
             held = ref_counts.get(block.block_id, 0)
             assert block.ref_cnt == held, f"{block}: ref count != {held} block tables holding it"
             in_free = block.block_id in free_set
@@ -283,4 +295,5 @@ class BlockPool:
                 assert (block.block_hash is not None) == in_lru, f"{block} is in the wrong free list"
         for block_hash, block in self._cached.items():
             assert block.block_hash == block_hash, f"{block} is registered under another hash"
-        assert len(free_ids) + len(lru_ids) + sum(1 for b in self.blocks[1:] if b.ref_cnt) == self.num_usable
+        held = sum(1 for b in self._blocks[1:] if b is not None and b.ref_cnt)
+        assert len(free_ids) + len(lru_ids) + held == self.num_usable

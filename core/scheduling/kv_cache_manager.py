@@ -37,7 +37,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, placement)
-        self.null = self.pool.blocks[0]  # the entry of a block released behind the window
+        self.null = self.pool.block(0)  # the entry of a block released behind the window
         self.sliding_window = sliding_window
         self.tables: dict[str, list[KVBlock]] = {}
         self._num_hashed: dict[str, int] = {}  # leading blocks already registered in the cache
@@ -77,8 +77,8 @@ class KVCacheManager:
         """Ids of the blocks that ending all of `requests` would leave unreferenced: those no
         other request holds."""
         held = Counter(b.block_id for r in requests for b in self.tables.get(r.request_id, ()))
-        pool = self.pool.blocks
-        return {i for i, n in held.items() if pool[i].ref_cnt == n}
+        block = self.pool.block
+        return {i for i, n in held.items() if block(i).ref_cnt == n}
 
     def blocks_to_start(self, computed_blocks: list[KVBlock], num_tokens: int, released: set[int] = frozenset()) -> int:
         """Free blocks a request not yet started takes to hold its first `num_tokens` tokens,
