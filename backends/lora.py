@@ -131,10 +131,11 @@ class LoRASlots:
             return None
         return self.full_rows if num_rows == self.full_rows.shape[0] else self.kept_rows
 
-    def weights(self, layer: int, module: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """A [S, r, in] and B [S, out, r] (a view where kept transposed) as add_lora takes them."""
+    def weights(self, layer: int, module: str, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A [S, r, in] and B [S, out, r] (a view where kept transposed) as add_lora takes them,
+        in `dtype` (None: as they are)."""
         a, b = self.a[layer, module], self.b[layer, module]
-        if a.dtype != dtype:  # the dtype the model computes in, settled by its first forward
+        if dtype is not None and a.dtype != dtype:  # the dtype the model computes in, settled by its first forward
             a = self.a[layer, module] = a.to(dtype)
             b = self.b[layer, module] = b.to(dtype)
         return a, (b.transpose(1, 2) if self.b_transposed else b)

@@ -120,8 +120,9 @@ class InputProcessor:
         ids = ids[len(ids) - keep :] if side == "left" else ids[:keep]
         return (self.tokenizer.decode(ids) if self.tokenizer is not None else None), ids
 
-    def tracker(self, prompt: Prompt, params: SamplingParams, request_id: str) -> RequestTracker:
-        """The frontend's state for one request, after checking it fits this model."""
+    def tracker(self, prompt: Prompt, params: SamplingParams, request_id: str, lora=None) -> RequestTracker:
+        """The frontend's state for one request, after checking it fits this model; `lora`: its
+        adapter, checked by adapter()."""
         params = self.logprobs_asked(params)
         if self.pooler is not None and params.pooling is None:
             raise InvalidParameter(
@@ -152,7 +153,9 @@ class InputProcessor:
             raise InvalidParameter("stop", "stop strings need a tokenizer (skip_tokenizer_init is set)")
         if params.structured_outputs is not None:
             check_structured(params.structured_outputs)
-        return RequestTracker(request_id, text, ids, params, self.tokenizer)
+        tracker = RequestTracker(request_id, text, ids, params, self.tokenizer)
+        tracker.lora = lora
+        return tracker
 
     def check_room(self, prompt: Prompt, params: SamplingParams) -> None:
         """The server's rule (OpenAI's and vLLM's): prompt + max_tokens must fit the context."""

@@ -90,9 +90,9 @@ class LLM:
                 raise InvalidParameter("priority", f"needs one value per prompt ({len(items)}), got {len(priority)}")
             params = [msgspec.structs.replace(p, priority=pr) for p, pr in zip(params, priority)]
         adapters = self._adapters(lora_request, len(items))
-        trackers = [self.inputs.tracker(item, p, str(next(self._ids))) for item, p in zip(items, params)]
-        for tracker, adapter in zip(trackers, adapters):
-            tracker.lora = adapter
+        trackers = [
+            self.inputs.tracker(item, p, str(next(self._ids)), a) for item, p, a in zip(items, params, adapters)
+        ]
         return self._run(trackers, use_tqdm)
 
     def _adapters(self, lora_request, count: int) -> list[LoRARequest | None]:
@@ -114,9 +114,7 @@ class LLM:
         sampling = params.to_sampling_params()
         items = self.inputs.prompts(prompts)
         adapters = self._adapters(lora_request, len(items))
-        trackers = [self.inputs.tracker(item, sampling, str(next(self._ids))) for item in items]
-        for tracker, adapter in zip(trackers, adapters):
-            tracker.lora = adapter
+        trackers = [self.inputs.tracker(item, sampling, str(next(self._ids)), a) for item, a in zip(items, adapters)]
         self._run(trackers, use_tqdm)
         return [BeamSearchOutput([self._beam_sequence(t, b, params) for b in (t.beams or [])]) for t in trackers]
 

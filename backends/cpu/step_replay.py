@@ -222,7 +222,7 @@ class StepReplay:
         calls = []
         for module, start, end in projection.parts:
             # as they are (converting them would leave the eager step's copies unbound)
-            a, b = slots.weights(projection.layer, module, slots.a[projection.layer, module].dtype)
+            a, b = slots.weights(projection.layer, module)
             transposed = native.lora_b_transposed(b)
             _check(a.is_contiguous() and (transposed or b.is_contiguous()), "adapters' weights in another layout")
             _check(a.dtype == scales.dtype == torch.float32, "adapters' weights in another dtype")
